@@ -1,0 +1,28 @@
+PY      := .venv/bin/python
+PIP     := .venv/bin/pip
+STAMP   := .venv/.installed
+
+.PHONY: demo test lint bench clean
+
+$(STAMP): pyproject.toml constraints.txt
+	python3 -m venv .venv
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -c constraints.txt torch==2.13.0
+	$(PIP) install -q -c constraints.txt -e ".[dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	.venv/bin/shardkit train
+
+test: $(STAMP)
+	.venv/bin/ruff check src tests benchmarks examples
+	$(PY) -m pytest tests
+
+lint: $(STAMP)
+	.venv/bin/ruff check src tests benchmarks examples
+
+bench: $(STAMP)
+	$(PY) benchmarks/apply_overhead.py
+
+clean:
+	rm -rf .venv build dist src/*.egg-info .pytest_cache
