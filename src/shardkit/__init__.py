@@ -1,0 +1,55 @@
+"""shardkit: split a PyTorch model across devices from one declarative, validated Plan.
+
+A thin facade: every name is re-exported lazily from the module that defines it, so
+``import shardkit`` stays cheap (the spec layer needs no torch.distributed).
+
+>>> import shardkit as sk
+>>> sk.Mesh(fsdp=-1, tp=2, world_size=8)
+Mesh(fsdp=4, tp=2)
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    # spec: pure data
+    "Mesh": "shardkit.spec.mesh",
+    "LayoutMap": "shardkit.spec.layout",
+    "Plan": "shardkit.spec.plan",
+    "FSDPOptions": "shardkit.spec.plan",
+    "PlanError": "shardkit.spec.errors",
+    "PlanWarning": "shardkit.spec.errors",
+    "Pipeline": "shardkit.spec.pipeline",
+    "ReplicaGrouping": "shardkit.spec.replicas",
+    # runtime: torch.distributed
+    "launch": "shardkit.runtime.world",
+    "LocalWorld": "shardkit.runtime.world",
+    "WorldError": "shardkit.runtime.world",
+    "Context": "shardkit.runtime.world",
+    "shard": "shardkit.runtime.apply",
+    "full_state_dict": "shardkit.runtime.apply",
+    "verify": "shardkit.runtime.verify",
+    "VerifyResult": "shardkit.runtime.verify",
+    "stage": "shardkit.spec.scopes",
+    "variable": "shardkit.runtime.variables",
+    # planner
+    "meta_model": "shardkit.planner.meta",
+}
+
+__all__ = sorted(_EXPORTS)
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'shardkit' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

@@ -1,0 +1,39 @@
+"""The ``shardkit`` command: one sub-command per module in this package."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from ..spec import PlanError
+
+#: Sub-command modules; each defines ``register(subparsers)`` which sets ``func`` on its parser.
+COMMANDS = ("train", "explain", "replicas")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="shardkit", description="Split PyTorch models across devices from one Plan.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in COMMANDS:
+        try:
+            module = importlib.import_module(f"shardkit.cli.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"shardkit.cli.{name}":
+                raise
+            continue
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except PlanError as exc:
+        print(f"shardkit: invalid plan: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

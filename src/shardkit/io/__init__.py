@@ -1,0 +1,1 @@
+"""Data and checkpoints: file-sharded text data, sharded checkpoints."""

@@ -1,0 +1,1 @@
+"""Reference models and ready-made layout rule sets."""

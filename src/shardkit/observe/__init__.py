@@ -1,0 +1,1 @@
+"""Seeing what happened: communication accounting, memory, timelines, traces, plots."""

@@ -1,0 +1,1 @@
+"""Model analysis on the meta device: explain, estimate, automatic splits."""

@@ -1,0 +1,1 @@
+"""Apply a Plan with torch.distributed: worlds, sharding, steps, verification."""

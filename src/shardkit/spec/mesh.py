@@ -1,0 +1,154 @@
+"""Mesh: named axes with sizes. Pure data; becomes a torch DeviceMesh when applied."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+
+from .errors import PlanError
+
+#: Axes with a fixed meaning. Any other name is a user axis usable in layouts.
+AXIS_ROLES: dict[str, str] = {
+    "dp": "data parallel: parameters replicated, gradients all-reduced",
+    "fsdp": "fully sharded data parallel: parameters, gradients and optimizer state sharded (FSDP2)",
+    "tp": "tensor parallel: weights split by layout rules, partial results combined",
+    "pp": "pipeline parallel: layers split into stages",
+    "sp": "sequence / context parallel: the sequence dim split across devices",
+}
+#: Axes over which the batch is split (each coordinate sees different samples).
+DATA_AXES = ("dp", "fsdp")
+
+
+class Mesh(Mapping[str, int]):
+    """Named mesh axes, outermost first; at most one size may be ``-1`` (inferred).
+
+    >>> Mesh(dp=2, tp=2).shape
+    (2, 2)
+    >>> Mesh(fsdp=-1, tp=2, world_size=8)
+    Mesh(fsdp=4, tp=2)
+    >>> Mesh.parse("fsdp=2,tp=2").names
+    ('fsdp', 'tp')
+    """
+
+    def __init__(self, axes: Mapping[str, int] | None = None, /, *, world_size: int | None = None, **sizes: int):
+        given = dict(axes or {})
+        overlap = set(given) & set(sizes)
+        if overlap:
+            raise PlanError(f"mesh axis {sorted(overlap)} given twice")
+        given.update(sizes)
+        problems = []
+        if not given:
+            problems.append("a mesh needs at least one axis, for example Mesh(dp=2)")
+        for name, size in given.items():
+            if not isinstance(name, str) or not name.isidentifier():
+                problems.append(f"mesh axis name {name!r} must be an identifier such as 'dp' or 'tp'")
+            if not isinstance(size, int) or isinstance(size, bool) or (size < 1 and size != -1):
+                problems.append(f"mesh axis {name!r} has size {size!r}; valid sizes are integers >= 1, or -1 to infer it")
+        inferred = [n for n, s in given.items() if s == -1]
+        if len(inferred) > 1:
+            problems.append(f"mesh axes {inferred} are all -1; at most one size can be inferred from the world size")
+        if problems:
+            raise PlanError(problems)
+        self._axes = given
+        if world_size is not None:
+            self._axes = self.resolved(world_size)._axes
+
+    # -- mapping protocol -------------------------------------------------------------
+    def __getitem__(self, name: str) -> int:
+        return self._axes[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._axes)
+
+    def __len__(self) -> int:
+        return len(self._axes)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Mesh) and list(self._axes.items()) == list(other._axes.items())
+
+    def __hash__(self) -> int:
+        return hash(tuple(self._axes.items()))
+
+    def __repr__(self) -> str:
+        return "Mesh(" + ", ".join(f"{n}={s}" for n, s in self._axes.items()) + ")"
+
+    # -- queries ------------------------------------------------------------------------
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self._axes)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self._axes.values())
+
+    @property
+    def is_resolved(self) -> bool:
+        return -1 not in self._axes.values()
+
+    @property
+    def size(self) -> int:
+        """Number of devices; only defined once no axis is ``-1``."""
+        if not self.is_resolved:
+            raise PlanError(f"{self!r} has an inferred (-1) axis; call .resolved(world_size) first")
+        return math.prod(self.shape)
+
+    def size_of(self, axis: str) -> int:
+        """Size of ``axis``, or 1 when the mesh has no such axis."""
+        return self._axes.get(axis, 1)
+
+    def resolved(self, world_size: int) -> Mesh:
+        """This mesh with its ``-1`` axis inferred; checks the product equals ``world_size``."""
+        known = math.prod(s for s in self._axes.values() if s != -1)
+        axes = dict(self._axes)
+        inferred = [n for n, s in axes.items() if s == -1]
+        if inferred:
+            if world_size % known:
+                raise PlanError(
+                    f"cannot infer mesh axis {inferred[0]!r}: world size {world_size} is not divisible by "
+                    f"the product {known} of the other axes {self._fixed_text()}; valid world sizes are multiples of {known}"
+                )
+            axes[inferred[0]] = world_size // known
+        elif known != world_size:
+            raise PlanError(
+                f"mesh {self!r} has {known} devices but the world has {world_size}; "
+                f"the product of the axis sizes must equal the world size"
+                + (f" (for example make one axis -1 to infer it)" if len(axes) > 1 else f" (valid: Mesh({self.names[0]}={world_size}))")
+            )
+        return Mesh(axes)
+
+    def _fixed_text(self) -> str:
+        return "(" + ", ".join(f"{n}={s}" for n, s in self._axes.items() if s != -1) + ")"
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """The coordinate of ``rank`` on every axis (row-major, last axis fastest).
+
+        >>> Mesh(dp=2, tp=2).coordinates(3)
+        {'dp': 1, 'tp': 1}
+        """
+        coords = {}
+        for name, size in reversed(self._axes.items()):
+            coords[name] = rank % size
+            rank //= size
+        return dict(reversed(coords.items()))
+
+    # -- text forms -----------------------------------------------------------------------
+    @classmethod
+    def parse(cls, text: str, world_size: int | None = None) -> Mesh:
+        """Parse ``"fsdp=2,tp=2"`` (as on the command line)."""
+        axes: dict[str, int] = {}
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            name, sep, size = part.partition("=")
+            if not sep:
+                raise PlanError(f"mesh entry {part!r} in {text!r} is not of the form axis=size (for example 'fsdp=2,tp=2')")
+            try:
+                axes[name.strip()] = int(size)
+            except ValueError:
+                raise PlanError(f"mesh axis {name.strip()!r} has size {size!r}; sizes are integers or -1") from None
+        return cls(axes, world_size=world_size)
+
+    def to_dict(self) -> dict[str, int]:
+        return dict(self._axes)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, int]) -> Mesh:
+        return cls(dict(data))

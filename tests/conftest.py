@@ -1,0 +1,33 @@
+"""Shared local worlds: starting processes costs seconds on 2 cores, so tests reuse them.
+
+Use the ``world`` fixture: ``world(4).run(fn, plan=...)`` returns a live LocalWorld of 4
+processes, started once per test session (restarted if a previous job failed).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from shardkit.runtime.world import LocalWorld
+
+
+class _Worlds:
+    def __init__(self) -> None:
+        self._worlds: dict[int, LocalWorld] = {}
+
+    def __call__(self, size: int) -> LocalWorld:
+        world = self._worlds.get(size)
+        if world is None or not world.alive:
+            world = self._worlds[size] = LocalWorld(size)
+        return world
+
+    def close(self) -> None:
+        for world in self._worlds.values():
+            world.close()
+
+
+@pytest.fixture(scope="session")
+def world():
+    worlds = _Worlds()
+    yield worlds
+    worlds.close()
