@@ -92,6 +92,23 @@ class Context:
 
 
 _MESH_CACHE: dict = {}
+_CURRENT: list[Context] = []
+
+
+def current_context() -> Context:
+    """The Context of the job running in this process (inside ``launch`` / ``LocalWorld.run``)."""
+    if not _CURRENT:
+        raise RuntimeError("no shardkit job is running in this process; call this inside a function passed to "
+                           "sk.launch(...) or LocalWorld.run(...)")
+    return _CURRENT[-1]
+
+
+def _run_job(ctx: Context, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    _CURRENT.append(ctx)
+    try:
+        return fn(ctx, *args, **kwargs)
+    finally:
+        _CURRENT.pop()
 
 
 def device_mesh_for(plan: Plan, device_type: str, cache: dict | None = None):
@@ -144,7 +161,7 @@ def _worker(rank: int, world_size: int, port: int, backend: str, threads: int, j
         try:
             fn, args, kwargs, plan = pickle.loads(payload)
             ctx = Context(rank, world_size, rank, device, plan, meshes)
-            results.put((job_id, rank, True, _dumps(fn(ctx, *args, **kwargs))))
+            results.put((job_id, rank, True, _dumps(_run_job(ctx, fn, args, kwargs))))
         except BaseException:  # report everything, including KeyboardInterrupt, then keep serving
             results.put((job_id, rank, False, traceback.format_exc()))
     dist.destroy_process_group()
@@ -266,7 +283,7 @@ def _run_in_torchrun(fn: Callable[..., Any], plan: Plan | None, args: tuple, kwa
         dist.init_process_group(backend)
     device = _device_for(dist.get_backend(), local_rank)
     ctx = Context(rank, world_size, local_rank, device, None if plan is None else plan.resolved(world_size))
-    value = fn(ctx, *args, **kwargs)
+    value = _run_job(ctx, fn, args, kwargs)
     gathered: list[Any] = [None] * world_size
     dist.all_gather_object(gathered, value)
     return gathered
