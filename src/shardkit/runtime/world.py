@@ -14,6 +14,7 @@ import pickle
 import queue
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -149,6 +150,9 @@ def _worker(rank: int, world_size: int, port: int, backend: str, threads: int, j
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(threads)
+    # FSDP2 warns on every forward whose output is a view (any Linear on 3-D input); it concerns
+    # in-place ops on that output, which neither step() nor verify does.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
     device = _device_for(backend, rank)

@@ -112,7 +112,7 @@ class Mesh(Mapping[str, int]):
             raise PlanError(
                 f"mesh {self!r} has {known} devices but the world has {world_size}; "
                 f"the product of the axis sizes must equal the world size"
-                + (f" (for example make one axis -1 to infer it)" if len(axes) > 1 else f" (valid: Mesh({self.names[0]}={world_size}))")
+                + (" (for example make one axis -1 to infer it)" if len(axes) > 1 else f" (valid: Mesh({self.names[0]}={world_size}))")
             )
         return Mesh(axes)
 
