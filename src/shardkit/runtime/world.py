@@ -9,6 +9,7 @@ costs seconds), and on any failure stop every process and raise the failing rank
 from __future__ import annotations
 
 import io
+import logging
 import os
 import pickle
 import queue
@@ -153,6 +154,8 @@ def _worker(rank: int, world_size: int, port: int, backend: str, threads: int, j
     # FSDP2 warns on every forward whose output is a view (any Linear on 3-D input); it concerns
     # in-place ops on that output, which neither step() nor verify does.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+    # DTensor logs a warning whenever a redistribute needs two all-gathers (FSDP x TP full_tensor).
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
     device = _device_for(backend, rank)
