@@ -20,6 +20,9 @@ A row-parallel layer without a column-parallel sibling takes a replicated input.
 With ``sequence_parallel`` (Megatron SP) the residual stream is split along the sequence
 (dim 1): column-parallel layers all-gather their input, row-parallel layers reduce-scatter
 their output, norms run as torch's ``SequenceParallel`` and embeddings' outputs are split.
+The residual stream stays a DTensor (sequence-sharded) so that model code reading
+``hidden_states.shape`` (HF Llama's rotary positions and reshapes) sees global shapes; only
+the output head returns an ordinary, gathered tensor.
 """
 
 from __future__ import annotations
@@ -39,7 +42,6 @@ from torch.distributed.tensor import (
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
-    PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -205,15 +207,12 @@ def tensor_parallel_plan(model: nn.Module, layouts: dict[str, ParamLayout], axis
         elif split.kind == "rowwise":
             kwargs = {"input_layouts": Shard(-1) if "colwise" in siblings else Replicate()}
             if sequence_parallel:
-                kwargs["output_layouts"] = seq
+                kwargs.update(output_layouts=seq, use_local_output=False)
             styles[name] = (_Conv1DRowwise if _is_conv1d(module) else RowwiseParallel)(**kwargs)
-        elif split.kind == "vocab":
-            styles[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq if sequence_parallel else Replicate())
-        elif split.kind == "embed-colwise":
-            if sequence_parallel:
-                styles[name] = ColwiseParallel(input_layouts=Replicate(), output_layouts=seq)
-            else:
-                styles[name] = ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+        elif split.kind in ("vocab", "embed-colwise"):
+            style = RowwiseParallel if split.kind == "vocab" else ColwiseParallel
+            styles[name] = style(input_layouts=Replicate(), output_layouts=seq if sequence_parallel else Replicate(),
+                                 use_local_output=not sequence_parallel)
         else:
             if sequence_parallel:
                 raise PlanError(f"module {name!r} ({type(module).__name__}) has parameters split over {axis!r} that no "
@@ -237,10 +236,30 @@ def _sequence_parallel_extras(model: nn.Module, splits: dict[str, _Split]) -> di
         if name in splits:
             continue
         if _is_norm(module):
-            extras[name] = SequenceParallel(use_local_output=True)
+            # DTensor output: its .shape stays global, which attention code reshaping with
+            # hidden_states.shape[:-1] (HF Llama) relies on; TP layers accept it as input.
+            extras[name] = SequenceParallel(use_local_output=False)
         elif isinstance(module, nn.Embedding):
-            extras[name] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(SEQUENCE_DIM))
+            extras[name] = _SequenceShardOutput()
     return extras
+
+
+class _SequenceShardOutput(ParallelStyle):
+    """A replicated module hands out a DTensor split on the sequence (dim -2 of ``[..., T, D]``).
+
+    torch's ``PrepareModuleOutput`` takes one fixed dim; an embedding of positions returns
+    ``[T, D]`` while one of tokens returns ``[B, T, D]``, so the dim is read per output. The
+    slice goes through DTensor so that its backward all-gathers the gradient (the replicated
+    weights then receive the full-sequence gradient on every rank).
+    """
+
+    def _apply(self, module, device_mesh):
+        def hook(mod, inputs, output):
+            dt = DTensor.from_local(output, device_mesh, [Replicate()], run_check=False)
+            return dt.redistribute(device_mesh, [Shard(output.dim() - 2)])
+
+        module.register_forward_hook(hook)
+        return module
 
 
 def model_axes(mesh_names: tuple[str, ...]) -> list[str]:

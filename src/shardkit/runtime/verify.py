@@ -149,6 +149,11 @@ def verify(build_model: Callable[[], nn.Module], plan: Plan, batch: tuple[Any, A
     from ..planner.meta import meta_model
 
     plan.validate(meta_model(build_model), world_size=world_size)
+    inputs = batch[0]
+    if isinstance(inputs, torch.Tensor) and inputs.dim() >= 2 and (plan.sequence_parallel or plan.mesh.size_of("sp") > 1):
+        from ..spec.sequence import check_sequence_length
+
+        check_sequence_length(plan.resolved(world_size), int(inputs.shape[1]))
     tol = {**TOLERANCES, **(tolerances or {})}
     if tolerances is None and (plan.fsdp.param_dtype or plan.fsdp.reduce_dtype) not in (None, "float32"):
         tol = {k: v * 1000 for k, v in tol.items()}

@@ -43,7 +43,8 @@ class Context:
     """What a job sees in every process: its rank, device, plan and (lazily) the DeviceMesh.
 
     ``data_rank`` / ``data_world`` place this process among the data-parallel replicas (the
-    ``dp`` x ``fsdp`` coordinates); ranks that differ only on model axes share a data rank.
+    ``dp`` x ``fsdp`` coordinates); ranks that differ only on model axes (and ``sp``) share a
+    data rank.
     """
 
     rank: int
@@ -83,13 +84,21 @@ class Context:
         return n
 
     def shard_batch(self, *tensors: torch.Tensor, dim: int = 0) -> tuple[torch.Tensor, ...] | torch.Tensor:
-        """This data rank's equal slice of each tensor along ``dim`` (the batch)."""
+        """This rank's part of each tensor: an equal slice of the batch (``dim``) per data rank,
+        and, on a mesh with ``sp`` > 1, this sp rank's load-balanced chunks of the sequence
+        (``dim + 1``) — inputs and targets are split identically."""
+        sp = 1 if self.plan is None else self.plan.mesh.size_of("sp")
         out = []
         for t in tensors:
             if t.shape[dim] % self.data_world:
                 raise PlanError(f"batch of {t.shape[dim]} samples (dim {dim}) does not split evenly over "
                                 f"{self.data_world} data-parallel replicas; use a multiple of {self.data_world}")
-            out.append(t.chunk(self.data_world, dim=dim)[self.data_rank].to(self.device))
+            part = t.chunk(self.data_world, dim=dim)[self.data_rank]
+            if sp > 1:
+                from .context_parallel import shard_sequence
+
+                part = shard_sequence(part, self.coordinates()["sp"], sp, dim=dim + 1)
+            out.append(part.to(self.device))
         return out[0] if len(out) == 1 else tuple(out)
 
 
