@@ -7,8 +7,13 @@ processes, started once per test session (restarted if a previous job failed).
 from __future__ import annotations
 
 import pytest
+import torch
 
 from shardkit.runtime.world import LocalWorld
+
+# The pytest process runs the single-process references of sk.verify; on 2 shared cores one
+# intra-op thread is faster than two fighting with the worker processes.
+torch.set_num_threads(1)
 
 
 class _Worlds:

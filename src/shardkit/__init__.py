@@ -36,6 +36,8 @@ _EXPORTS = {
     "variable": "shardkit.runtime.variables",
     # planner
     "meta_model": "shardkit.planner.meta",
+    "explain_plan": "shardkit.planner.explain",
+    "estimate_memory": "shardkit.planner.explain",
 }
 
 __all__ = sorted(_EXPORTS)

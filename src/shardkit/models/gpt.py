@@ -1,0 +1,165 @@
+"""A small decoder-only transformer (GPT) in plain PyTorch, and its tensor-parallel rules.
+
+The reference model of demos, tests and benchmarks. Module names (what layout rules match):
+``embed``, ``pos_embed``, ``layers.{i}.{norm1, attn.{q,k,v,o}_proj, norm2, mlp.{up,down}_proj}``,
+``norm_f``, ``lm_head``. Attention reshapes heads with ``-1``, so after column-parallel
+q/k/v projections each tensor-parallel rank simply runs its own heads; it calls
+``attn.attention_fn(q, k, v)`` (causal), an attribute context-parallel code can replace.
+
+>>> import torch
+>>> model = build_tiny_gpt()
+>>> model(torch.zeros(2, 8, dtype=torch.long)).shape
+torch.Size([2, 8, 256])
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..spec import LayoutMap
+
+INIT_STD = 0.02  # normal init of Linear and Embedding weights (GPT-2's choice)
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Sizes of a :class:`GPT`; ``seq_len`` is the number of learned positions."""
+
+    vocab: int = 256
+    layers: int = 2
+    dim: int = 64
+    heads: int = 4
+    seq_len: int = 32
+    mlp_ratio: int = 4
+
+    def __post_init__(self) -> None:
+        if self.dim % self.heads:
+            raise ValueError(f"GPTConfig: dim={self.dim} is not divisible by heads={self.heads}")
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal softmax attention over ``[batch, heads, seq, head_dim]`` tensors."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+class Attention(nn.Module):
+    """Multi-head causal self-attention; heads are inferred from the projection width."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.heads = config.heads
+        self.head_dim = config.dim // config.heads
+        self.q_proj = nn.Linear(config.dim, config.dim)
+        self.k_proj = nn.Linear(config.dim, config.dim)
+        self.v_proj = nn.Linear(config.dim, config.dim)
+        self.o_proj = nn.Linear(config.dim, config.dim)
+        self.attention_fn = causal_attention
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq = x.shape[:2]
+        q, k, v = (proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+                   for proj in (self.q_proj, self.k_proj, self.v_proj))
+        out = self.attention_fn(q, k, v)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.up_proj = nn.Linear(config.dim, config.mlp_ratio * config.dim)
+        self.down_proj = nn.Linear(config.mlp_ratio * config.dim, config.dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.gelu(self.up_proj(x)))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: ``x + attn(norm1(x))``, then ``x + mlp(norm2(x))``."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(config.dim)
+        self.attn = Attention(config)
+        self.norm2 = nn.LayerNorm(config.dim)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class GPT(nn.Module):
+    """Decoder-only transformer: ``model(idx, positions=None) -> logits [B, T, vocab]``.
+
+    ``positions`` are the global positions of the ``T`` tokens (default ``arange(T)``); a
+    sequence-parallel rank holding a slice of the sequence passes its own.
+    """
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab, config.dim)
+        self.pos_embed = nn.Embedding(config.seq_len, config.dim)
+        self.layers = nn.ModuleList(Block(config) for _ in range(config.layers))
+        self.norm_f = nn.LayerNorm(config.dim)
+        self.lm_head = nn.Linear(config.dim, config.vocab, bias=False)
+        self.apply(_init_weights)
+
+    def forward(self, idx: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        if positions is None:
+            positions = torch.arange(idx.shape[1], device=idx.device)
+        x = self.embed(idx) + self.pos_embed(positions)
+        for layer in self.layers:
+            x = layer(x)
+        return self.lm_head(self.norm_f(x))
+
+
+def _init_weights(module: nn.Module) -> None:
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, std=INIT_STD)
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        nn.init.zeros_(module.bias)
+
+
+#: Tensor-parallel rules (Megatron style): q/k/v and up_proj column-parallel, o/down_proj
+#: row-parallel, lm_head column-parallel over the vocabulary; the rest replicated.
+GPT_RULES = LayoutMap([
+    (r"layers\.\d+\.attn\.[qkv]_proj\.weight", ("tp", None)),
+    (r"layers\.\d+\.attn\.[qkv]_proj\.bias", ("tp",)),
+    (r"layers\.\d+\.mlp\.up_proj\.weight", ("tp", None)),
+    (r"layers\.\d+\.mlp\.up_proj\.bias", ("tp",)),
+    (r"layers\.\d+\.(attn\.o_proj|mlp\.down_proj)\.weight", (None, "tp")),
+    (r"lm_head\.weight", ("tp", None)),
+    (r".*", None),
+])
+
+
+def gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over every token: ``logits [B, T, V]``, ``targets [B, T]``."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def tiny_config() -> GPTConfig:
+    """2 layers, dim 64, 4 heads, 32 positions (about 135K parameters): tests."""
+    return GPTConfig(vocab=256, layers=2, dim=64, heads=4, seq_len=32)
+
+
+def small_config() -> GPTConfig:
+    """4 layers, dim 128, 4 heads, 128 positions (about 875K parameters): the train demo."""
+    return GPTConfig(vocab=256, layers=4, dim=128, heads=4, seq_len=128)
+
+
+def build_tiny_gpt() -> GPT:
+    """A fresh tiny GPT with seed 0 (top-level, so it pickles into worker processes)."""
+    torch.manual_seed(0)
+    return GPT(tiny_config())
+
+
+def build_small_gpt() -> GPT:
+    """A fresh small GPT with seed 0."""
+    torch.manual_seed(0)
+    return GPT(small_config())

@@ -1,0 +1,325 @@
+"""Explain a plan before launch: per parameter, what each device holds and how many bytes.
+
+Works on a model built on the meta device (no memory, no processes). Per parameter: the
+rule that matched, its layout, the torch mechanism it becomes (inferred from the module
+type), the local shape after the layout's model axes (``tp`` ...) and after FSDP, and the
+bytes one device holds. FSDP2 (``fully_shard``) shards dim 0 of the tensor-parallel-local
+tensor (or the dim a layout gives to ``fsdp``) over the ``fsdp`` axis (times ``sp`` when
+both are used, as ``runtime.apply`` does), padding an uneven dim: a device holds
+``ceil(dim0 / fsdp)`` rows.
+
+>>> from shardkit.models.gpt import GPT_RULES, build_tiny_gpt
+>>> from shardkit.planner.meta import meta_model
+>>> from shardkit.spec import Mesh, Plan
+>>> text = explain_plan(Plan(Mesh(fsdp=2, tp=2), GPT_RULES), meta_model(build_tiny_gpt))
+>>> "layers.{0..1}.attn.q_proj.weight" in text
+True
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import re
+import warnings
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from rich import box
+from rich.console import Console
+from rich.table import Table
+from torch import nn
+
+from ..models.adapters import tensor_parallel_problems
+from ..spec import AXIS_ROLES, Mesh, Plan, PlanError, PlanWarning
+from ..spec.layout import ParamLayout, axes_of
+
+FSDP_AXIS = "fsdp"
+ADAMW_STATES = 2  # exp_avg and exp_avg_sq, each the parameter's shape and dtype
+_TABLE_STYLE: dict[str, Any] = dict(box=box.SIMPLE_HEAD, title_justify="left", pad_edge=False, show_edge=False)
+_BLOCK_INDEX = re.compile(r"^(.*?\.\d+)\.")  # "model.layers.3.mlp.w" -> "model.layers.3"
+
+
+@dataclass(frozen=True)
+class ParamRow:
+    """What one device holds of one parameter."""
+
+    layout: ParamLayout
+    mechanism: str
+    local: tuple[int, ...]  # after the layout axes (tp, ...)
+    sharded: tuple[int, ...]  # after FSDP as well: what a device stores
+    itemsize: int
+
+    @property
+    def bytes(self) -> int:
+        return math.prod(self.sharded) * self.itemsize
+
+
+def explain_plan(plan: Plan, model: Any, world_size: int | None = None, *, width: int = 160) -> str:
+    """Validate ``plan`` against ``model`` and describe, as plain text, what every device holds.
+
+    Raises :class:`~shardkit.spec.PlanError` for a bad plan: :meth:`Plan.validate`'s problems,
+    or a ``tp`` size that splits attention heads (:func:`~shardkit.models.adapters.tensor_parallel_problems`).
+    Identical rows of repeated layers are shown once, e.g. ``layers.{0..79}.mlp.up_proj.weight x80``.
+    """
+    mesh, rows, unused = _analyse(plan, model, world_size)
+    console = Console(record=True, width=width, file=io.StringIO(), color_system=None, markup=False, highlight=False)
+    total = sum(math.prod(r.layout.shape) for r in rows)
+    what = type(model).__name__ if isinstance(model, nn.Module) else "parameter shapes"
+    console.print(f"Plan for {what}: {len(rows)} parameter tensors, {total:,} parameters "
+                  f"({_human(sum(math.prod(r.layout.shape) * r.itemsize for r in rows))}) on {mesh.size} devices\n")
+    console.print(_mesh_table(mesh))
+    console.print(_options_line(plan, mesh) + "\n")
+    if plan.rules is not None:
+        console.print(_rules_table(plan, rows), "")
+    console.print(_param_table(rows), "")
+    for line in _totals(plan, mesh, rows):
+        console.print(line)
+    for index, pattern in unused:
+        console.print(f"unused rule #{index} {pattern!r} matches no parameter (a typo or a renamed module?)")
+    return "\n".join(line.rstrip() for line in console.export_text().splitlines()) + "\n"
+
+
+def estimate_memory(plan: Plan, model: Any, world_size: int | None = None) -> dict[str, int]:
+    """Bytes per device for training with AdamW: a simple model, stated in full here.
+
+    - ``parameters``: the shards a device stores (after layout axes and FSDP), in the
+      model's own dtype; FSDP2 mixed precision keeps the sharded parameters in that dtype.
+    - ``gradients``: the same size (sharded like the parameters).
+    - ``optimizer``: AdamW's two moment tensors per parameter, same shape and dtype.
+    - ``gathered``: with ``fsdp`` > 1, the largest FSDP unit (one numbered block such as
+      ``layers.3``, or the rest of the model) all-gathered for compute, in
+      ``FSDPOptions.param_dtype`` when set; 0 without FSDP.
+    - ``total``: the sum. Activations, communication buffers and allocator slack are not
+      counted; with a ``pp`` axis a device holds only its stage, so these are upper bounds.
+
+    >>> from shardkit.models.gpt import GPT_RULES, build_tiny_gpt
+    >>> from shardkit.spec import Mesh, Plan
+    >>> memory = estimate_memory(Plan(Mesh(tp=2), GPT_RULES), build_tiny_gpt())
+    >>> memory["optimizer"] == 2 * memory["parameters"]
+    True
+    """
+    mesh, rows, _ = _analyse(plan, model, world_size)
+    return _memory(plan, mesh, rows)
+
+
+# -- analysis ---------------------------------------------------------------------------------
+
+def _analyse(plan: Plan, model: Any, world_size: int | None) -> tuple[Mesh, list[ParamRow], list[tuple[int, str]]]:
+    with warnings.catch_warnings():  # unused rules are reported in the text instead
+        warnings.simplefilter("ignore", PlanWarning)
+        report = plan.validate(model, world_size=world_size)
+    mesh = report.mesh
+    if isinstance(model, nn.Module) and mesh.size_of("tp") > 1:
+        problems = tensor_parallel_problems(model, mesh["tp"])
+        if problems:
+            raise PlanError(problems)
+    layouts = report.layouts.params
+    dtypes = _dtypes(model)
+    mechanisms = _mechanisms(model, layouts)
+    shards = _fsdp_shards(mesh)
+    rows = []
+    for name, layout in layouts.items():
+        local, sharded = _local_shapes(layout, mesh, shards)
+        rows.append(ParamRow(layout, mechanisms.get(name, _split_name(layout)), local, sharded,
+                             dtypes.get(name, torch.float32).itemsize))
+    patterns = list(plan.rules) if plan.rules is not None else []
+    unused = [(patterns.index(p), p) for p in report.layouts.unused_rules]
+    return mesh, rows, unused
+
+
+def _fsdp_shards(mesh: Mesh) -> int:
+    """Ways FSDP2 shards a parameter: ``fsdp``, times ``sp`` when both are used (runtime.apply joins them)."""
+    fsdp = mesh.size_of(FSDP_AXIS)
+    return fsdp * mesh.size_of("sp") if fsdp > 1 else 1
+
+
+def _local_shapes(layout: ParamLayout, mesh: Mesh, shards: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(shape after the model axes of the layout, shape after FSDP as well).
+
+    FSDP shards the dim the layout gives to ``fsdp`` (dim 0 by default), padded: ceil.
+    """
+    entries = layout.layout or (None,) * len(layout.shape)
+    local = tuple(size // math.prod(mesh.size_of(a) for a in axes_of(entry) if a != FSDP_AXIS)
+                  for size, entry in zip(layout.shape, entries))
+    if shards == 1 or not local:
+        return local, local
+    dim = layout.axis_dim(FSDP_AXIS) or 0
+    sharded = list(local)
+    sharded[dim] = -(-local[dim] // shards)
+    return local, tuple(sharded)
+
+
+def _dtypes(model: Any) -> dict[str, torch.dtype]:
+    if isinstance(model, nn.Module):
+        return {n: p.dtype for n, p in model.named_parameters()}
+    return {}
+
+
+def _split_dims(layout: ParamLayout) -> set[int]:
+    """Dims split over a model axis (tp or a user axis; fsdp is data parallelism, shown apart)."""
+    return {dim for dim, entry in enumerate(layout.layout or ()) if set(axes_of(entry)) - {FSDP_AXIS}}
+
+
+def _split_name(layout: ParamLayout) -> str:
+    return "sharded" if _split_dims(layout) else "replicated"
+
+
+def _mechanisms(model: Any, layouts: Mapping[str, ParamLayout]) -> dict[str, str]:
+    """Per parameter, the torch mechanism its layout becomes, judged from the owning module's weight."""
+    if not isinstance(model, nn.Module):
+        return {}
+    found = {}
+    for name, layout in layouts.items():
+        if not _split_dims(layout):
+            found[name] = "replicated"
+            continue
+        owner, _, _ = name.rpartition(".")
+        module = model.get_submodule(owner)
+        weight = layouts.get(f"{owner}.weight" if owner else "weight", layout)
+        found[name] = _module_mechanism(module, _split_dims(weight))
+    return found
+
+
+def _module_mechanism(module: nn.Module, weight_dims: set[int]) -> str:
+    if isinstance(module, nn.Linear):  # weight [out, in]
+        return {frozenset({0}): "colwise", frozenset({1}): "rowwise"}.get(frozenset(weight_dims), "sharded")
+    if isinstance(module, nn.Embedding):  # weight [vocab, dim]
+        return {frozenset({0}): "vocab-parallel", frozenset({1}): "colwise (embedding dim)"}.get(
+            frozenset(weight_dims), "sharded")
+    if type(module).__name__ == "Conv1D":  # transformers' Conv1D, weight [in, out]
+        return {frozenset({1}): "colwise (Conv1D)", frozenset({0}): "rowwise (Conv1D)"}.get(
+            frozenset(weight_dims), "sharded")
+    return "sharded"
+
+
+def _memory(plan: Plan, mesh: Mesh, rows: list[ParamRow]) -> dict[str, int]:
+    parameters = sum(r.bytes for r in rows)
+    gathered = 0
+    if _fsdp_shards(mesh) > 1:
+        compute = getattr(torch, plan.fsdp.param_dtype) if plan.fsdp.param_dtype else None
+        units: dict[str, int] = {}
+        for r in rows:
+            match = _BLOCK_INDEX.match(r.layout.name)
+            unit = match.group(1) if match else ""
+            itemsize = compute.itemsize if compute is not None else r.itemsize
+            units[unit] = units.get(unit, 0) + math.prod(r.local) * itemsize
+        gathered = max(units.values(), default=0)
+    memory = {"parameters": parameters, "gradients": parameters, "optimizer": ADAMW_STATES * parameters,
+              "gathered": gathered}
+    memory["total"] = sum(memory.values())
+    return memory
+
+
+# -- rendering --------------------------------------------------------------------------------
+
+def _mesh_table(mesh: Mesh) -> Table:
+    table = Table("axis", "size", "role", title="mesh", **_TABLE_STYLE)
+    for axis, size in mesh.items():
+        table.add_row(axis, str(size), AXIS_ROLES.get(axis, "user axis: splits tensors named in layout rules"))
+    return table
+
+
+def _options_line(plan: Plan, mesh: Mesh) -> str:
+    fsdp = plan.fsdp
+    parts = [f"fsdp options: reshard_after_forward={fsdp.reshard_after_forward}, param_dtype={fsdp.param_dtype}, "
+             f"reduce_dtype={fsdp.reduce_dtype}", f"sequence_parallel={plan.sequence_parallel}"]
+    if plan.pipeline is not None:
+        parts.append(f"pipeline: {plan.pipeline.to_dict()}")
+    if plan.replicas is not None:
+        parts.append(f"replicas: {plan.replicas.to_dict()}")
+    if mesh.size_of("dp") > 1:
+        parts.append(f"parameters are replicated over dp={mesh['dp']}")
+    return "; ".join(parts)
+
+
+def _rules_table(plan: Plan, rows: list[ParamRow]) -> Table:
+    table = Table("rule", "pattern", "layout", "matches", title="layout rules (first match wins)",
+                  **_TABLE_STYLE)
+    matches: dict[int, int] = {}
+    for row in rows:
+        if row.layout.rule is not None:
+            matches[row.layout.rule] = matches.get(row.layout.rule, 0) + 1
+    for index, (pattern, layout) in enumerate((plan.rules or {}).items()):
+        table.add_row(f"#{index}", pattern, _layout(layout), str(matches.get(index, 0)))
+    return table
+
+
+def _param_table(rows: list[ParamRow]) -> Table:
+    table = Table(title="parameters (what one device holds)", **_TABLE_STYLE)
+    table.add_column("parameter", overflow="fold")
+    for header in ("count", "shape", "rule", "layout", "mechanism", "after layout", "after fsdp", "bytes/device"):
+        table.add_column(header, justify="right" if header == "bytes/device" else "left")
+    for label, members in _group(rows):
+        row = members[0]
+        p = row.layout
+        table.add_row(label, f"x{len(members)}", _shape(p.shape), "-" if p.rule is None else f"#{p.rule}",
+                      _layout(p.layout), row.mechanism, _shape(row.local), _shape(row.sharded), f"{row.bytes:,}")
+    return table
+
+
+def _totals(plan: Plan, mesh: Mesh, rows: list[ParamRow]) -> list[str]:
+    total = sum(math.prod(r.layout.shape) * r.itemsize for r in rows)
+    memory = _memory(plan, mesh, rows)
+    per_device = memory["parameters"]
+    ideal = total / mesh.size
+    ratio = per_device / ideal if ideal else 1.0
+    lines = [
+        f"parameter bytes per device: {per_device:,} B ({_human(per_device)}); "
+        f"total / {mesh.size} devices = {ideal:,.0f} B ({_human(ideal)}); ratio {ratio:.2f}x",
+        "training memory per device (AdamW, estimate_memory): "
+        + " + ".join(f"{key} {_human(memory[key])}" for key in ("parameters", "gradients", "optimizer", "gathered"))
+        + f" = {_human(memory['total'])}",
+    ]
+    if mesh.size_of("pp") > 1:
+        lines.append(f"pp={mesh['pp']}: a device holds only its pipeline stage, so these are upper bounds")
+    return lines
+
+
+def _group(rows: list[ParamRow]) -> Iterable[tuple[str, list[ParamRow]]]:
+    """Rows that differ only in layer numbers, as ``(label with {a..b}, members)`` in first-seen order."""
+    groups: dict[tuple[Any, ...], list[tuple[tuple[int, ...], ParamRow]]] = {}
+    for row in rows:
+        parts = row.layout.name.split(".")
+        template = tuple("{}" if part.isdigit() else part for part in parts)
+        numbers = tuple(int(part) for part in parts if part.isdigit())
+        key = (template, row.layout.shape, row.layout.rule, row.layout.layout, row.mechanism, row.local,
+               row.sharded, row.itemsize)
+        groups.setdefault(key, []).append((numbers, row))
+    for key, members in groups.items():
+        if len(members) == 1:
+            yield members[0][1].layout.name, [members[0][1]]
+            continue
+        template = ".".join(key[0])
+        slots = [_numbers_text(sorted({numbers[i] for numbers, _ in members})) for i in range(len(members[0][0]))]
+        yield template.format(*slots), [row for _, row in members]
+
+
+def _numbers_text(values: list[int]) -> str:
+    if len(values) == 1:
+        return str(values[0])
+    if values == list(range(values[0], values[-1] + 1)):
+        return f"{{{values[0]}..{values[-1]}}}"
+    return "{" + ",".join(map(str, values)) + "}"
+
+
+def _shape(shape: tuple[int, ...]) -> str:
+    return "[" + ", ".join(map(str, shape)) + "]"
+
+
+def _layout(layout: Any) -> str:
+    if layout is None:
+        return "None"
+    entries = ["None" if e is None else e if isinstance(e, str) else "(" + ", ".join(e) + ")" for e in layout]
+    return "(" + ", ".join(entries) + ("," if len(entries) == 1 else "") + ")"
+
+
+def _human(n: float) -> str:
+    units = ("B", "KiB", "MiB", "GiB", "TiB")
+    power = 0
+    while abs(n) >= 1024 and power < len(units) - 1:
+        n /= 1024
+        power += 1
+    return f"{n:.0f} B" if power == 0 else f"{n:.2f} {units[power]}"
