@@ -78,7 +78,10 @@ def test_invalid_regex_is_reported_with_pattern():
 SHAPES = {"embed.weight": (256, 64), "layers.0.q.weight": (64, 64), "layers.0.q.bias": (64,), "head.weight": (256, 64)}
 
 
-def _resolve(rules, mesh=sk.Mesh(fsdp=2, tp=2), shapes=SHAPES):
+FSDP2_TP2 = sk.Mesh(fsdp=2, tp=2)
+
+
+def _resolve(rules, mesh=FSDP2_TP2, shapes=SHAPES):
     return resolve_layouts(shapes, sk.LayoutMap(rules), mesh)
 
 

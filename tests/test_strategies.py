@@ -82,7 +82,7 @@ def test_shard_keeps_names_splits_parameters_and_steps(world):
         local = p.local_shape(plan.mesh)
         expected += -(-local[0] // 2) * math.prod(local[1:])
     assert expected < sum(math.prod(s) for s in shapes.values()) / 2
-    for local, loss, cls, full in out:
+    for local, _loss, cls, full in out:
         assert local == expected
         assert full == shapes and cls.startswith("Sharded")
     assert len({round(o[1], 6) for o in out}) == 1  # the same global loss on every rank
