@@ -34,6 +34,11 @@ _EXPORTS = {
     "VerifyResult": "shardkit.runtime.verify",
     "stage": "shardkit.spec.scopes",
     "variable": "shardkit.runtime.variables",
+    # observe and io
+    "CommCounter": "shardkit.observe.comm",
+    "PeakMemory": "shardkit.observe.memory",
+    "state_bytes": "shardkit.observe.memory",
+    "TextShards": "shardkit.io.data",
     # planner
     "meta_model": "shardkit.planner.meta",
     "explain_plan": "shardkit.planner.explain",

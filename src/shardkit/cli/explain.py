@@ -40,7 +40,8 @@ def run(args: argparse.Namespace) -> int:
         except OSError as exc:
             raise PlanError(f"cannot read plan file {str(args.plan)!r}: {exc.strerror}") from None
     else:
-        plan = Plan(Mesh.parse(args.mesh), rules=entry.rules)
+        mesh = Mesh.parse(args.mesh)
+        plan = Plan(mesh, rules=entry.rules_for(mesh))
     if not plan.mesh.is_resolved and args.world_size is None:
         raise PlanError(f"{plan.mesh!r} has an inferred (-1) axis; pass --world-size N to infer it")
     print(explain_plan(plan, meta_model(entry.build), world_size=args.world_size, width=args.width), end="")

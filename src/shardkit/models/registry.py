@@ -31,6 +31,11 @@ class ModelEntry:
     meta_only: bool = False  # too large to build for real; explain / validate only
     description: str = ""
 
+    def rules_for(self, mesh) -> LayoutMap | None:
+        """The built-in rules, or ``None`` (nothing split by layout) when ``mesh`` has none of their axes:
+        ``--mesh fsdp=2`` then means plain FSDP rather than an error about a missing ``tp`` axis."""
+        return self.rules if self.rules.axes() & set(mesh.names) else None
+
     def sample_batch(self, batch_size: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Random token ids ``(inputs, targets)``, each ``[batch_size, seq_len]``; targets are inputs shifted by one."""
         generator = torch.Generator().manual_seed(seed)

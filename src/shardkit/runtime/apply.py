@@ -6,8 +6,9 @@ The order follows torchtitan's parallelize procedures, top to bottom:
 2. model adapters (``shardkit.models.adapters``) fix what TP styles cannot know (fused QKV);
 3. tensor parallel per model axis: layouts -> torch TP styles (see ``tensor_parallel``);
 4. context parallel on ``sp``: attention becomes ring attention (``context_parallel``);
-5. data parallel: ``fully_shard`` over ``fsdp`` (HSDP with ``dp``), or FSDP2's ``replicate``
-   over ``dp`` alone (gradient all-reduce); ``sp`` joins the gradient reduction;
+5. data parallel: ``fully_shard`` over ``fsdp`` (HSDP with ``dp``); over ``dp`` alone, DDP
+   (torch's composable ``replicate``, in place) or, with TP or mixed precision, FSDP2's
+   ``replicate``; ``sp`` joins the gradient reduction;
 6. the module's class gains ``step()`` and ``plan``.
 """
 
@@ -163,9 +164,16 @@ def _apply_data_parallel(module: nn.Module, plan: Plan, mesh, layouts: dict[str,
     mp = MixedPrecisionPolicy(param_dtype=_DTYPES.get(opts.param_dtype or ""),
                               reduce_dtype=_DTYPES.get(opts.reduce_dtype or ""))
     if not sharded:
-        from torch.distributed._composable.replicate_with_fsdp import replicate
+        if any(isinstance(p, DTensor) for p in module.parameters()) or opts.param_dtype or opts.reduce_dtype:
+            # FSDP2's replicate composes with tensor parallel (DTensor parameters) and mixed precision.
+            from torch.distributed._composable.replicate_with_fsdp import replicate
 
-        replicate(module, mesh=data_mesh, mp_policy=mp)
+            replicate(module, mesh=data_mesh, mp_policy=mp)
+        else:
+            # Plain replication: DDP itself (bucketed all-reduce overlapped with backward), applied in place.
+            from torch.distributed._composable import replicate
+
+            replicate(module, device_mesh=data_mesh)
         return
     by_param = {id(p): layouts.get(n) for n, p in module.named_parameters()}
 

@@ -1,0 +1,129 @@
+"""Count the collectives this process issues, and their payload bytes, per op kind.
+
+Why a dispatch mode and not patched ``torch.distributed`` functions: in torch 2.x every
+``ProcessGroup`` call (``dist.all_reduce``, ``dist.all_gather_single``, ``send``, ``barrier``,
+FSDP2's all-gathers and reduce-scatters, DDP's bucket all-reduces, even ``pg.allreduce``
+called directly) goes through a dispatcher op in the ``c10d`` namespace, and DTensor /
+tensor-parallel code uses the functional collectives in ``_c10d_functional``. One
+``TorchDispatchMode`` sees both families. Patching Python functions would miss callers
+that hold their own reference (``from torch.distributed import all_reduce``) or call the
+process group directly, and would count twice where one Python collective calls another.
+Inside the mode's handler the mode is switched off, so a functional collective that runs a
+``c10d`` op underneath is counted once, as itself. This is what torch's ``CommDebugMode``
+does too; it returns ``NotImplemented`` for DTensor arguments so DTensor can lower its op
+into the collectives that are then counted.
+
+Byte convention: the payload this rank hands to the op, i.e. the ``nbytes`` of its input
+tensor(s): the tensor for ``all_reduce`` / ``broadcast`` / ``send``, the local shard for
+all-gathers, the full input for reduce-scatters and all-to-all, the receive buffer for
+``recv``; barriers count 0. This is a size of the data, not of the traffic on the wire
+(a ring all-reduce of n bytes over p ranks sends ``2 n (p-1)/p`` bytes per rank).
+
+Only this thread is observed (dispatch modes are thread-local; autograd's backward on the
+same device inherits it), and only while the counter is entered.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+#: op namespace -> {op name: (reported kind, index of the payload argument or None for no payload)}
+_OPS: dict[str, dict[str, tuple[str, int | None]]] = {
+    "c10d": {
+        "allreduce_": ("all_reduce", 0),
+        "allreduce_coalesced_": ("all_reduce_coalesced", 0),
+        "_allgather_base_": ("all_gather_into_tensor", 1),
+        "allgather_": ("all_gather", 1),
+        "allgather_coalesced_": ("all_gather_coalesced", 1),
+        "allgather_into_tensor_coalesced_": ("all_gather_into_tensor_coalesced", 1),
+        "_reduce_scatter_base_": ("reduce_scatter_tensor", 1),
+        "reduce_scatter_": ("reduce_scatter", 1),
+        "reduce_scatter_tensor_coalesced_": ("reduce_scatter_tensor_coalesced", 1),
+        "alltoall_base_": ("all_to_all_single", 1),
+        "alltoall_": ("all_to_all", 1),
+        "broadcast_": ("broadcast", 0),
+        "reduce_": ("reduce", 0),
+        "gather_": ("gather", 1),
+        "scatter_": ("scatter", 1),
+        "send": ("send", 0),
+        "recv_": ("recv", 0),
+        "recv_any_source_": ("recv", 0),
+        "barrier": ("barrier", None),
+        "monitored_barrier_": ("barrier", None),
+    },
+    "_c10d_functional": {
+        "all_reduce": ("all_reduce", 0),
+        "all_reduce_": ("all_reduce", 0),
+        "all_reduce_coalesced": ("all_reduce_coalesced", 0),
+        "all_reduce_coalesced_": ("all_reduce_coalesced", 0),
+        "all_gather_into_tensor": ("all_gather_into_tensor", 0),
+        "all_gather_into_tensor_out": ("all_gather_into_tensor", 0),
+        "all_gather_into_tensor_coalesced": ("all_gather_into_tensor_coalesced", 0),
+        "reduce_scatter_tensor": ("reduce_scatter_tensor", 0),
+        "reduce_scatter_tensor_out": ("reduce_scatter_tensor", 0),
+        "reduce_scatter_tensor_coalesced": ("reduce_scatter_tensor_coalesced", 0),
+        "all_to_all_single": ("all_to_all_single", 0),
+        "broadcast": ("broadcast", 0),
+        "broadcast_": ("broadcast", 0),
+    },
+    "_c10d_functional_autograd": {
+        "all_to_all_single": ("all_to_all_single", 0),
+        "all_gather_into_tensor": ("all_gather_into_tensor", 0),
+        "reduce_scatter_tensor": ("reduce_scatter_tensor", 0),
+    },
+}
+
+
+def payload_bytes(value: Any) -> int:
+    """Total ``nbytes`` of the tensors in ``value`` (a tensor or nested lists of tensors)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+        return sum(payload_bytes(v) for v in value)
+    return 0
+
+
+class CommCounter(TorchDispatchMode):
+    """Context manager counting collective calls and payload bytes per op kind in this process.
+
+    >>> import torch.distributed as dist
+    >>> with CommCounter() as comm:        # doctest: +SKIP
+    ...     dist.all_reduce(torch.ones(4))
+    >>> comm.summary()                     # doctest: +SKIP
+    {'all_reduce': (1, 16)}
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._counts: dict[str, list[int]] = {}
+        from torch.distributed.tensor import DTensor
+
+        self._dtensor = DTensor
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, self._dtensor) for t in types):
+            return NotImplemented  # let DTensor lower the op; its collectives come back through this mode
+        kwargs = kwargs or {}
+        kind = _OPS.get(getattr(func, "namespace", ""), {}).get(getattr(func, "_opname", ""))
+        if kind is not None:
+            name, index = kind
+            entry = self._counts.setdefault(name, [0, 0])
+            entry[0] += 1
+            if index is not None:
+                entry[1] += payload_bytes(args[index] if index < len(args) else None)
+        return func(*args, **kwargs)
+
+    def summary(self) -> dict[str, tuple[int, int]]:
+        """``{op kind: (calls, payload bytes)}``, kinds sorted by name."""
+        return {name: (calls, size) for name, (calls, size) in sorted(self._counts.items())}
+
+    def totals(self) -> tuple[int, int]:
+        """``(calls, payload bytes)`` over all op kinds."""
+        return sum(c for c, _ in self._counts.values()), sum(b for _, b in self._counts.values())
+
+    def reset(self) -> None:
+        self._counts.clear()

@@ -1,0 +1,152 @@
+"""Memory per device: the peak seen while running, and the exact bytes of training state held.
+
+Two different measures, because CPU has no allocator statistics:
+
+* **CUDA**: ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats`` at the
+  start: the peak of memory held by tensors on this device (the caching allocator's own
+  reserve is not included).
+* **CPU**: the growth of the process's peak resident set size (RSS) over its RSS at the
+  start. On Linux the kernel's high-water mark (``VmHWM`` in ``/proc/self/status``) is
+  reset at the start by writing ``5`` to ``/proc/self/clear_refs``, so the peak is the
+  peak *since the start*. Where that is not possible, ``ru_maxrss`` is used: it is the
+  lifetime peak, so its excess over the RSS at the start is an upper bound, and (without
+  ``/proc``, e.g. macOS) its own growth is a lower bound; ``method`` says which. RSS counts every page the process
+  holds (tensors, Python objects, communication buffers). Memory freed earlier is handed
+  back to the OS at the start (glibc ``malloc_trim``) so that reusing it counts as growth;
+  what the allocator still keeps (fragments of live arenas) can be reused unseen, and
+  anything else the process grows by (code imported, communication buffers) is included.
+
+The state bytes are exact on every device: the sum of ``nbytes`` over the local shards
+(``DTensor.to_local()``) of parameters, gradients and optimizer state this rank holds.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import re
+import resource
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+_STATUS = Path("/proc/self/status")
+_CLEAR_REFS = Path("/proc/self/clear_refs")
+
+
+def local_nbytes(tensor: torch.Tensor) -> int:
+    """Bytes of the part of ``tensor`` held by this rank (the local shard of a DTensor)."""
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return local.numel() * local.element_size()
+
+
+def tensors_nbytes(tensors: Iterable[torch.Tensor | None]) -> int:
+    """Sum of :func:`local_nbytes` over ``tensors`` (``None`` entries count 0)."""
+    return sum(local_nbytes(t) for t in tensors if t is not None)
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Exact bytes of training state held by this rank."""
+
+    params: int
+    grads: int
+    optimizer: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+
+def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> StateBytes:
+    """Local bytes of ``model``'s parameters and gradients and of ``optimizer``'s state.
+
+    >>> model = torch.nn.Linear(4, 2)
+    >>> state_bytes(model)
+    StateBytes(params=40, grads=0, optimizer=0)
+    """
+    params = list(model.parameters())
+    opt_tensors = [] if optimizer is None else [
+        v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)
+    ]
+    return StateBytes(tensors_nbytes(params), tensors_nbytes(p.grad for p in params), tensors_nbytes(opt_tensors))
+
+
+def _status_kib(field: str) -> int | None:
+    try:
+        match = re.search(rf"^{field}:\s+(\d+)\s+kB", _STATUS.read_text(), re.MULTILINE)
+    except OSError:
+        return None
+    return None if match is None else int(match.group(1))
+
+
+def _release_free_memory() -> None:
+    """Hand memory freed earlier back to the OS (glibc ``malloc_trim``), so reuse of it shows as growth."""
+    gc.collect()
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
+def _maxrss_bytes() -> int:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
+
+
+class PeakMemory:
+    """Peak memory of this process's device from ``start()`` (or ``with``) until ``peak_bytes()``.
+
+    ``method`` says which measure was used (see the module docstring). On CPU the mark is
+    process-wide: starting another ``PeakMemory`` resets it, so measure one span at a time.
+
+    >>> with PeakMemory(torch.device("cpu")) as mem:
+    ...     block = torch.ones(2**22)     # 16 MiB
+    >>> mem.peak_bytes() > 0
+    True
+    """
+
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        self.method = ""
+        self._baseline = 0
+
+    def start(self) -> PeakMemory:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.method = "CUDA max_memory_allocated"
+            return self
+        _release_free_memory()
+        rss = _status_kib("VmRSS")
+        try:
+            _CLEAR_REFS.write_text("5")  # resets VmHWM to the current RSS
+            reset = rss is not None
+        except OSError:
+            reset = False
+        if reset:
+            self._baseline = rss * 1024
+            self.method = "CPU peak RSS growth (VmHWM since start)"
+        elif rss is not None:
+            self._baseline = rss * 1024
+            self.method = "CPU lifetime peak RSS (ru_maxrss) minus RSS at start: an upper bound"
+        else:
+            self._baseline = _maxrss_bytes()
+            self.method = "CPU growth of the lifetime peak RSS (ru_maxrss): a lower bound"
+        return self
+
+    def peak_bytes(self) -> int:
+        """Peak bytes since ``start()`` (see ``method`` for what is measured)."""
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device)
+        hwm = _status_kib("VmHWM") if "VmHWM" in self.method else None
+        peak = hwm * 1024 if hwm is not None else _maxrss_bytes()
+        return max(0, peak - self._baseline)
+
+    def __enter__(self) -> PeakMemory:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        return None
