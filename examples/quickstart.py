@@ -1,6 +1,7 @@
 """The README's twenty lines: a plan, its explanation, a sharded step and a verification."""
 
 import torch
+
 import shardkit as sk
 from shardkit.models.gpt import build_tiny_gpt, gpt_loss
 

@@ -34,6 +34,15 @@ _EXPORTS = {
     "VerifyResult": "shardkit.runtime.verify",
     "stage": "shardkit.spec.scopes",
     "variable": "shardkit.runtime.variables",
+    "Variable": "shardkit.runtime.variables",
+    "group_module": "shardkit.runtime.variables",
+    "grouping_table": "shardkit.spec.replicas",
+    "average_gradients": "shardkit.runtime.groups",
+    # grouped collectives (within the groups of a ReplicaGrouping, or of its transpose)
+    "all_reduce": "shardkit.runtime.groups",
+    "all_gather": "shardkit.runtime.groups",
+    "reduce_scatter": "shardkit.runtime.groups",
+    "broadcast": "shardkit.runtime.groups",
     # observe and io
     "CommCounter": "shardkit.observe.comm",
     "PeakMemory": "shardkit.observe.memory",

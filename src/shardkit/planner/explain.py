@@ -79,6 +79,10 @@ def explain_plan(plan: Plan, model: Any, world_size: int | None = None, *, width
         console.print(line)
     for index, pattern in unused:
         console.print(f"unused rule #{index} {pattern!r} matches no parameter (a typo or a renamed module?)")
+    if plan.replicas is not None:
+        from ..spec.replicas import grouping_table
+
+        console.print("\nReplica groups (dp axis):\n" + grouping_table(plan.replicas))
     return "\n".join(line.rstrip() for line in console.export_text().splitlines()) + "\n"
 
 
