@@ -6,7 +6,6 @@ STAMP   := .venv/.installed
 
 $(STAMP): pyproject.toml constraints.txt
 	python3 -m venv .venv
-	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -c constraints.txt torch==2.13.0
 	$(PIP) install -q -c constraints.txt -e ".[dev]"
 	touch $(STAMP)
