@@ -48,6 +48,8 @@ _EXPORTS = {
     "PeakMemory": "shardkit.observe.memory",
     "state_bytes": "shardkit.observe.memory",
     "TextShards": "shardkit.io.data",
+    "profile": "shardkit.observe.timeline",
+    "explain_stages": "shardkit.planner.stages",
     # planner
     "meta_model": "shardkit.planner.meta",
     "explain_plan": "shardkit.planner.explain",

@@ -79,6 +79,10 @@ def explain_plan(plan: Plan, model: Any, world_size: int | None = None, *, width
         console.print(line)
     for index, pattern in unused:
         console.print(f"unused rule #{index} {pattern!r} matches no parameter (a typo or a renamed module?)")
+    if plan.pipeline is not None and isinstance(model, nn.Module):
+        from .stages import explain_stages
+
+        console.print("\n" + explain_stages(plan, model, world_size=mesh.size))
     if plan.replicas is not None:
         from ..spec.replicas import grouping_table
 

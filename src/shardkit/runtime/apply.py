@@ -164,8 +164,10 @@ def _apply_data_parallel(module: nn.Module, plan: Plan, mesh, layouts: dict[str,
     mp = MixedPrecisionPolicy(param_dtype=_DTYPES.get(opts.param_dtype or ""),
                               reduce_dtype=_DTYPES.get(opts.reduce_dtype or ""))
     if not sharded:
-        if any(isinstance(p, DTensor) for p in module.parameters()) or opts.param_dtype or opts.reduce_dtype:
-            # FSDP2's replicate composes with tensor parallel (DTensor parameters) and mixed precision.
+        if (plan.pipeline is not None or opts.param_dtype or opts.reduce_dtype
+                or any(isinstance(p, DTensor) for p in module.parameters())):
+            # FSDP2's replicate composes with tensor parallel (DTensor parameters), mixed precision and
+            # pipeline schedules (several forwards per backward, which DDP's reducer does not allow).
             from torch.distributed._composable.replicate_with_fsdp import replicate
 
             replicate(module, mesh=data_mesh, mp_policy=mp)

@@ -150,6 +150,11 @@ def verify(build_model: Callable[[], nn.Module], plan: Plan, batch: tuple[Any, A
 
     plan.validate(meta_model(build_model), world_size=world_size)
     inputs = batch[0]
+    if plan.pipeline is not None:
+        resolved = plan.mesh.resolved(world_size)
+        problems = plan.pipeline.check_batch(len(inputs), resolved.size_of("dp") * resolved.size_of("fsdp"))
+        if problems:
+            raise PlanError(problems)
     if isinstance(inputs, torch.Tensor) and inputs.dim() >= 2 and (plan.sequence_parallel or plan.mesh.size_of("sp") > 1):
         from ..spec.sequence import check_sequence_length
 

@@ -97,7 +97,10 @@ class Plan:
         problems: list[str] = []
         rule_axes = self.rules.axes() if self.rules is not None else set()
         for axis in mesh.names:
-            if mesh[axis] > 1 and axis not in DATA_AXES and axis not in rule_axes and not self._axis_used_elsewhere(axis):
+            if axis == "pp" and mesh[axis] > 1 and self.pipeline is None:
+                problems.append(f"mesh axis 'pp' (size {mesh[axis]}) needs a pipeline: add "
+                                f"Plan(pipeline=Pipeline(stages={mesh[axis]}, ...)) (CLI: --schedule/--split) or remove the axis")
+            elif mesh[axis] > 1 and axis not in DATA_AXES and axis not in rule_axes and not self._axis_used_elsewhere(axis):
                 problems.append(
                     f"mesh axis {axis!r} (size {mesh[axis]}) is used by no layout rule, so every {axis} rank would "
                     f"compute the same thing; add rules that split parameters over {axis!r} or remove the axis"
@@ -112,6 +115,8 @@ class Plan:
             layouts = None
         if self.pipeline is not None:
             problems.extend(self.pipeline.check_mesh(mesh))
+            if hasattr(model, "named_modules"):  # stage assignment needs the module tree, not only shapes
+                problems.extend(self.pipeline.check_model(model, mesh))
         if self.replicas is not None:
             problems.extend(self.replicas.check_mesh(mesh))
         if problems:

@@ -1,0 +1,374 @@
+"""Pipeline stages on torch.distributed.pipelining: split, parallelize, schedule, step.
+
+:func:`build_pipeline` (called by ``sk.shard`` for plans with a pipeline) works torchtitan's way:
+
+1. assign units to stages (:func:`shardkit.planner.stages.assign_stages`, checked);
+2. prune this rank's model to the units of its stage(s): the other units are removed from
+   their parents, so every remaining parameter keeps its ORIGINAL dotted name (layout rules,
+   ``full_state_dict`` and ``sk.verify`` work by name);
+3. give the model a per-stage forward (``model(x, stage=s)``) for its family: the reference
+   GPT, a HuggingFace causal LM (position embeddings and the causal mask are recomputed on
+   every stage; only hidden states cross stage boundaries) or a chain model;
+4. apply tp/fsdp/dp with :func:`shardkit.runtime.apply.parallelize`;
+5. wrap each local stage in a ``PipelineStage`` on ``mesh["pp"]``'s group and build the
+   torch schedule. ``sequential`` is torch's GPipe with one micro-batch: the whole batch goes
+   through stage 0, then stage 1, ..., and back (torch has no separate plain-sharding schedule,
+   and GPipe with m=1 is exactly that).
+
+The returned module is the pruned model with ``step(inputs, targets, loss_fn) -> loss``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining import schedules as torch_schedules
+
+from ..observe import timeline
+from ..planner.stages import StageAssignment, Unit, assign_stages
+from ..spec import DATA_AXES, Plan, PlanError
+from ..spec.pipeline import SCHEDULES, SINGLE_STAGE_SCHEDULES
+from .world import Context
+
+_PIPELINED_CLASSES: dict[type, type] = {}
+
+
+# -- per-stage forwards ------------------------------------------------------------------------
+def _gpt_stage_forward(model: nn.Module, units: list[Unit], x: torch.Tensor) -> torch.Tensor:
+    """The reference GPT's forward restricted to ``units`` (the first stage takes token ids)."""
+    for unit in units:
+        if unit.name == "embed":
+            positions = torch.arange(x.shape[1], device=x.device)
+            x = model.embed(x) + model.pos_embed(positions)
+        else:
+            x = model.get_submodule(unit.name)(x)
+    return x
+
+
+def _causal_mask(inner: nn.Module, hidden: torch.Tensor, position_ids: torch.Tensor) -> Any:
+    import inspect
+
+    from transformers.masking_utils import create_causal_mask
+
+    kwargs = {"config": inner.config, "inputs_embeds": hidden, "attention_mask": None, "position_ids": position_ids}
+    params = inspect.signature(create_causal_mask).parameters
+    kwargs["cache" if "cache" in params else "past_key_values"] = None
+    if "cache_position" in params:
+        kwargs["cache_position"] = position_ids[0]
+    return create_causal_mask(**kwargs)
+
+
+def _hf_stage_forward(model: nn.Module, units: list[Unit], x: torch.Tensor) -> torch.Tensor:
+    """A HF causal LM's forward restricted to ``units``; rotary embeddings and mask recomputed here."""
+    inner = model.model
+    hidden = inner.embed_tokens(x) if units[0].name == "model.embed_tokens" else x
+    blocks = [u for u in units if u.block]
+    if blocks:
+        position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        mask = _causal_mask(inner, hidden, position_ids)
+        position_embeddings = inner.rotary_emb(hidden, position_ids=position_ids)
+        for unit in blocks:
+            hidden = model.get_submodule(unit.name)(hidden, attention_mask=mask, position_ids=position_ids,
+                                                    position_embeddings=position_embeddings)
+    for unit in units:
+        if unit.name == "model.norm":
+            hidden = inner.norm(hidden)
+        elif unit.name == "lm_head":
+            hidden = model.lm_head(hidden)
+    return hidden
+
+
+def _chain_stage_forward(model: nn.Module, units: list[Unit], *args: Any) -> Any:
+    """A chain model's stage: each unit's output is the next unit's only input."""
+    for unit in units:
+        args = (model.get_submodule(unit.name)(*args),)
+    return args[0]
+
+
+STAGE_FORWARDS: dict[str, Callable[..., Any]] = {
+    "gpt": _gpt_stage_forward, "hf-causal-lm": _hf_stage_forward, "chain": _chain_stage_forward,
+}
+
+
+# -- the pipelined model -------------------------------------------------------------------------
+class PipelinedModule:
+    """Mixed into a pruned stage model's class: ``forward(x, stage=s)`` runs stage ``s``; one ``step``.
+
+    >>> loss = model.step(tokens, targets, gpt_loss)   # doctest: +SKIP
+    """
+
+    _sk_runtime: _Runtime
+
+    @property
+    def plan(self) -> Plan:
+        return self._sk_runtime.plan
+
+    @property
+    def stage_assignment(self) -> StageAssignment:
+        return self._sk_runtime.assignment
+
+    @property
+    def local_stages(self) -> list[int]:
+        """The pipeline stages this rank runs."""
+        return list(self._sk_runtime.local)
+
+    def forward(self, *args: Any, stage: int | None = None) -> Any:
+        runtime = self._sk_runtime
+        if stage is None:
+            if len(runtime.local) != 1:
+                raise PlanError(f"this rank runs stages {runtime.local}; call model(x, stage=s) with one of them")
+            stage = runtime.local[0]
+        if stage not in runtime.local:
+            raise PlanError(f"stage {stage} does not run on this rank (it runs stages {runtime.local})")
+        return STAGE_FORWARDS[runtime.assignment.layout.kind](self, runtime.units[stage], *args)
+
+    def step(self, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], torch.Tensor]) -> torch.Tensor:
+        """Forward and backward over the micro-batches of this data rank's batch.
+
+        Returns the loss averaged over micro-batches and data ranks (detached, equal on every
+        rank: broadcast from the last stage). Gradients accumulate into ``.grad`` as one
+        backward of the mean loss would.
+        """
+        return self._sk_runtime.step(inputs, targets, loss_fn)
+
+
+class _StageModule(nn.Module):
+    """What a ``PipelineStage`` runs: stage ``index`` of the pruned model, through its ``__call__``.
+
+    It registers the stage's unit modules, so ``parameters()`` are exactly the stage's (the
+    zero-bubble weight pass differentiates them); the model itself is held unregistered.
+    """
+
+    def __init__(self, model: nn.Module, index: int, unit_modules: list[nn.Module]):
+        super().__init__()
+        object.__setattr__(self, "model", model)
+        self.index = index
+        self.units = nn.ModuleList(unit_modules)
+
+    def forward(self, *args: Any) -> Any:
+        return self.model(*args, stage=self.index)
+
+
+def _prune(model: nn.Module, keep: set[str], assignment: StageAssignment) -> None:
+    """Remove every unit module not in ``keep`` from its parent; names of the rest are unchanged."""
+    for unit in assignment.layout.units:
+        for path in unit.modules:
+            if path in keep:
+                continue
+            parent_path, _, leaf = path.rpartition(".")
+            parent = model.get_submodule(parent_path) if parent_path else model
+            if isinstance(parent, (nn.ModuleList, nn.Sequential)):
+                del parent._modules[leaf]  # iteration then yields the kept blocks only
+            else:
+                parent._modules[leaf] = None
+
+
+def _as_pipelined(model: nn.Module) -> nn.Module:
+    cls = type(model)
+    if cls not in _PIPELINED_CLASSES:
+        _PIPELINED_CLASSES[cls] = type(f"Pipelined{cls.__name__}", (PipelinedModule, cls), {})
+    model.__class__ = _PIPELINED_CLASSES[cls]
+    return model
+
+
+def _schedule_class(name: str) -> type:
+    return getattr(torch_schedules, SCHEDULES[name][0])
+
+
+class _Runtime:
+    """Per-process pipeline state: stages, schedule, groups; runs one step."""
+
+    def __init__(self, model: nn.Module, plan: Plan, ctx: Context, assignment: StageAssignment):
+        pipeline = plan.pipeline
+        assert pipeline is not None
+        self.plan, self.ctx, self.assignment = plan, ctx, assignment
+        self.microbatches = pipeline.microbatches
+        pp_mesh = ctx.mesh["pp"]
+        self.pp_group = pp_mesh.get_group()
+        self.pp_rank = pp_mesh.get_local_rank()
+        self.local = assignment.local_stages(self.pp_rank)
+        self.units = {s: [assignment.layout.units[i] for i in assignment.stages[s]] for s in self.local}
+        self.last_pp_rank = assignment.ranks[-1]
+        self.model = model
+        self.stages: list[PipelineStage] = []
+        self.loss_fn: Callable | None = None
+        self.schedule_name = pipeline.schedule
+        self.data_parallel: FSDPModule | None = None
+        self.backwards_left = 0
+
+    def build(self, model: nn.Module) -> None:
+        self.model = model
+        self.data_parallel = model if isinstance(model, FSDPModule) else None
+        data = [f"{a}={self.plan.mesh.size_of(a)}" for a in DATA_AXES if self.plan.mesh.size_of(a) > 1]
+        if data and self.data_parallel is None:
+            raise PlanError(f"pipeline stages with {', '.join(data)} need an FSDP2 data-parallel wrapper (fully_shard "
+                            f"or FSDP2's replicate) to accumulate gradients over micro-batches and reduce them once, "
+                            f"but the model is no FSDPModule after parallelize(): DDP's replicate, whose reducer "
+                            f"expects one forward per backward, gives wrong gradients over micro-batches. "
+                            f"runtime/apply.py must use FSDP2's replicate for plans with a pipeline")
+        for s in self.local:
+            modules = [model.get_submodule(m) for u in self.units[s] for m in u.modules]
+            stage = PipelineStage(_StageModule(model, s, modules), s, self.assignment.num_stages, self.ctx.device,
+                                  group=self.pp_group)
+            _instrument(stage, self)
+            self.stages.append(stage)
+        cls = _schedule_class(self.schedule_name)
+
+        def scaled_loss(output: Any, target: Any) -> torch.Tensor:
+            assert self.loss_fn is not None
+            return self.loss_fn(output, target) / self.microbatches
+
+        if self.schedule_name in SINGLE_STAGE_SCHEDULES:
+            self.schedule = cls(self.stages[0], self.microbatches, loss_fn=scaled_loss, scale_grads=False)
+        else:
+            self.schedule = cls(self.stages, self.microbatches, loss_fn=scaled_loss, scale_grads=False)
+
+    @property
+    def has_first(self) -> bool:
+        return 0 in self.local
+
+    @property
+    def has_last(self) -> bool:
+        return self.assignment.num_stages - 1 in self.local
+
+    def step(self, inputs: Any, targets: Any, loss_fn: Callable) -> torch.Tensor:
+        inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+        problems = self.plan.pipeline.check_batch(int(inputs[0].shape[0])) if self.plan.pipeline else []
+        if problems:
+            raise PlanError(problems)
+        self.loss_fn = loss_fn
+        device = self.ctx.device
+        args = tuple(x.to(device) for x in inputs) if self.has_first else ()
+        target = targets.to(device) if self.has_last else None
+        losses: list[torch.Tensor] = []
+        with timeline.span("step"), _recording_waits():
+            self.backwards_left = self.microbatches * len(self.local)
+            if self.data_parallel is not None:
+                self.data_parallel.set_requires_gradient_sync(False)
+            try:
+                self.schedule.step(*args, target=target, losses=losses)
+            finally:
+                if self.data_parallel is not None:
+                    self.data_parallel.set_requires_gradient_sync(True)
+            with timeline.span("sync"):
+                loss = torch.stack([t.detach() for t in losses]).sum().float() if self.has_last \
+                    else torch.zeros((), device=device)
+                dist.broadcast(loss, group=self.pp_group, group_src=self.last_pp_rank)
+                data_world = 1
+                for axis in DATA_AXES:
+                    size = self.plan.mesh.size_of(axis)
+                    if size > 1:
+                        dist.all_reduce(loss, group=self.ctx.mesh[axis].get_group())
+                        data_world *= size
+        return loss / data_world
+
+
+def _count_saved(params: Callable[[], list[torch.Tensor]], record: Any) -> Any:
+    """saved_tensors_hooks adding the bytes of non-parameter tensors saved for backward to ``record.bytes``."""
+
+    def storage(t: torch.Tensor) -> int:
+        local = getattr(t, "_local_tensor", t)
+        try:
+            return local.untyped_storage().data_ptr()
+        except RuntimeError:  # a tensor subclass without storage: not a parameter's
+            return -1
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.device.type != "meta" and storage(t) not in {storage(p) for p in params()}:
+            record.bytes += t.numel() * t.element_size()
+        return t
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+
+
+def _instrument(stage: PipelineStage, runtime: _Runtime) -> None:
+    """Record F/B/I/W spans per micro-batch (with saved activation bytes) while a timeline records,
+    and let FSDP2 (``dp``/``fsdp``) reduce gradients once, in this rank's last backward of the step.
+
+    The stage's submodule is not the FSDP module (it calls the model through its ``__call__``),
+    so torch's schedules do not switch FSDP's gradient sync; left alone, FSDP2 would reduce
+    after every micro-batch (correct, but m times the communication). Gradients accumulate
+    unsynced; the last backward syncs, and FSDP2's root callback reduces every group once.
+    """
+    forward, backward, weight = stage.forward_one_chunk, stage.backward_one_chunk, stage.backward_weight_one_chunk
+    index = stage.stage_index
+
+    def forward_one_chunk(chunk: int, *args: Any, **kwargs: Any) -> Any:
+        if not timeline.is_recording():
+            return forward(chunk, *args, **kwargs)
+        with timeline.span("F", index, chunk) as record, _count_saved(lambda: list(stage.submod.parameters()), record):
+            return forward(chunk, *args, **kwargs)
+
+    def backward_one_chunk(chunk: int, loss: Any = None, full_backward: bool = True, last_backward: bool = False) -> Any:
+        runtime.backwards_left -= 1
+        if runtime.backwards_left == 0 and runtime.data_parallel is not None:
+            runtime.data_parallel.set_requires_gradient_sync(True)
+        with timeline.span("B" if full_backward else "I", index, chunk):
+            return backward(chunk, loss=loss, full_backward=full_backward, last_backward=last_backward)
+
+    def backward_weight_one_chunk(chunk: int, last_backward: bool = False) -> Any:
+        with timeline.span("W", index, chunk):
+            return weight(chunk, last_backward=last_backward)
+
+    stage.forward_one_chunk = forward_one_chunk
+    stage.backward_one_chunk = backward_one_chunk
+    stage.backward_weight_one_chunk = backward_weight_one_chunk
+
+
+@contextmanager
+def _recording_waits() -> Iterator[None]:
+    """While recording, time torch's blocking P2P waits (``schedules._wait_batch_p2p``) as ``wait`` spans."""
+    original = getattr(torch_schedules, "_wait_batch_p2p", None)
+    if not timeline.is_recording() or original is None:
+        yield
+        return
+
+    def waiting(work: list) -> None:
+        if not work:
+            return original(work)
+        with timeline.span("wait"):
+            return original(work)
+
+    torch_schedules._wait_batch_p2p = waiting
+    try:
+        yield
+    finally:
+        torch_schedules._wait_batch_p2p = original
+
+
+def build_pipeline(model: nn.Module, plan: Plan, ctx: Context) -> nn.Module:
+    """Split ``model`` into this rank's pipeline stage(s), parallelize them, and schedule them.
+
+    Returns the pruned model (original parameter names) with ``step(inputs, targets, loss_fn)``,
+    ``plan``, ``local_stages`` and ``forward(x, stage=s)``.
+    """
+    from .apply import parallelize
+
+    plan = plan.resolved(ctx.world_size)
+    pipeline = plan.pipeline
+    if pipeline is None:
+        raise PlanError("build_pipeline needs a plan with a pipeline")
+    problems = pipeline.check_mesh(plan.mesh)
+    if problems:
+        raise PlanError(problems)
+    if isinstance(model, PipelinedModule):
+        raise PlanError("this model is already split into pipeline stages; build a fresh model for sk.shard")
+    assignment = assign_stages(model, pipeline, plan.mesh)
+    runtime = _Runtime(model, plan, ctx, assignment)
+    keep = {m for s in runtime.local for m in assignment.modules(s)} | set(assignment.layout.shared)
+    _prune(model, keep, assignment)
+    model = _as_pipelined(model)
+    model._sk_runtime = runtime
+    model = parallelize(model, plan, ctx)
+    runtime.build(model)
+    return model
+
+
+__all__ = ["STAGE_FORWARDS", "PipelinedModule", "build_pipeline"]

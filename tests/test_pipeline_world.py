@@ -1,0 +1,111 @@
+"""Every pipeline schedule, and pp composed with dp / fsdp / tp, proven equal to one process by sk.verify."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import shardkit as sk
+from shardkit.models.gpt import GPT, GPT_RULES, GPTConfig, gpt_loss
+from shardkit.models.hf import LLAMA_RULES, build_tiny_llama, hf_loss
+from shardkit.spec import Mesh, Pipeline, Plan
+
+pytestmark = pytest.mark.world
+
+
+def build_gpt4() -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(layers=4, dim=32, heads=2, seq_len=16))
+
+
+def build_gpt8() -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(layers=8, dim=32, heads=2, seq_len=16))
+
+
+def tokens(batch: int = 8, seq: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 256, (batch, seq + 1), generator=generator)
+    return ids[:, :-1], ids[:, 1:]
+
+
+def check(build, plan: Plan, world, loss_fn=gpt_loss, batch=None) -> None:
+    result = sk.verify(build, plan, batch or tokens(), loss_fn=loss_fn, steps=2, world=world)
+    assert result.ok, str(result)
+    assert not result.problems
+
+
+SCHEDULES = [("sequential", 1, 1), ("gpipe", 4, 1), ("1f1b", 4, 1), ("interleaved-1f1b", 4, 2),
+             ("zero-bubble", 4, 1), ("zbv", 4, 2)]
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+@pytest.mark.parametrize(("schedule", "microbatches", "virtual"), SCHEDULES, ids=[s[0] for s in SCHEDULES])
+def test_every_schedule_matches_a_single_process(world, pp, schedule, microbatches, virtual):
+    build = build_gpt8 if pp * virtual > 4 else build_gpt4
+    plan = Plan(mesh=Mesh(pp=pp), pipeline=Pipeline(schedule=schedule, microbatches=microbatches,
+                                                    virtual_stages=virtual))
+    check(build, plan, world(pp))
+
+
+@pytest.mark.parametrize("plan", [
+    Plan(mesh=Mesh(pp=2, dp=2), pipeline=Pipeline(schedule="1f1b", microbatches=2, split="auto")),
+    Plan(mesh=Mesh(pp=2, fsdp=2), pipeline=Pipeline(schedule="gpipe", microbatches=2)),
+    Plan(mesh=Mesh(pp=2, tp=2), rules=GPT_RULES, pipeline=Pipeline(split_points=["layers.2"], schedule="1f1b",
+                                                                   microbatches=2)),
+], ids=["pp2xdp2-auto", "pp2xfsdp2", "pp2xtp2"])
+def test_pipeline_composes_with_data_and_tensor_parallel(world, plan):
+    check(build_gpt4, plan, world(4))
+
+
+def test_hf_llama_pipeline_carries_hidden_states_and_recomputes_positions(world):
+    plan = Plan(mesh=Mesh(pp=2), pipeline=Pipeline(schedule="1f1b", microbatches=2))
+    check(build_tiny_llama, plan, world(2), loss_fn=hf_loss)
+
+
+def test_hf_llama_pipeline_with_tensor_parallel(world):
+    plan = Plan(mesh=Mesh(pp=2, tp=2), rules=LLAMA_RULES, pipeline=Pipeline(schedule="gpipe", microbatches=2))
+    check(build_tiny_llama, plan, world(4), loss_fn=hf_loss)
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.fc(x))
+
+
+class ScopedNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        with sk.stage(0):
+            self.embed = nn.Embedding(256, 16)
+            self.block1 = Block()
+        with sk.stage(1):
+            self.block2 = Block()
+            self.head = nn.Linear(16, 256)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block2(self.block1(self.embed(idx))))
+
+
+def build_scoped() -> ScopedNet:
+    torch.manual_seed(0)
+    return ScopedNet()
+
+
+def _stage_params(ctx, plan):
+    model = sk.shard(build_scoped(), plan, ctx)
+    return model.local_stages, sorted(n for n, _ in model.named_parameters())
+
+
+def test_scoped_model_runs_its_stages_on_their_devices(world):
+    plan = Plan(mesh=Mesh(pp=2), pipeline=Pipeline(split="scopes", schedule="gpipe", microbatches=2))
+    check(build_scoped, plan, world(2))
+    (stages0, names0), (stages1, names1) = world(2).run(_stage_params, plan, plan=plan)
+    assert (stages0, stages1) == ([0], [1])
+    assert {n.split(".")[0] for n in names0} == {"embed", "block1"}
+    assert {n.split(".")[0] for n in names1} == {"block2", "head"}
