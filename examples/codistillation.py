@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from _common import sgd_step
 from torch import nn
 from torch.nn import functional as F
 
@@ -44,17 +45,6 @@ def losses(own: torch.Tensor, other: torch.Tensor, y: torch.Tensor) -> tuple[tor
     task = F.cross_entropy(own, y)
     distill = F.kl_div(F.log_softmax(own, 1), F.softmax(other.detach(), 1), reduction="batchmean")
     return task + ALPHA * distill, task
-
-
-def sgd_step(params, lr: float) -> None:
-    """Plain SGD, ``p -= lr * grad``, then clear the gradients.
-
-    (torch.optim.SGD would do; its first use imports torch._dynamo, seconds in every process.)
-    """
-    with torch.no_grad():
-        for p in params:
-            p -= lr * p.grad
-            p.grad = None
 
 
 def work(ctx) -> dict:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from _common import sgd_step
 from torch import nn
 
 import shardkit as sk
@@ -43,17 +44,6 @@ def member_data(member: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def test_inputs() -> torch.Tensor:
     return torch.from_numpy(np.random.default_rng(7).standard_normal((128, 4)))
-
-
-def sgd_step(params, lr: float) -> None:
-    """Plain SGD, ``p -= lr * grad``, then clear the gradients.
-
-    (torch.optim.SGD would do; its first use imports torch._dynamo, seconds in every process.)
-    """
-    with torch.no_grad():
-        for p in params:
-            p -= lr * p.grad
-            p.grad = None
 
 
 def train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, after_backward=None) -> list[float]:

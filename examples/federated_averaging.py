@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from _common import sgd_step
 from torch import nn
 
 import shardkit as sk
@@ -37,17 +38,6 @@ def client_batch(client: int, round_: int, step: int) -> tuple[torch.Tensor, tor
     y = torch.tanh(x @ torch.tensor([[0.7], [-0.4], [0.2]], dtype=x.dtype)) + 0.05 * torch.from_numpy(
         rng.standard_normal((BATCH, 1)))
     return x, y
-
-
-def sgd_step(params, lr: float) -> None:
-    """Plain SGD, ``p -= lr * grad``, then clear the gradients.
-
-    (torch.optim.SGD would do; its first use imports torch._dynamo, seconds in every process.)
-    """
-    with torch.no_grad():
-        for p in params:
-            p -= lr * p.grad
-            p.grad = None
 
 
 def local_step(model: nn.Module, x, y, after_backward=None) -> float:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from _common import sgd_step
 from torch.nn import functional as F
 
 import shardkit as sk
@@ -45,17 +46,6 @@ def forward(w1, b1, w2, b2, x, gather=None) -> torch.Tensor:
     if gather is not None:
         hidden = gather(hidden)
     return hidden @ w2.T + b2
-
-
-def sgd_step(params, lr: float) -> None:
-    """Plain SGD, ``p -= lr * grad``, then clear the gradients.
-
-    (torch.optim.SGD would do; its first use imports torch._dynamo, seconds in every process.)
-    """
-    with torch.no_grad():
-        for p in params:
-            p -= lr * p.grad
-            p.grad = None
 
 
 def work(ctx) -> dict:
