@@ -191,3 +191,9 @@ def test_validate_needs_world_size_for_inferred_axis():
 def test_sequence_parallel_needs_tp():
     with pytest.raises(PlanError, match="sequence_parallel=True needs a 'tp' axis"):
         sk.Plan(mesh=sk.Mesh(fsdp=2), sequence_parallel=True).validate(SHAPES)
+
+
+def test_hsdp_needs_dp_before_fsdp():
+    with pytest.raises(PlanError, match="'dp' must come before \\['fsdp'\\]"):
+        sk.Plan(mesh=sk.Mesh(fsdp=2, dp=2)).validate(SHAPES)
+    sk.Plan(mesh=sk.Mesh(dp=2, fsdp=2)).validate(SHAPES)

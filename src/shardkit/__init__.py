@@ -38,6 +38,12 @@ _EXPORTS = {
     "group_module": "shardkit.runtime.variables",
     "grouping_table": "shardkit.spec.replicas",
     "average_gradients": "shardkit.runtime.groups",
+    "ring_attention": "shardkit.runtime.context_parallel",
+    "enable_context_parallel": "shardkit.runtime.context_parallel",
+    "shard_sequence": "shardkit.runtime.context_parallel",
+    "unshard_sequence": "shardkit.runtime.context_parallel",
+    "sequence_positions": "shardkit.runtime.context_parallel",
+    "check_sequence_length": "shardkit.spec.sequence",
     # grouped collectives (within the groups of a ReplicaGrouping, or of its transpose)
     "all_reduce": "shardkit.runtime.groups",
     "all_gather": "shardkit.runtime.groups",

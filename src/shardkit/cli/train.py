@@ -29,6 +29,7 @@ from ..planner.meta import meta_model
 from ..runtime.world import Context, LocalWorld, WorldError, in_torchrun, launch
 from ..spec import DATA_AXES, LayoutMap, Mesh, Plan, PlanError
 from ..spec.pipeline import SCHEDULES, SPLITS, pipeline_from_args
+from ..spec.sequence import sequence_problems
 
 DEFAULT_MODEL = "gpt-small"
 DEFAULT_MESH = "fsdp=2,tp=2"
@@ -159,9 +160,9 @@ def check_job(args: argparse.Namespace, plan: Plan, world_size: int) -> TrainJob
         problems.append(f"--steps {args.steps}: train at least 1 step")
     if args.data_mb <= 0:
         problems.append(f"--data-mb {args.data_mb}: read a positive amount of text, e.g. 4")
-    if plan.pipeline is not None:
-        problems.extend(plan.pipeline.check_model(meta, plan.mesh))
+    if plan.pipeline is not None:  # check_model already ran inside plan.validate
         problems.extend(plan.pipeline.check_batch(args.batch_size, data_world))
+    problems.extend(sequence_problems(plan, seq_len))
     if problems:
         raise PlanError(problems)
     data = TextShards(args.data, max_bytes=int(args.data_mb * 2**20))

@@ -138,15 +138,18 @@ def _blocks(module: nn.Module) -> list[nn.Module]:
 
 
 def _data_mesh(plan: Plan, mesh):
-    """(mesh for FSDP2, shards?) from the data axes; ``sp`` joins the gradient reduction."""
+    """(mesh for FSDP2 / DDP, shards?) from the data axes; ``sp`` joins the gradient reduction.
+
+    Sliced dims must be in mesh order, and HSDP's replicate dim (``dp``) comes first
+    (``Plan.validate`` checks that ``dp`` precedes ``fsdp``).
+    """
     m = plan.mesh
     replicate = ["dp_replica"] if plan.replicas is not None else (["dp"] if m.size_of("dp") > 1 else [])
-    shard_axes = [a for a in ("fsdp", "sp") if m.size_of(a) > 1]
+    others = sorted((a for a in ("fsdp", "sp") if m.size_of(a) > 1), key=mesh.mesh_dim_names.index)
     if m.size_of("fsdp") > 1:
-        shard_dim = shard_axes[0] if len(shard_axes) == 1 else mesh[tuple(shard_axes)]._flatten("fsdp_sp").mesh_dim_names[0]
-        names = tuple(replicate) + (shard_dim,)
-        return mesh[names], True
-    replicate += [a for a in shard_axes if a != "fsdp"]
+        shard_dim = others[0] if len(others) == 1 else mesh[tuple(others)]._flatten("_".join(others)).mesh_dim_names[0]
+        return mesh[(*replicate, shard_dim)], True
+    replicate = sorted(replicate + others, key=mesh.mesh_dim_names.index)
     if not replicate:
         return None, False
     if len(replicate) == 1:

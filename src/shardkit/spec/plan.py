@@ -105,6 +105,12 @@ class Plan:
                     f"mesh axis {axis!r} (size {mesh[axis]}) is used by no layout rule, so every {axis} rank would "
                     f"compute the same thing; add rules that split parameters over {axis!r} or remove the axis"
                 )
+        names = mesh.names
+        if "dp" in names and "fsdp" in names and mesh["dp"] > 1 and mesh["fsdp"] > 1:
+            late = [a for a in ("fsdp", "sp") if a in names and names.index(a) < names.index("dp") and mesh[a] > 1]
+            if late:
+                problems.append(f"mesh {mesh!r}: with dp and fsdp together (HSDP), 'dp' must come before {late} "
+                                f"(the replicate dim is outermost), e.g. Mesh(dp={mesh['dp']}, fsdp={mesh['fsdp']}, ...)")
         if self.sequence_parallel and mesh.size_of("tp") == 1:
             problems.append("sequence_parallel=True needs a 'tp' axis of size > 1 (Megatron-style SP splits the "
                             "sequence over the tensor-parallel group); for context parallel use an 'sp' mesh axis")
