@@ -22,7 +22,7 @@ def _batch(batch=8, seq=32, vocab=256):
 GPT_CASES = [
     ("dp=2", None), ("fsdp=2", None), ("tp=2", GPT_RULES),
     ("fsdp=4", None), ("tp=4", GPT_RULES), ("dp=2,tp=2", GPT_RULES), ("fsdp=2,tp=2", GPT_RULES),
-    ("dp=2,fsdp=2", None),
+    ("dp=2,fsdp=2", None), ("dp=2,fsdp=2,sp=2", None),  # HSDP with context parallel in the shard dim
 ]
 
 

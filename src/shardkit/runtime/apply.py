@@ -14,6 +14,7 @@ The order follows torchtitan's parallelize procedures, top to bottom:
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -147,8 +148,14 @@ def _data_mesh(plan: Plan, mesh):
     replicate = ["dp_replica"] if plan.replicas is not None else (["dp"] if m.size_of("dp") > 1 else [])
     others = sorted((a for a in ("fsdp", "sp") if m.size_of(a) > 1), key=mesh.mesh_dim_names.index)
     if m.size_of("fsdp") > 1:
-        shard_dim = others[0] if len(others) == 1 else mesh[tuple(others)]._flatten("_".join(others)).mesh_dim_names[0]
-        return mesh[(*replicate, shard_dim)], True
+        if len(others) == 1:
+            return mesh[(*replicate, others[0])], True
+        flat = mesh[tuple(others)]._flatten("_".join(others))
+        if not replicate:
+            return flat, True
+        with warnings.catch_warnings():  # torch has no other way yet to pair a flattened dim with dp
+            warnings.filterwarnings("ignore", message="Slicing a flattened dim")
+            return mesh[(*replicate, flat.mesh_dim_names[0])], True
     replicate = sorted(replicate + others, key=mesh.mesh_dim_names.index)
     if not replicate:
         return None, False
