@@ -8,6 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import settings
+
+# CI runs on 2 shared cores: no per-example deadline (a slow example is not a failure), and a
+# fixed derandomised profile so a run is reproducible.
+settings.register_profile("shardkit", deadline=None, derandomize=True)
+settings.load_profile("shardkit")
 
 from shardkit.runtime.world import LocalWorld
 
