@@ -10,12 +10,12 @@ import pytest
 import torch
 from hypothesis import settings
 
+from shardkit.runtime.world import LocalWorld
+
 # CI runs on 2 shared cores: no per-example deadline (a slow example is not a failure), and a
 # fixed derandomised profile so a run is reproducible.
 settings.register_profile("shardkit", deadline=None, derandomize=True)
 settings.load_profile("shardkit")
-
-from shardkit.runtime.world import LocalWorld
 
 # The pytest process runs the single-process references of sk.verify; on 2 shared cores one
 # intra-op thread is faster than two fighting with the worker processes.
