@@ -86,3 +86,11 @@ def test_shard_keeps_names_splits_parameters_and_steps(world):
         assert local == expected
         assert full == shapes and cls.startswith("Sharded")
     assert len({round(o[1], 6) for o in out}) == 1  # the same global loss on every rank
+
+
+def test_fsdp_mixed_precision_options_take_effect(world):
+    plan = sk.Plan(mesh=sk.Mesh(fsdp=2), fsdp=sk.FSDPOptions(reshard_after_forward=False, param_dtype="bfloat16",
+                                                               reduce_dtype="float32"))
+    result = sk.verify(build_tiny_gpt, plan, _batch(), loss_fn=gpt_loss, steps=2, world=world(2))
+    assert result.ok, result  # within the bf16 tolerances (1000 x fp32's)
+    assert result.steps[0].loss > 1e-5  # and visibly not fp32 arithmetic: bf16 really was used

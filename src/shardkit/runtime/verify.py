@@ -20,14 +20,18 @@ from ..spec import Plan, PlanError
 from .world import Context, LocalWorld, launch
 
 #: Default fp32 tolerances. Sharded reductions run in a different order, so results differ
-#: in the last bits. ``loss``: max absolute difference. ``grad``: per parameter,
-#: ``|diff| <= grad + grad_rel * max|reference grad|``. ``weight``: max absolute difference
-#: as a fraction of the learning rate: AdamW normalises each gradient by its running RMS,
-#: so a parameter whose true gradient is ~0 (an attention key bias, for instance) turns
-#: rounding noise into steps of up to ~lr; a tenth of lr bounds that noise while a wrong
-#: gradient (caught by ``grad``) or a wrong update rule is far larger. With bf16/fp16
-#: mixed precision every tolerance is multiplied by 1000.
-TOLERANCES = {"loss": 1e-5, "grad": 1e-5, "grad_rel": 1e-4, "weight": 0.1}
+#: in the last bits. ``loss``: ``|diff| <= loss + loss_rel * |reference loss|``. ``grad``: per
+#: parameter, ``|diff| <= grad + grad_rel * max|reference grad|``. ``weight``: max absolute
+#: difference after step k (from 0) <= ``weight * lr * (k + 1)``: AdamW normalises each
+#: gradient by its running RMS, so a parameter whose true gradient is ~0 (an attention key
+#: bias, for instance) turns rounding noise into steps of up to ~lr; a tenth of lr per step
+#: bounds that noise while a wrong gradient (caught by ``grad``) or update rule is far larger.
+TOLERANCES = {"loss": 1e-5, "loss_rel": 0.0, "grad": 1e-5, "grad_rel": 1e-4, "weight": 0.1}
+#: With bf16/fp16 mixed precision (``FSDPOptions.param_dtype``/``reduce_dtype``) the sharded
+#: run computes in 8 significant bits against an fp32 reference: about 1% on the loss and 5%
+#: on gradients; AdamW then flips the sign of near-zero gradients' steps, so weights may
+#: differ by up to two steps of lr per step.
+MIXED_PRECISION_TOLERANCES = {"loss": 1e-3, "loss_rel": 2e-2, "grad": 1e-3, "grad_rel": 5e-2, "weight": 2.0}
 
 
 @dataclass(frozen=True)
@@ -133,7 +137,8 @@ def verify(build_model: Callable[[], nn.Module], plan: Plan, batch: tuple[Any, A
     ``build_model()`` must return a fresh module with deterministic weights; ``batch`` is the
     global ``(inputs, targets)``, split over data ranks as training would; ``loss_fn(output,
     targets)`` returns a mean scalar. Tolerances (fp32, see :data:`TOLERANCES`): loss 1e-5;
-    gradients 1e-5 + 1e-4 x max|grad| per parameter; weights 0.1 x lr.
+    gradients 1e-5 + 1e-4 x max|grad| per parameter; weights 0.1 x lr per step taken.
+    Mixed precision: :data:`MIXED_PRECISION_TOLERANCES`.
 
     >>> result = verify(build_tiny_gpt, Plan(mesh=Mesh(fsdp=2)), (x, y), loss_fn=gpt_loss)  # doctest: +SKIP
     >>> result.ok
@@ -159,9 +164,8 @@ def verify(build_model: Callable[[], nn.Module], plan: Plan, batch: tuple[Any, A
         from ..spec.sequence import check_sequence_length
 
         check_sequence_length(plan.resolved(world_size), int(inputs.shape[1]))
-    tol = {**TOLERANCES, **(tolerances or {})}
-    if tolerances is None and (plan.fsdp.param_dtype or plan.fsdp.reduce_dtype) not in (None, "float32"):
-        tol = {k: v * 1000 for k, v in tol.items()}
+    mixed = {plan.fsdp.param_dtype, plan.fsdp.reduce_dtype} - {None, "float32"}
+    tol = {**(MIXED_PRECISION_TOLERANCES if mixed else TOLERANCES), **(tolerances or {})}
     reference = _reference(build_model, batch, loss_fn, steps, optimizer, lr)
     per_rank = launch(_sharded_job, plan, build_model, batch, loss_fn, steps, optimizer, lr,
                       world=world, world_size=world_size)
@@ -176,12 +180,13 @@ def verify(build_model: Callable[[], nn.Module], plan: Plan, batch: tuple[Any, A
         if missing and step == 0:
             problems.append(f"parameters held by no rank: {missing}")
         loss = max(abs(r[step]["loss"] - ref["loss"]) for r in per_rank)
+        loss_ok = loss <= tol["loss"] + tol["loss_rel"] * abs(ref["loss"])
         g, gw, g_ok = _max_diff(ref["grads"], grads, tol["grad_rel"], tol["grad"])
-        w, ww, w_ok = _max_diff(ref["weights"], weights, 0.0, tol["weight"] * lr)
+        w, ww, w_ok = _max_diff(ref["weights"], weights, 0.0, tol["weight"] * lr * (step + 1))
         diffs.append(StepDiff(step, loss, g, w, gw, ww))
-        if not (loss <= tol["loss"] and g_ok and w_ok):
+        if not (loss_ok and g_ok and w_ok):
             problems.append(f"step {step}: " + ", ".join(
-                what for what, good in (("loss", loss <= tol["loss"]), (f"gradient of {gw}", g_ok),
+                what for what, good in (("loss", loss_ok), (f"gradient of {gw}", g_ok),
                                         (f"weight {ww}", w_ok)) if not good) + " out of tolerance")
     ok = not problems
     return VerifyResult(ok, diffs, tol, [r["loss"] for r in reference], problems)
