@@ -21,7 +21,9 @@ lint: $(STAMP)
 	.venv/bin/ruff check src tests benchmarks examples
 
 bench: $(STAMP)
-	$(PY) benchmarks/apply_overhead.py
+	$(PY) benchmarks/apply_overhead.py --steps 30
+	$(PY) benchmarks/pipeline.py --steps 10 --out runs/pipeline-bench
+	$(PY) benchmarks/sequence.py --steps 3
 
 clean:
 	rm -rf .venv build dist src/*.egg-info .pytest_cache
