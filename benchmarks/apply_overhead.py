@@ -10,10 +10,11 @@ memory growth (observe.memory.PeakMemory: CPU peak RSS growth, CUDA max allocate
 the exact bytes of training state held (parameters, gradients, AdamW state), and
 the parameter bytes per device against theory (exact per-layout shards; and total / N).
 Step times: both variants live in the same processes and their steps alternate, so the
-noise of a shared machine hits both alike. Memory: each variant in a fresh world, so
-allocator state does not leak from one to the other.
+noise of a shared machine hits both alike. Memory: each variant in fresh worlds (alternating,
+``--repeats`` each, median of the largest rank), so allocator state does not leak from one to
+the other.
 
-    python benchmarks/apply_overhead.py [--steps 20] [--dim 256] [--layers 4]
+    python benchmarks/apply_overhead.py [--steps 30] [--repeats 3] [--dim 256] [--layers 4]
 """
 
 from __future__ import annotations
@@ -154,6 +155,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3, help="fresh worlds per variant for the memory median")
     args = parser.parse_args()
     config = GPTConfig(vocab=256, layers=args.layers, dim=args.dim, heads=8, seq_len=args.seq)
     g = torch.Generator().manual_seed(0)
@@ -170,15 +172,16 @@ def main() -> None:
         with sk.LocalWorld(WORLD) as world:
             timed = world.run(_time_job, strategy, config, args.steps, batch, plan=plan)
         step = {v: max(r[v] for r in timed) for v in ("hand", "shardkit")}
-        memory = {}
-        for variant in ("hand", "shardkit"):
-            with sk.LocalWorld(WORLD) as world:
-                memory[variant] = world.run(_memory_job, strategy, variant, config, 5, batch, plan=plan)
-            method = memory[variant][0]["method"]
-        peak = {v: max(r["peak"] for r in memory[v]) for v in memory}
-        state = {v: max(r["state"] for r in memory[v]) for v in memory}
+        memory: dict[str, list] = {"hand": [], "shardkit": []}
+        for _ in range(args.repeats):  # alternating fresh worlds; RSS growth is noisy, take the median
+            for variant in memory:
+                with sk.LocalWorld(WORLD) as world:
+                    memory[variant].append(world.run(_memory_job, strategy, variant, config, 5, batch, plan=plan))
+        method = memory["hand"][0][0]["method"]
+        peak = {v: statistics.median(max(r["peak"] for r in run) for run in runs) for v, runs in memory.items()}
+        state = {v: max(r["state"] for r in runs[0]) for v, runs in memory.items()}
         exact, naive = theory_bytes(plan, config)
-        held = max(r["param_bytes"] for r in memory["shardkit"])
+        held = max(r["param_bytes"] for r in memory["shardkit"][0])
         table.add_row(strategy, f"{step['shardkit'] * 1e3:.1f} / {step['hand'] * 1e3:.1f}",
                       f"{step['shardkit'] / step['hand']:.3f}",
                       f"{peak['shardkit'] / 2**20:.1f} / {peak['hand'] / 2**20:.1f}",
