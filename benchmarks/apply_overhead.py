@@ -6,15 +6,16 @@ The same model, data and world (4 local gloo processes), sharded two ways:
   block and root, ``parallelize_module`` with explicit Colwise/Rowwise styles, ``DDP``.
 
 Printed per strategy: the ratios shardkit / hand-written of median step time, of peak
-memory growth (observe.memory.PeakMemory: CPU peak RSS growth, CUDA max allocated) and of
+tensor memory (observe.memory.TensorMemoryPeak) and of
 the exact bytes of training state held (parameters, gradients, AdamW state), and
 the parameter bytes per device against theory (exact per-layout shards; and total / N).
 Step times: both variants live in the same processes and their steps alternate, so the
 noise of a shared machine hits both alike. Memory: each variant in fresh worlds (alternating,
-``--repeats`` each, median of the largest rank), so allocator state does not leak from one to
-the other.
+``--repeats`` each), the peak bytes of live tensors from torch's profiler (unlike RSS, only
+tensors count), median over ranks and repeats: when gloo and autograd free buffers varies
+from run to run by a few MiB per rank.
 
-    python benchmarks/apply_overhead.py [--steps 30] [--repeats 3] [--dim 256] [--layers 4]
+    python benchmarks/apply_overhead.py [--steps 30] [--repeats 2] [--dim 256] [--layers 4]
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from rich.table import Table
 
 import shardkit as sk
 from shardkit.models.gpt import GPT, GPT_RULES, GPTConfig, gpt_loss
-from shardkit.observe.memory import PeakMemory, local_nbytes, state_bytes
+from shardkit.observe.memory import TensorMemoryPeak, local_nbytes, state_bytes
 
 WORLD = 4
 STRATEGIES = {"dp=4": None, "fsdp=4": None, "tp=4": GPT_RULES, "fsdp=2,tp=2": GPT_RULES}
@@ -125,15 +126,15 @@ def _time_job(ctx, strategy: str, config: GPTConfig, steps: int, batch: tuple) -
 
 
 def _memory_job(ctx, strategy: str, variant: str, config: GPTConfig, steps: int, batch: tuple) -> dict:
-    """One variant in a fresh world: peak memory growth over building, sharding and training."""
+    """One variant in a fresh world: peak tensor memory over building, sharding and training."""
     _warm_imports()
-    memory = PeakMemory(ctx.device).start()
-    model, optimizer = _make(variant, strategy, config, ctx)
-    inputs, targets = _local_batch(ctx, batch)
-    for _ in range(steps):
-        _train_step(variant, model, optimizer, inputs, targets)
+    with TensorMemoryPeak(ctx.device) as memory:
+        model, optimizer = _make(variant, strategy, config, ctx)
+        inputs, targets = _local_batch(ctx, batch)
+        for _ in range(steps):
+            _train_step(variant, model, optimizer, inputs, targets)
     return {"peak": memory.peak_bytes(), "param_bytes": sum(local_nbytes(p) for p in model.parameters()),
-            "state": state_bytes(model, optimizer).total, "method": memory.method}
+            "state": state_bytes(model, optimizer).total}
 
 
 def theory_bytes(plan: sk.Plan, config: GPTConfig) -> tuple[int, int]:
@@ -155,7 +156,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=3, help="fresh worlds per variant for the memory median")
+    parser.add_argument("--repeats", type=int, default=2, help="fresh worlds per variant for the memory median")
     args = parser.parse_args()
     config = GPTConfig(vocab=256, layers=args.layers, dim=args.dim, heads=8, seq_len=args.seq)
     g = torch.Generator().manual_seed(0)
@@ -163,25 +164,23 @@ def main() -> None:
     batch = (tokens[:, :-1], tokens[:, 1:])
     table = Table(title=f"shardkit vs hand-written torch.distributed ({WORLD} gloo processes, GPT dim {args.dim}, "
                         f"{args.layers} layers, median of {args.steps - 2} steps)")
-    for col in ("strategy", "step ms (sk / hand)", "step ratio", "peak MiB (sk / hand)", "memory ratio",
+    for col in ("strategy", "step ms (sk / hand)", "step ratio", "peak tensor MiB (sk / hand)", "memory ratio",
                 "state bytes ratio", "param bytes / theory", "theory total/N"):
         table.add_column(col, justify="right")
-    method = ""
     for strategy, rules in STRATEGIES.items():
         plan = sk.Plan(mesh=sk.Mesh.parse(strategy), rules=rules)
         with sk.LocalWorld(WORLD) as world:
             timed = world.run(_time_job, strategy, config, args.steps, batch, plan=plan)
         step = {v: max(r[v] for r in timed) for v in ("hand", "shardkit")}
         memory: dict[str, list] = {"hand": [], "shardkit": []}
-        for _ in range(args.repeats):  # alternating fresh worlds; RSS growth is noisy, take the median
+        for _ in range(args.repeats):  # alternating fresh worlds
             for variant in memory:
                 with sk.LocalWorld(WORLD) as world:
-                    memory[variant].append(world.run(_memory_job, strategy, variant, config, 5, batch, plan=plan))
-        method = memory["hand"][0][0]["method"]
-        peak = {v: statistics.median(max(r["peak"] for r in run) for run in runs) for v, runs in memory.items()}
-        state = {v: max(r["state"] for r in runs[0]) for v, runs in memory.items()}
+                    memory[variant] += world.run(_memory_job, strategy, variant, config, 3, batch, plan=plan)
+        peak = {v: statistics.median(r["peak"] for r in runs) for v, runs in memory.items()}
+        state = {v: max(r["state"] for r in runs) for v, runs in memory.items()}
         exact, naive = theory_bytes(plan, config)
-        held = max(r["param_bytes"] for r in memory["shardkit"][0])
+        held = max(r["param_bytes"] for r in memory["shardkit"])
         table.add_row(strategy, f"{step['shardkit'] * 1e3:.1f} / {step['hand'] * 1e3:.1f}",
                       f"{step['shardkit'] / step['hand']:.3f}",
                       f"{peak['shardkit'] / 2**20:.1f} / {peak['hand'] / 2**20:.1f}",
@@ -189,9 +188,10 @@ def main() -> None:
                       f"{held / exact:.3f}", f"{held / naive:.3f}")
     console = Console(width=150)
     console.print(table)
-    console.print(f"memory: {method}; state bytes: parameters + gradients + AdamW state held (exact); "
-                  f"step time: slowest rank's median. Targets: step ratio <= 1.05, memory ratio <= 1.02, "
-                  f"param bytes / theory = 1.000")
+    console.print("memory: peak bytes of live tensors (observe.memory.TensorMemoryPeak, torch's memory profiler) over "
+                  "building, sharding and 3 steps, median over ranks and repeats; state bytes: parameters + gradients + AdamW state held (exact); "
+                  "step time: slowest rank's median. Targets: step ratio <= 1.05, memory ratio <= 1.02, "
+                  "param bytes / theory = 1.000")
 
 
 if __name__ == "__main__":

@@ -150,3 +150,57 @@ class PeakMemory:
 
     def __exit__(self, *exc: object) -> None:
         return None
+
+
+class TensorMemoryPeak:
+    """Peak bytes of tensors allocated on a device while the block runs (torch's profiler).
+
+    CPU has no allocator statistics, and RSS also counts allocator slack and communication
+    buffers. torch's profiler with ``profile_memory=True`` records every allocation and free
+    made through torch's allocators; the running sum of those sizes, in time order, peaks at
+    the most tensor memory held at once since the block began — CPU's analogue of
+    ``torch.cuda.max_memory_allocated``. It slows the block down: use it to measure, not to
+    train. (Allocation events are read from the profiler's event tree,
+    ``kineto_results.experimental_event_tree()``: torch has no public accessor for them.)
+
+    >>> with TensorMemoryPeak() as mem:
+    ...     block = torch.ones(2**20)     # 4 MiB
+    >>> mem.peak_bytes() >= 4 * 2**20
+    True
+    """
+
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        self._profiler = None
+        self._peak: int | None = None
+
+    def __enter__(self) -> TensorMemoryPeak:
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        self._profiler = profile(activities=activities, profile_memory=True)
+        self._profiler.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        from torch._C._profiler import _EventType
+
+        self._profiler.__exit__(*exc)
+        allocations: list[tuple[int, int]] = []
+        stack = list(self._profiler.profiler.kineto_results.experimental_event_tree())
+        while stack:
+            node = stack.pop()
+            kind, fields = node.typed
+            if kind == _EventType.Allocation and fields.device.type == self.device.type:
+                allocations.append((node.start_time_ns, fields.alloc_size))
+            stack.extend(node.children)
+        held = peak = 0
+        for _, size in sorted(allocations):
+            held += size
+            peak = max(peak, held)
+        self._peak = peak
+
+    def peak_bytes(self) -> int:
+        if self._peak is None:
+            raise RuntimeError("TensorMemoryPeak.peak_bytes() is available after the with-block has finished")
+        return self._peak
