@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from scoped_net import Block, ScopedNet
 from torch import nn
 
 import shardkit as sk
@@ -189,31 +189,6 @@ def test_module_lists_must_place_every_module_once_contiguously():
                                     ["layers.1", "layers.3", "norm_f", "lm_head"]])
     assert "'layers.0.mlp', which is inside pipeline unit 'layers.0'" in bad(
         [["embed", "pos_embed", "layers.0.mlp"], ["layers", "norm_f", "lm_head"]])
-
-
-class Block(nn.Module):
-    def __init__(self, dim: int = 16):
-        super().__init__()
-        self.fc = nn.Linear(dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + torch.tanh(self.fc(x))
-
-
-class ScopedNet(nn.Module):
-    """The issue's example: manual scopes in ``__init__``, the analogue of ipu_shard(i)."""
-
-    def __init__(self):
-        super().__init__()
-        with sk.stage(0):
-            self.embed = nn.Embedding(64, 16)
-            self.block1 = Block()
-        with sk.stage(1):
-            self.block2 = Block()
-            self.head = nn.Linear(16, 64)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.head(self.block2(self.block1(self.embed(idx))))
 
 
 def test_scopes_produce_the_intended_stages():

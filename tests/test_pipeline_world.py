@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
+from scoped_net import build_scoped
 
 import shardkit as sk
 from shardkit.models.gpt import GPT, GPT_RULES, GPTConfig, gpt_loss
@@ -67,34 +67,6 @@ def test_hf_llama_pipeline_carries_hidden_states_and_recomputes_positions(world)
 def test_hf_llama_pipeline_with_tensor_parallel(world):
     plan = Plan(mesh=Mesh(pp=2, tp=2), rules=LLAMA_RULES, pipeline=Pipeline(schedule="gpipe", microbatches=2))
     check(build_tiny_llama, plan, world(4), loss_fn=hf_loss)
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(16, 16)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + torch.tanh(self.fc(x))
-
-
-class ScopedNet(nn.Module):
-    def __init__(self):
-        super().__init__()
-        with sk.stage(0):
-            self.embed = nn.Embedding(256, 16)
-            self.block1 = Block()
-        with sk.stage(1):
-            self.block2 = Block()
-            self.head = nn.Linear(16, 256)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.head(self.block2(self.block1(self.embed(idx))))
-
-
-def build_scoped() -> ScopedNet:
-    torch.manual_seed(0)
-    return ScopedNet()
 
 
 def _stage_params(ctx, plan):

@@ -27,9 +27,8 @@ from ..models.registry import MODELS, model_entry
 from ..observe.report import RankStats, format_bytes, print_summary
 from ..planner.meta import meta_model
 from ..runtime.world import Context, LocalWorld, WorldError, in_torchrun, launch
-from ..spec import DATA_AXES, LayoutMap, Mesh, Plan, PlanError
+from ..spec import LayoutMap, Mesh, Plan, PlanError
 from ..spec.pipeline import SCHEDULES, SPLITS, pipeline_from_args
-from ..spec.sequence import sequence_problems
 
 DEFAULT_MODEL = "gpt-small"
 DEFAULT_MESH = "fsdp=2,tp=2"
@@ -149,20 +148,12 @@ def check_job(args: argparse.Namespace, plan: Plan, world_size: int) -> TrainJob
     if not 1 <= seq_len <= entry.seq_len:
         problems.append(f"--seq-len {seq_len}: model {args.model!r} has {entry.seq_len} positions; "
                         f"valid: 1..{entry.seq_len}")
-    data_world = 1
-    for axis in DATA_AXES:
-        data_world *= plan.mesh.size_of(axis)
-    if args.batch_size < 1 or args.batch_size % data_world:
-        problems.append(f"--batch-size {args.batch_size} does not split over the {data_world} data-parallel "
-                        f"replicas ({' x '.join(f'{a}={plan.mesh.size_of(a)}' for a in DATA_AXES)}); "
-                        f"use a positive multiple of {data_world}")
     if args.steps < 1:
         problems.append(f"--steps {args.steps}: train at least 1 step")
     if args.data_mb <= 0:
         problems.append(f"--data-mb {args.data_mb}: read a positive amount of text, e.g. 4")
-    if plan.pipeline is not None:  # check_model already ran inside plan.validate
-        problems.extend(plan.pipeline.check_batch(args.batch_size, data_world))
-    problems.extend(sequence_problems(plan, seq_len))
+    problems += [f"--batch-size {args.batch_size} / --seq-len {seq_len}: {p}"
+                 for p in plan.resolved(world_size).batch_problems(args.batch_size, seq_len)]
     if problems:
         raise PlanError(problems)
     data = TextShards(args.data, max_bytes=int(args.data_mb * 2**20))

@@ -2,13 +2,16 @@
 
 The order follows torchtitan's parallelize procedures, top to bottom:
 
-1. validate the plan against the model (same checks as before launch);
-2. model adapters (``shardkit.models.adapters``) fix what TP styles cannot know (fused QKV);
+1. resolve every parameter's layout (``resolve_layouts``: the per-parameter checks of
+   ``Plan.validate``, which callers such as ``verify`` and ``shardkit train`` run in full
+   before launch; a pipeline stage resolves only its own parameters);
+2. model adapters (``shardkit.models.adapters``) check head counts and fix what TP styles
+   cannot know (fused QKV);
 3. tensor parallel per model axis: layouts -> torch TP styles (see ``tensor_parallel``);
 4. context parallel on ``sp``: attention becomes ring attention (``context_parallel``);
 5. data parallel: ``fully_shard`` over ``fsdp`` (HSDP with ``dp``); over ``dp`` alone, DDP
-   (torch's composable ``replicate``, in place) or, with TP or mixed precision, FSDP2's
-   ``replicate``; ``sp`` joins the gradient reduction;
+   (torch's composable ``replicate``, in place) or, with TP, mixed precision or a pipeline,
+   FSDP2's ``replicate``; ``sp`` joins the gradient reduction;
 6. the module's class gains ``step()`` and ``plan``.
 """
 
@@ -59,7 +62,7 @@ def mean_over_world(value: torch.Tensor) -> torch.Tensor:
     return value
 
 
-def as_sharded(module: nn.Module, plan: Plan, permutations: dict | None = None) -> nn.Module:
+def as_sharded(module: nn.Module, plan: Plan) -> nn.Module:
     """Give ``module`` the ``ShardedModule`` methods (a class swap, as FSDP2 does)."""
     cls = type(module)
     if not isinstance(module, ShardedModule):
@@ -67,7 +70,6 @@ def as_sharded(module: nn.Module, plan: Plan, permutations: dict | None = None) 
             _SHARDED_CLASSES[cls] = type(f"Sharded{cls.__name__}", (ShardedModule, cls), {})
         module.__class__ = _SHARDED_CLASSES[cls]
     module._sk_plan = plan
-    module._sk_permutations = dict(getattr(module, "_sk_permutations", {}), **(permutations or {}))
     return module
 
 
@@ -120,7 +122,7 @@ def parallelize(module: nn.Module, plan: Plan, ctx: Context) -> nn.Module:
 
         enable_context_parallel(module, mesh["sp"])
     _apply_data_parallel(module, plan, mesh, layouts)
-    module._sk_permutations = permutations
+    module._sk_permutations = permutations  # read by full_state_dict / full_grads
     return module
 
 

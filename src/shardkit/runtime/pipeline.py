@@ -261,13 +261,10 @@ class _Runtime:
                 loss = torch.stack([t.detach() for t in losses]).sum().float() if self.has_last \
                     else torch.zeros((), device=device)
                 dist.broadcast(loss, group=self.pp_group, group_src=self.last_pp_rank)
-                data_world = 1
                 for axis in DATA_AXES:
-                    size = self.plan.mesh.size_of(axis)
-                    if size > 1:
+                    if self.plan.mesh.size_of(axis) > 1:
                         dist.all_reduce(loss, group=self.ctx.mesh[axis].get_group())
-                        data_world *= size
-        return loss / data_world
+        return loss / self.plan.mesh.data_size
 
 
 def _count_saved(params: Callable[[], list[torch.Tensor]], record: Any) -> Any:

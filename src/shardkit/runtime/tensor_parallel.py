@@ -28,6 +28,7 @@ the output head returns an ordinary, gathered tensor.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
@@ -48,7 +49,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from ..spec import PlanError
-from ..spec.layout import ParamLayout, axes_of
+from ..spec.layout import ParamLayout
 
 SEQUENCE_DIM = 1
 
@@ -62,47 +63,40 @@ def _is_norm(module: nn.Module) -> bool:
     return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or type(module).__name__.endswith(("RMSNorm", "LayerNorm"))
 
 
-class _Conv1DColwise(ColwiseParallel):
-    """ColwiseParallel for GPT-2's Conv1D: weight ``[in, out]`` split on dim 1, bias on dim 0.
+class _Conv1DStyle:
+    """Mixin for GPT-2's Conv1D (a Linear whose weight is stored ``[in, out]``).
 
     torch's styles accept only nn.Linear / nn.Embedding; Conv1D computes the same product
-    with a transposed weight, so only the partition differs.
+    with a transposed weight, so only the partition differs: ``placements`` gives each
+    parameter's placement; inputs and outputs are prepared by the torch style mixed with.
     """
 
-    def _partition_conv1d_fn(self, name, module, device_mesh):
-        for pname, param in list(module.named_parameters(recurse=False)):
-            dim = 1 if pname == "weight" else 0
-            module.register_parameter(pname, nn.Parameter(distribute_tensor(param, device_mesh, [Shard(dim)]),
-                                                          requires_grad=param.requires_grad))
+    placements: dict[str, object]
 
     def _apply(self, module, device_mesh):
-        from functools import partial
+        def partition(name, mod, mesh):
+            for pname, param in list(mod.named_parameters(recurse=False)):
+                mod.register_parameter(pname, nn.Parameter(distribute_tensor(param, mesh, [self.placements[pname]]),
+                                                           requires_grad=param.requires_grad))
 
         return distribute_module(
-            module, device_mesh, self._partition_conv1d_fn,
+            module, device_mesh, partition,
             partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
             partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
         )
 
 
-class _Conv1DRowwise(RowwiseParallel):
-    """RowwiseParallel for GPT-2's Conv1D: weight ``[in, out]`` split on dim 0, bias replicated."""
+class _Conv1DColwise(_Conv1DStyle, ColwiseParallel):
+    """Column-parallel Conv1D: weight split on dim 1 (its output), bias on dim 0."""
 
-    def _partition_conv1d_fn(self, name, module, device_mesh):
-        for pname, param in list(module.named_parameters(recurse=False)):
-            placement = Shard(0) if pname == "weight" else Replicate()
-            module.register_parameter(pname, nn.Parameter(distribute_tensor(param, device_mesh, [placement]),
-                                                          requires_grad=param.requires_grad))
+    placements = {"weight": Shard(1), "bias": Shard(0)}
 
-    def _apply(self, module, device_mesh):
-        from functools import partial
 
-        self.desired_input_layouts = (Shard(-1),)
-        return distribute_module(
-            module, device_mesh, self._partition_conv1d_fn,
-            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
-            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
-        )
+class _Conv1DRowwise(_Conv1DStyle, RowwiseParallel):
+    """Row-parallel Conv1D: weight split on dim 0 (its input), bias replicated."""
+
+    placements = {"weight": Shard(0), "bias": Replicate()}
+    desired_input_layouts = (Shard(-1),)
 
 
 class _DTensorParams(ParallelStyle):
@@ -220,16 +214,17 @@ def tensor_parallel_plan(model: nn.Module, layouts: dict[str, ParamLayout], axis
                                 f"Conv1D and norms are supported")
             styles[name] = _DTensorParams(_placements(_direct_params(module, f"{name}." if name else "", layouts), axis))
     if sequence_parallel:
-        styles.update(_sequence_parallel_extras(model, splits))
+        has_head = any(split.kind == "colwise" and "rowwise" not in kinds_by_parent[name.rpartition(".")[0]]
+                       for name, split in splits.items())
+        styles.update(_sequence_parallel_extras(model, splits, has_head))
     return styles
 
 
-def _sequence_parallel_extras(model: nn.Module, splits: dict[str, _Split]) -> dict[str, ParallelStyle]:
+def _sequence_parallel_extras(model: nn.Module, splits: dict[str, _Split], has_head: bool
+                              ) -> dict[str, ParallelStyle]:
     """Norms run on sequence shards; replicated embeddings hand out sequence shards."""
     extras: dict[str, ParallelStyle] = {}
-    heads = [n for n, s in splits.items() if s.kind == "colwise"
-             and "rowwise" not in {t.kind for m, t in splits.items() if m.rpartition(".")[0] == n.rpartition(".")[0]}]
-    if not heads:
+    if not has_head:
         raise PlanError("sequence_parallel=True needs a column-parallel output projection (for example lm_head with "
                         "layout ('tp', None)) to gather the sequence at the end; none was found in the rules")
     for name, module in model.named_modules():
@@ -274,7 +269,3 @@ def apply_tensor_parallel(model: nn.Module, layouts: dict[str, ParamLayout], mes
     if styles:
         parallelize_module(model, mesh[axis], styles)
     return model
-
-
-def uses_axis(layouts: dict[str, ParamLayout], axis: str) -> bool:
-    return any(axis in axes_of(e) for lay in layouts.values() if lay.layout for e in lay.layout)

@@ -155,15 +155,11 @@ def verify(build_model: Callable[[], nn.Module], plan: Plan, batch: tuple[Any, A
 
     plan.validate(meta_model(build_model), world_size=world_size)
     inputs = batch[0]
-    if plan.pipeline is not None:
-        resolved = plan.mesh.resolved(world_size)
-        problems = plan.pipeline.check_batch(len(inputs), resolved.size_of("dp") * resolved.size_of("fsdp"))
+    if isinstance(inputs, torch.Tensor):
+        seq_len = int(inputs.shape[1]) if inputs.dim() >= 2 else None
+        problems = plan.resolved(world_size).batch_problems(len(inputs), seq_len)
         if problems:
             raise PlanError(problems)
-    if isinstance(inputs, torch.Tensor) and inputs.dim() >= 2 and (plan.sequence_parallel or plan.mesh.size_of("sp") > 1):
-        from ..spec.sequence import check_sequence_length
-
-        check_sequence_length(plan.resolved(world_size), int(inputs.shape[1]))
     mixed = {plan.fsdp.param_dtype, plan.fsdp.reduce_dtype} - {None, "float32"}
     tol = {**(MIXED_PRECISION_TOLERANCES if mixed else TOLERANCES), **(tolerances or {})}
     reference = _reference(build_model, batch, loss_fn, steps, optimizer, lr)

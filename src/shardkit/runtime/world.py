@@ -17,14 +17,14 @@ import time
 import traceback
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ..spec import DATA_AXES, Plan, PlanError
+from ..spec import Plan, PlanError
 
 STOP_GRACE_S = 10.0  # how long a stopping world waits before killing processes
 
@@ -52,36 +52,24 @@ class Context:
     local_rank: int
     device: torch.device
     plan: Plan | None = None
-    _meshes: dict = field(default_factory=dict, repr=False)
 
     @property
     def mesh(self):
         """The plan's mesh as a torch ``DeviceMesh`` (created once per shape in a process)."""
         if self.plan is None:
             raise PlanError("this job was started without a plan, so it has no mesh; pass a Plan to launch/run")
-        return device_mesh_for(self.plan, self.device.type, self._meshes)
+        return device_mesh_for(self.plan, self.device.type)
 
     def coordinates(self) -> dict[str, int]:
         return {} if self.plan is None else self.plan.mesh.coordinates(self.rank)
 
     @property
     def data_rank(self) -> int:
-        if self.plan is None:
-            return self.rank
-        coords, index = self.coordinates(), 0
-        for axis in DATA_AXES:
-            if self.plan is not None and axis in self.plan.mesh:
-                index = index * self.plan.mesh[axis] + coords[axis]
-        return index
+        return self.rank if self.plan is None else self.plan.mesh.data_index(self.rank)
 
     @property
     def data_world(self) -> int:
-        if self.plan is None:
-            return self.world_size
-        n = 1
-        for axis in DATA_AXES:
-            n *= self.plan.mesh.size_of(axis)
-        return n
+        return self.world_size if self.plan is None else self.plan.mesh.data_size
 
     def shard_batch(self, *tensors: torch.Tensor, dim: int = 0) -> tuple[torch.Tensor, ...] | torch.Tensor:
         """This rank's part of each tensor: an equal slice of the batch (``dim``) per data rank,
@@ -91,8 +79,8 @@ class Context:
         out = []
         for t in tensors:
             if t.shape[dim] % self.data_world:
-                raise PlanError(f"batch of {t.shape[dim]} samples (dim {dim}) does not split evenly over "
-                                f"{self.data_world} data-parallel replicas; use a multiple of {self.data_world}")
+                raise PlanError(self.plan.batch_problems(t.shape[dim]) if self.plan else
+                                f"batch of {t.shape[dim]} samples does not split over {self.data_world} ranks")
             part = t.chunk(self.data_world, dim=dim)[self.data_rank]
             if sp > 1:
                 from .context_parallel import shard_sequence
@@ -122,15 +110,15 @@ def _run_job(ctx: Context, fn: Callable[..., Any], args: tuple, kwargs: dict) ->
         _CURRENT.pop()
 
 
-def device_mesh_for(plan: Plan, device_type: str, cache: dict | None = None):
-    """A torch ``DeviceMesh`` with the plan's axis names and sizes (cached per process)."""
+def device_mesh_for(plan: Plan, device_type: str):
+    """A torch ``DeviceMesh`` with the plan's axis names and sizes (one per shape and process:
+    creating one makes new process groups, a collective over every rank)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    cache = _MESH_CACHE if cache is None else cache
     key = (device_type, plan.mesh.names, plan.mesh.shape)
-    if key not in cache:
-        cache[key] = init_device_mesh(device_type, plan.mesh.shape, mesh_dim_names=plan.mesh.names)
-    return cache[key]
+    if key not in _MESH_CACHE:
+        _MESH_CACHE[key] = init_device_mesh(device_type, plan.mesh.shape, mesh_dim_names=plan.mesh.names)
+    return _MESH_CACHE[key]
 
 
 def _default_backend(world_size: int) -> str:
@@ -168,7 +156,6 @@ def _worker(rank: int, world_size: int, port: int, backend: str, threads: int, j
     store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
     device = _device_for(backend, rank)
-    meshes: dict = {}
     while True:
         job = jobs.get()
         if job is None:
@@ -176,7 +163,7 @@ def _worker(rank: int, world_size: int, port: int, backend: str, threads: int, j
         job_id, payload = job
         try:
             fn, args, kwargs, plan = pickle.loads(payload)
-            ctx = Context(rank, world_size, rank, device, plan, meshes)
+            ctx = Context(rank, world_size, rank, device, plan)
             results.put((job_id, rank, True, _dumps(_run_job(ctx, fn, args, kwargs))))
         except BaseException:  # report everything, including KeyboardInterrupt, then keep serving
             results.put((job_id, rank, False, traceback.format_exc()))

@@ -96,6 +96,27 @@ class Mesh(Mapping[str, int]):
         """Size of ``axis``, or 1 when the mesh has no such axis."""
         return self._axes.get(axis, 1)
 
+    @property
+    def data_size(self) -> int:
+        """How many data-parallel replicas see different samples: the product of the data axes.
+
+        >>> Mesh(dp=2, fsdp=2, tp=2).data_size
+        4
+        """
+        return math.prod(self.size_of(a) for a in DATA_AXES)
+
+    def data_index(self, rank: int) -> int:
+        """Which data-parallel replica ``rank`` is (ranks differing only on other axes share it).
+
+        >>> [Mesh(dp=2, tp=2).data_index(r) for r in range(4)]
+        [0, 0, 1, 1]
+        """
+        coords, index = self.coordinates(rank), 0
+        for axis in DATA_AXES:
+            if axis in self._axes:
+                index = index * self._axes[axis] + coords[axis]
+        return index
+
     def resolved(self, world_size: int) -> Mesh:
         """This mesh with its ``-1`` axis inferred; checks the product equals ``world_size``."""
         known = math.prod(s for s in self._axes.values() if s != -1)

@@ -133,6 +133,28 @@ class Plan:
             warnings.warn(text, PlanWarning, stacklevel=2)
         return ValidationReport(mesh, layouts, found)
 
+    def batch_problems(self, batch_size: int, seq_len: int | None = None) -> list[str]:
+        """Problems of a global batch under this (resolved) plan: its split over the data
+        replicas, into pipeline micro-batches, and of its sequence over ``sp`` / Megatron SP.
+
+        >>> Plan(mesh=Mesh(dp=2, tp=2), rules=LayoutMap([(".*", None)])).batch_problems(3)
+        ['batch of 3 samples does not split evenly over 2 data-parallel replicas (dp=2 x fsdp=1); use a multiple of 2']
+        """
+        data = self.mesh.data_size
+        if self.pipeline is not None:
+            problems = self.pipeline.check_batch(batch_size, data)
+        elif batch_size < 1 or batch_size % data:
+            axes = " x ".join(f"{a}={self.mesh.size_of(a)}" for a in DATA_AXES)
+            problems = [f"batch of {batch_size} samples does not split evenly over {data} data-parallel replicas "
+                        f"({axes}); use a multiple of {data}"]
+        else:
+            problems = []
+        if seq_len is not None:
+            from .sequence import sequence_problems
+
+            problems += sequence_problems(self, seq_len)
+        return problems
+
     def _axis_used_elsewhere(self, axis: str) -> bool:
         if axis == "pp":
             return self.pipeline is not None
