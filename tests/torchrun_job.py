@@ -1,4 +1,6 @@
-"""Run by tests/test_torchrun.py under torchrun: sk.launch joins that world instead of spawning."""
+"""Run by tests/test_torchrun.py under torchrun: sk.launch joins that world instead of spawning.
+
+With the argument ``fail``, rank 1 raises after a collective while rank 0 waits in the next one."""
 
 import sys
 
@@ -16,8 +18,17 @@ def work(ctx):
     return ctx.rank, ctx.world_size, round(loss.item(), 6), dist.get_backend()
 
 
+def fail_on_rank_1(ctx):
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    if ctx.rank == 1:
+        raise ValueError("rank 1 fails on purpose")
+    dist.all_reduce(total)  # rank 0 waits here for a peer that is gone
+
+
 if __name__ == "__main__":
+    if sys.argv[1:] == ["fail"]:
+        sk.launch(fail_on_rank_1, sk.Plan(mesh=sk.Mesh(dp=-1)))
     results = sk.launch(work, sk.Plan(mesh=sk.Mesh(tp=-1), rules=GPT_RULES))
     if dist.get_rank() == 0:
         print("RESULTS", results)
-    sys.exit(0)

@@ -8,11 +8,13 @@ costs seconds), and on any failure stop every process and raise the failing rank
 
 from __future__ import annotations
 
+import atexit
 import io
 import logging
 import os
 import pickle
 import queue
+import sys
 import time
 import traceback
 import warnings
@@ -167,6 +169,7 @@ def _worker(rank: int, world_size: int, port: int, backend: str, threads: int, j
             results.put((job_id, rank, True, _dumps(_run_job(ctx, fn, args, kwargs))))
         except BaseException:  # report everything, including KeyboardInterrupt, then keep serving
             results.put((job_id, rank, False, traceback.format_exc()))
+    dist.barrier()  # leave together: see _close_joined_world
     dist.destroy_process_group()
 
 
@@ -277,6 +280,30 @@ def in_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+def _close_joined_world() -> None:
+    """Close the torchrun world we joined, all ranks together: one rank tearing gloo down while
+    its peer still holds the connection can abort the peer. A rank leaving on an uncaught
+    exception skips the barrier (its peers may never reach it); torchrun then stops the rest."""
+    if not dist.is_initialized():
+        return
+    if not _LEAVING_ON_ERROR:
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+_LEAVING_ON_ERROR: list[BaseException] = []
+
+
+def _watch_uncaught_exceptions() -> None:
+    previous = sys.excepthook
+
+    def note_then_report(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
+        _LEAVING_ON_ERROR.append(exc)
+        previous(exc_type, exc, tb)
+
+    sys.excepthook = note_then_report
+
+
 def _run_in_torchrun(fn: Callable[..., Any], plan: Plan | None, args: tuple, kwargs: dict) -> list[Any]:
     world_size = int(os.environ["WORLD_SIZE"])
     rank = int(os.environ["RANK"])
@@ -284,6 +311,10 @@ def _run_in_torchrun(fn: Callable[..., Any], plan: Plan | None, args: tuple, kwa
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if not dist.is_initialized():
         dist.init_process_group(backend)
+        # A process group still alive at interpreter exit can abort in gloo's C++ teardown
+        # ("terminate called without an active exception"); the group we opened, we close.
+        _watch_uncaught_exceptions()
+        atexit.register(_close_joined_world)
     device = _device_for(dist.get_backend(), local_rank)
     ctx = Context(rank, world_size, local_rank, device, None if plan is None else plan.resolved(world_size))
     value = _run_job(ctx, fn, args, kwargs)
