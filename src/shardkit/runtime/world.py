@@ -280,21 +280,11 @@ def in_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def _close_joined_world() -> None:
-    """Close the torchrun world we joined, all ranks together: one rank tearing gloo down while
-    its peer still holds the connection can abort the peer. A rank leaving on an uncaught
-    exception skips the barrier (its peers may never reach it); torchrun then stops the rest."""
-    if not dist.is_initialized():
-        return
-    if not _LEAVING_ON_ERROR:
-        dist.barrier()
-    dist.destroy_process_group()
-
-
 _LEAVING_ON_ERROR: list[BaseException] = []
 
 
 def _watch_uncaught_exceptions() -> None:
+    """Note an uncaught exception (then report it as before), for _close_joined_world."""
     previous = sys.excepthook
 
     def note_then_report(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
@@ -304,6 +294,18 @@ def _watch_uncaught_exceptions() -> None:
     sys.excepthook = note_then_report
 
 
+def _close_joined_world() -> None:
+    """Close the torchrun world we joined, all ranks together: one rank tearing gloo down while
+    its peer still holds the connection can abort the peer at exit ("terminate called without
+    an active exception"). A rank leaving on an uncaught exception skips the barrier (its peers
+    may never reach it); torchrun then stops the rest."""
+    if not dist.is_initialized():
+        return
+    if not _LEAVING_ON_ERROR:
+        dist.barrier()
+    dist.destroy_process_group()
+
+
 def _run_in_torchrun(fn: Callable[..., Any], plan: Plan | None, args: tuple, kwargs: dict) -> list[Any]:
     world_size = int(os.environ["WORLD_SIZE"])
     rank = int(os.environ["RANK"])
@@ -311,8 +313,6 @@ def _run_in_torchrun(fn: Callable[..., Any], plan: Plan | None, args: tuple, kwa
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if not dist.is_initialized():
         dist.init_process_group(backend)
-        # A process group still alive at interpreter exit can abort in gloo's C++ teardown
-        # ("terminate called without an active exception"); the group we opened, we close.
         _watch_uncaught_exceptions()
         atexit.register(_close_joined_world)
     device = _device_for(dist.get_backend(), local_rank)
