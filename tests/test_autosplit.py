@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from shardkit.models.gpt import GPT, GPTConfig
+from shardkit.plan import Mesh, Pipeline, PlanError
 from shardkit.planner.autosplit import (
     DeviceModel,
     UnitCost,
@@ -20,7 +21,6 @@ from shardkit.planner.autosplit import (
 )
 from shardkit.planner.meta import meta_model
 from shardkit.planner.stages import assign_stages, layout_costs, model_layout
-from shardkit.spec import Mesh, Pipeline, PlanError
 
 UNIT = DeviceModel(flops_per_s=3.0, bytes_per_s=float("inf"))  # time == forward FLOPs
 

@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shardkit.observe.comm import CommCounter
-from shardkit.spec import Mesh, Plan
+from shardkit.plan import Mesh, Plan
 
 PLAN = Plan(mesh=Mesh(fsdp=4))
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "int64": torch.int64, "bfloat16": torch.bfloat16}

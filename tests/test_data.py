@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardkit.io.data import TextShards, stdlib_root
-from shardkit.spec import PlanError
+from shardkit.plan import PlanError
 
 STDLIB = TextShards(max_bytes=64 * 1024)
 

@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 from shardkit.cli import main
 from shardkit.models.gpt import GPT_RULES, build_tiny_gpt
 from shardkit.models.hf import GPT2_RULES, LLAMA_RULES, build_llama_70b, build_tiny_gpt2
+from shardkit.plan import FSDPOptions, LayoutMap, Mesh, Plan, PlanError
 from shardkit.planner.explain import estimate_memory, explain_plan
 from shardkit.planner.meta import meta_model
-from shardkit.spec import FSDPOptions, LayoutMap, Mesh, Plan, PlanError
 
 TINY_GPT = build_tiny_gpt()
 

@@ -14,8 +14,8 @@ from shardkit.models.adapters import adapt_for_tensor_parallel, tensor_parallel_
 from shardkit.models.gpt import GPT, GPT_RULES, GPTConfig, build_tiny_gpt, gpt_loss, tiny_config
 from shardkit.models.hf import GPT2_RULES, LLAMA_RULES, build_tiny_gpt2, build_tiny_llama, hf_loss
 from shardkit.models.registry import MODELS, model_entry
+from shardkit.plan import Mesh, Plan, PlanError
 from shardkit.planner.meta import meta_model
-from shardkit.spec import Mesh, Plan, PlanError
 
 TINY_GPT = build_tiny_gpt()  # read-only in these tests; tests that modify a model build their own
 

@@ -9,7 +9,7 @@ from scoped_net import build_scoped
 import shardkit as sk
 from shardkit.models.gpt import GPT, GPT_RULES, GPTConfig, gpt_loss
 from shardkit.models.hf import LLAMA_RULES, build_tiny_llama, hf_loss
-from shardkit.spec import Mesh, Pipeline, Plan
+from shardkit.plan import Mesh, Pipeline, Plan
 
 pytestmark = pytest.mark.world
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from shardkit.plan import Mesh, Plan, PlanError, ReplicaGrouping
 from shardkit.runtime.groups import (
     all_gather,
     all_reduce,
@@ -21,7 +22,6 @@ from shardkit.runtime.groups import (
     replica_index,
 )
 from shardkit.runtime.variables import ReplicaDisagreement, group_module, stack_states, variable
-from shardkit.spec import Mesh, Plan, PlanError, ReplicaGrouping
 
 WORLD = 8
 GROUPINGS = {

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from shardkit.plan import Mesh, Plan, PlanError
 from shardkit.runtime.context_parallel import (
     gather_sequence,
     ring_attention,
@@ -15,7 +16,6 @@ from shardkit.runtime.context_parallel import (
     shard_sequence,
     unshard_sequence,
 )
-from shardkit.spec import Mesh, Plan, PlanError
 
 TOL = 1e-5
 

@@ -10,10 +10,10 @@ from hypothesis import strategies as st
 
 from shardkit.models.gpt import GPT_RULES, build_tiny_gpt, gpt_loss
 from shardkit.models.hf import LLAMA_RULES, build_tiny_llama, hf_loss
+from shardkit.plan import Mesh, Plan, PlanError
+from shardkit.plan.sequence import check_sequence_length, required_multiple, sequence_problems
 from shardkit.runtime.context_parallel import enable_context_parallel, shard_sequence
 from shardkit.runtime.verify import verify
-from shardkit.spec import Mesh, Plan, PlanError
-from shardkit.spec.sequence import check_sequence_length, required_multiple, sequence_problems
 
 TOL = 1e-5
 

@@ -17,8 +17,8 @@ from shardkit.observe.timeline import (
     to_chrome_trace,
     write_profile,
 )
-from shardkit.spec import Mesh, Pipeline, Plan
-from shardkit.spec.pipeline import theoretical_bubble
+from shardkit.plan import Mesh, Pipeline, Plan
+from shardkit.plan.pipeline import theoretical_bubble
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -15,7 +15,7 @@ from shardkit.cli import build_parser, main
 from shardkit.models.gpt import GPT_RULES
 from shardkit.observe.memory import PeakMemory, state_bytes
 from shardkit.observe.report import loss_trend
-from shardkit.spec import LayoutMap, Mesh, Plan
+from shardkit.plan import LayoutMap, Mesh, Plan
 
 
 @pytest.fixture

@@ -1,7 +1,7 @@
 """shardkit: split a PyTorch model across devices from one declarative, validated Plan.
 
 A thin facade: every name is re-exported lazily from the module that defines it, so
-``import shardkit`` stays cheap (the spec layer needs no torch.distributed).
+``import shardkit`` stays cheap (the plan layer needs no torch.distributed).
 
 >>> import shardkit as sk
 >>> sk.Mesh(fsdp=-1, tp=2, world_size=8)
@@ -14,15 +14,17 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    # spec: pure data
-    "Mesh": "shardkit.spec.mesh",
-    "LayoutMap": "shardkit.spec.layout",
-    "Plan": "shardkit.spec.plan",
-    "FSDPOptions": "shardkit.spec.plan",
-    "PlanError": "shardkit.spec.errors",
-    "PlanWarning": "shardkit.spec.errors",
-    "Pipeline": "shardkit.spec.pipeline",
-    "ReplicaGrouping": "shardkit.spec.replicas",
+    # plan: pure data
+    "Mesh": "shardkit.plan.mesh",
+    "LayoutMap": "shardkit.plan.layout",
+    "Plan": "shardkit.plan.plan",
+    "FSDPOptions": "shardkit.plan.plan",
+    "PlanError": "shardkit.plan.errors",
+    "PlanWarning": "shardkit.plan.errors",
+    "UsageError": "shardkit.plan.errors",
+    "ShardkitError": "shardkit.plan.errors",
+    "Pipeline": "shardkit.plan.pipeline",
+    "ReplicaGrouping": "shardkit.plan.replicas",
     # runtime: torch.distributed
     "launch": "shardkit.runtime.world",
     "LocalWorld": "shardkit.runtime.world",
@@ -32,18 +34,18 @@ _EXPORTS = {
     "full_state_dict": "shardkit.runtime.apply",
     "verify": "shardkit.runtime.verify",
     "VerifyResult": "shardkit.runtime.verify",
-    "stage": "shardkit.spec.scopes",
+    "stage": "shardkit.plan.scopes",
     "variable": "shardkit.runtime.variables",
     "Variable": "shardkit.runtime.variables",
     "group_module": "shardkit.runtime.variables",
-    "grouping_table": "shardkit.spec.replicas",
+    "grouping_table": "shardkit.plan.replicas",
     "average_gradients": "shardkit.runtime.groups",
     "ring_attention": "shardkit.runtime.context_parallel",
     "enable_context_parallel": "shardkit.runtime.context_parallel",
     "shard_sequence": "shardkit.runtime.context_parallel",
     "unshard_sequence": "shardkit.runtime.context_parallel",
     "sequence_positions": "shardkit.runtime.context_parallel",
-    "check_sequence_length": "shardkit.spec.sequence",
+    "check_sequence_length": "shardkit.plan.sequence",
     # grouped collectives (within the groups of a ReplicaGrouping, or of its transpose)
     "all_reduce": "shardkit.runtime.groups",
     "all_gather": "shardkit.runtime.groups",

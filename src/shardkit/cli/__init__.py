@@ -6,7 +6,7 @@ import argparse
 import importlib
 import sys
 
-from ..spec import PlanError
+from ..plan import PlanError
 
 #: Sub-command modules; each defines ``register(subparsers)`` which sets ``func`` on its parser.
 COMMANDS = ("train", "explain", "replicas")

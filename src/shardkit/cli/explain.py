@@ -12,9 +12,9 @@ import argparse
 from pathlib import Path
 
 from ..models.registry import MODELS, model_entry
+from ..plan import Mesh, Plan, PlanError
 from ..planner.explain import explain_plan
 from ..planner.meta import meta_model
-from ..spec import Mesh, Plan, PlanError
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

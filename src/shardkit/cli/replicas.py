@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import argparse
 
-from ..spec import PlanError, ReplicaGrouping
-from ..spec.replicas import grouping_table
+from ..plan import PlanError, ReplicaGrouping
+from ..plan.replicas import grouping_table
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

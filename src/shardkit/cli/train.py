@@ -25,10 +25,10 @@ from rich.console import Console
 from ..io.data import DEFAULT_MAX_BYTES, TextShards
 from ..models.registry import MODELS, model_entry
 from ..observe.report import RankStats, format_bytes, print_summary
+from ..plan import LayoutMap, Mesh, Plan, PlanError
+from ..plan.pipeline import SCHEDULES, SPLITS, pipeline_from_args
 from ..planner.meta import meta_model
 from ..runtime.world import Context, LocalWorld, WorldError, in_torchrun, launch
-from ..spec import LayoutMap, Mesh, Plan, PlanError
-from ..spec.pipeline import SCHEDULES, SPLITS, pipeline_from_args
 
 DEFAULT_MODEL = "gpt-small"
 DEFAULT_MESH = "fsdp=2,tp=2"

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from ..spec import PlanError
+from ..plan import PlanError
 
 DEFAULT_MAX_BYTES = 4 * 2**20
 #: Directories never entered: caches, VCS metadata, and third-party packages under the stdlib.

@@ -20,7 +20,7 @@ import math
 import torch
 from torch import nn
 
-from ..spec import PlanError
+from ..plan import PlanError
 
 
 def tensor_parallel_problems(model: nn.Module, tp_size: int) -> list[str]:

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..spec import LayoutMap
+from ..plan import LayoutMap
 
 INIT_STD = 0.02  # normal init of Linear and Embedding weights (GPT-2's choice)
 

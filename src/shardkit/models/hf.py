@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..plan import LayoutMap
 from ..planner.meta import meta_model
-from ..spec import LayoutMap
 
 #: Attention kernel of the tiny models: torch SDPA, deterministic on CPU and no
 #: attention-probability tensor materialised.

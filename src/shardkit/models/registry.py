@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..spec import LayoutMap, PlanError
+from ..plan import LayoutMap, PlanError
 from . import gpt, hf
 
 

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ..spec.pipeline import theoretical_bubble
+from ..plan.pipeline import theoretical_bubble
 
 #: Kinds of span that count as a device being busy.
 COMPUTE_KINDS = ("F", "B", "I", "W")

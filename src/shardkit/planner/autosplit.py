@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..spec import PlanError
+from ..plan import PlanError
 
 #: Bytes of training state per parameter byte: the parameter, its gradient, two Adam moments.
 STATE_FACTOR = 4

@@ -10,7 +10,7 @@ both are used, as ``runtime.apply`` does), padding an uneven dim: a device holds
 
 >>> from shardkit.models.gpt import GPT_RULES, build_tiny_gpt
 >>> from shardkit.planner.meta import meta_model
->>> from shardkit.spec import Mesh, Plan
+>>> from shardkit.plan import Mesh, Plan
 >>> text = explain_plan(Plan(Mesh(fsdp=2, tp=2), GPT_RULES), meta_model(build_tiny_gpt))
 >>> "layers.{0..1}.attn.q_proj.weight" in text
 True
@@ -33,8 +33,8 @@ from rich.table import Table
 from torch import nn
 
 from ..models.adapters import tensor_parallel_problems
-from ..spec import AXIS_ROLES, Mesh, Plan, PlanError, PlanWarning
-from ..spec.layout import ParamLayout, axes_of
+from ..plan import AXIS_ROLES, Mesh, Plan, PlanError, PlanWarning
+from ..plan.layout import ParamLayout, axes_of
 
 FSDP_AXIS = "fsdp"
 ADAMW_STATES = 2  # exp_avg and exp_avg_sq, each the parameter's shape and dtype
@@ -60,7 +60,7 @@ class ParamRow:
 def explain_plan(plan: Plan, model: Any, world_size: int | None = None, *, width: int = 160) -> str:
     """Validate ``plan`` against ``model`` and describe, as plain text, what every device holds.
 
-    Raises :class:`~shardkit.spec.PlanError` for a bad plan: :meth:`Plan.validate`'s problems,
+    Raises :class:`~shardkit.plan.PlanError` for a bad plan: :meth:`Plan.validate`'s problems,
     or a ``tp`` size that splits attention heads (:func:`~shardkit.models.adapters.tensor_parallel_problems`).
     Identical rows of repeated layers are shown once, e.g. ``layers.{0..79}.mlp.up_proj.weight x80``.
     """
@@ -84,7 +84,7 @@ def explain_plan(plan: Plan, model: Any, world_size: int | None = None, *, width
 
         console.print("\n" + explain_stages(plan, model, world_size=mesh.size))
     if plan.replicas is not None:
-        from ..spec.replicas import grouping_table
+        from ..plan.replicas import grouping_table
 
         console.print("\nReplica groups (dp axis):\n" + grouping_table(plan.replicas))
     return "\n".join(line.rstrip() for line in console.export_text().splitlines()) + "\n"
@@ -104,7 +104,7 @@ def estimate_memory(plan: Plan, model: Any, world_size: int | None = None) -> di
       counted; with a ``pp`` axis a device holds only its stage, so these are upper bounds.
 
     >>> from shardkit.models.gpt import GPT_RULES, build_tiny_gpt
-    >>> from shardkit.spec import Mesh, Plan
+    >>> from shardkit.plan import Mesh, Plan
     >>> memory = estimate_memory(Plan(Mesh(tp=2), GPT_RULES), build_tiny_gpt())
     >>> memory["optimizer"] == 2 * memory["parameters"]
     True

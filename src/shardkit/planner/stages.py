@@ -27,9 +27,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..spec import Mesh, PlanError
-from ..spec.pipeline import Pipeline
-from ..spec.scopes import stage_of
+from ..plan import Mesh, PlanError
+from ..plan.pipeline import Pipeline
+from ..plan.scopes import stage_of
 from .autosplit import DeviceModel, SplitResult, UnitCost, auto_split, unit_costs
 
 #: Sequence length used for the example input when the model does not state one.
@@ -470,7 +470,7 @@ def explain_stages(plan: Any, model: nn.Module, example_inputs: tuple | None = N
     Costs are for one sample of the model's example input on :class:`DeviceModel` (a nominal
     device); memory counts 4x parameter bytes plus the activations of the micro-batches held.
 
-    >>> from shardkit.spec import Plan
+    >>> from shardkit.plan import Plan
     >>> seq = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])
     >>> print(explain_stages(Plan(mesh=Mesh(pp=2), pipeline=Pipeline(schedule="gpipe")), seq))  # doctest: +ELLIPSIS
     pipeline: 2 stages on pp=2, schedule gpipe, 1 micro-batches, stages by even split

@@ -25,8 +25,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from ..spec import Plan, PlanError, param_shapes, resolve_layouts
-from ..spec.layout import ParamLayout
+from ..plan import Plan, PlanError, param_shapes, resolve_layouts
+from ..plan.layout import ParamLayout
 from .tensor_parallel import apply_tensor_parallel, model_axes
 from .world import Context, current_context
 

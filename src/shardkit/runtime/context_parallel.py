@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..spec import PlanError
+from ..plan import PlanError
 
 HF_ATTENTION = "shardkit_ring"  # name registered in transformers' AttentionInterface
 _GROUP_ATTR = "_shardkit_sp_group"

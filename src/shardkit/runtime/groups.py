@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..spec import Mesh, Plan, PlanError, ReplicaGrouping
-from ..spec.replicas import GROUPED_DP_DIMS
+from ..plan import Mesh, Plan, PlanError, ReplicaGrouping
+from ..plan.replicas import GROUPED_DP_DIMS
 from .world import Context, current_context
 
 REDUCE_OPS = {"sum": "SUM", "mean": "SUM", "max": "MAX", "min": "MIN", "product": "PRODUCT"}

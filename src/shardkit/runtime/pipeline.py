@@ -32,9 +32,9 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
 
 from ..observe import timeline
+from ..plan import DATA_AXES, Plan, PlanError
+from ..plan.pipeline import SCHEDULES, SINGLE_STAGE_SCHEDULES
 from ..planner.stages import StageAssignment, Unit, assign_stages
-from ..spec import DATA_AXES, Plan, PlanError
-from ..spec.pipeline import SCHEDULES, SINGLE_STAGE_SCHEDULES
 from .world import Context
 
 _PIPELINED_CLASSES: dict[type, type] = {}

@@ -48,8 +48,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from ..spec import PlanError
-from ..spec.layout import ParamLayout
+from ..plan import PlanError
+from ..plan.layout import ParamLayout
 
 SEQUENCE_DIM = 1
 

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..spec import PlanError, ReplicaGrouping
+from ..plan import PlanError, ReplicaGrouping
 from .groups import average_gradients, broadcast, check_same_layout, replicas_of
 from .world import Context, current_context
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..spec import Plan, PlanError
+from ..plan import Plan, PlanError
 from .world import Context, LocalWorld, launch
 
 #: Default fp32 tolerances. Sharded reductions run in a different order, so results differ

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ..spec import Plan, PlanError
+from ..plan import Plan, PlanError
 
 STOP_GRACE_S = 10.0  # how long a stopping world waits before killing processes
 

@@ -7,7 +7,7 @@ Two forms split the sequence dim and each constrains its length:
 - Megatron-style sequence parallel (``Plan(sequence_parallel=True)``) splits each rank's
   sequence over the ``tp`` group.
 
->>> from shardkit.spec import Mesh, Plan
+>>> from shardkit.plan import Mesh, Plan
 >>> sequence_problems(Plan(mesh=Mesh(sp=2, fsdp=2)), 30)
 ["sequence length 30 does not split for context parallel over 'sp' (size 2): it must be a multiple of 2 x sp = 4 (load-balanced causal chunks); nearest valid lengths: 28, 32"]
 >>> required_multiple(Plan(mesh=Mesh(sp=2, tp=2), sequence_parallel=True))
@@ -61,7 +61,7 @@ def sequence_problems(plan: Plan, seq_len: int) -> list[str]:
 def check_sequence_length(plan: Plan, seq_len: int) -> None:
     """Raise :class:`PlanError` listing every problem of ``seq_len`` under ``plan``.
 
-    >>> from shardkit.spec import Mesh, Plan
+    >>> from shardkit.plan import Mesh, Plan
     >>> check_sequence_length(Plan(mesh=Mesh(sp=4)), 64)
     """
     problems = sequence_problems(plan, seq_len)

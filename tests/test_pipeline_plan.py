@@ -11,10 +11,10 @@ from torch import nn
 import shardkit as sk
 from shardkit.models.gpt import GPT, GPTConfig
 from shardkit.models.hf import build_tiny_llama
+from shardkit.plan import Mesh, Pipeline, Plan, PlanError
+from shardkit.plan.pipeline import SCHEDULES, pipeline_from_args, theoretical_bubble
 from shardkit.planner.meta import meta_model
 from shardkit.planner.stages import assign_stages, explain_stages, model_layout, stage_ranks
-from shardkit.spec import Mesh, Pipeline, Plan, PlanError
-from shardkit.spec.pipeline import SCHEDULES, pipeline_from_args, theoretical_bubble
 
 
 def gpt(layers: int = 4) -> nn.Module:

@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import shardkit as sk
-from shardkit.spec import PlanError, PlanWarning, resolve_layouts
+from shardkit.plan import PlanError, PlanWarning, resolve_layouts
 
 AXES = st.sampled_from(["dp", "fsdp", "tp", "ep", "cp2"])
 

@@ -10,9 +10,9 @@ from hypothesis import strategies as st
 
 import shardkit as sk
 from shardkit.cli import main as cli_main
+from shardkit.plan import Mesh, Plan, PlanError, ReplicaGrouping
+from shardkit.plan.replicas import grouping_table
 from shardkit.runtime.groups import grouped_mesh_ranks
-from shardkit.spec import Mesh, Plan, PlanError, ReplicaGrouping
-from shardkit.spec.replicas import grouping_table
 
 
 # -- PopXL's three tables (Tables 13.1-13.3), exactly --------------------------------------------
