@@ -35,6 +35,7 @@ from rich.table import Table
 import shardkit as sk
 from shardkit.models.gpt import GPT, GPT_RULES, GPTConfig, gpt_loss
 from shardkit.observe.memory import TensorMemoryPeak, local_nbytes, state_bytes
+from shardkit.planner.validate import validate
 
 WORLD = 4
 STRATEGIES = {"dp=4": None, "fsdp=4": None, "tp=4": GPT_RULES, "fsdp=2,tp=2": GPT_RULES}
@@ -149,7 +150,7 @@ def theory_bytes(plan: sk.Plan, config: GPTConfig) -> tuple[int, int]:
     model = sk.meta_model(GPT, config)
     fsdp = plan.mesh.size_of("fsdp")
     exact = 0
-    for p in plan.validate(model).layouts.params.values():
+    for p in validate(plan, model).layouts.params.values():
         local = p.local_shape(plan.mesh)
         exact += -(-local[0] // fsdp) * math.prod(local[1:]) * 4
     total = sum(p.numel() for p in model.parameters()) * 4

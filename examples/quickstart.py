@@ -12,7 +12,7 @@ rules = sk.LayoutMap([                          # ordered; the first re.fullmatc
     (r".*", None),                              # explicit catch-all: replicate the rest
 ])
 plan = sk.Plan(mesh=sk.Mesh(fsdp=2, tp=2), rules=rules)
-print(plan.explain(sk.meta_model(build_tiny_gpt)))   # per parameter: rule, layout, local shape, bytes
+print(sk.explain_plan(plan, sk.meta_model(build_tiny_gpt)))   # per parameter: rule, layout, local shape, bytes
 
 tokens = torch.randint(0, 256, (8, 33), generator=torch.Generator().manual_seed(0))
 x, y = tokens[:, :-1], tokens[:, 1:]

@@ -16,6 +16,7 @@ from shardkit.models.hf import GPT2_RULES, LLAMA_RULES, build_tiny_gpt2, build_t
 from shardkit.models.registry import MODELS, model_entry
 from shardkit.plan import Mesh, Plan, PlanError
 from shardkit.planner.meta import meta_model
+from shardkit.planner.validate import validate
 
 TINY_GPT = build_tiny_gpt()  # read-only in these tests; tests that modify a model build their own
 
@@ -126,7 +127,7 @@ def test_gpt_config_rejects_heads_not_dividing_dim():
 ])
 def test_rules_validate_and_give_local_shapes(build, rules, tp, expected):
     model = meta_model(build)
-    report = Plan(Mesh(tp=tp), rules).validate(model)
+    report = validate(Plan(Mesh(tp=tp), rules), model)
     assert report.warnings == []  # every rule matches something
     local = {name: p.local_shape(report.mesh) for name, p in report.layouts.params.items()}
     for name, shape in expected.items():
@@ -145,8 +146,9 @@ def test_gpt2_lm_head_is_tied_and_listed_once():
 
 def test_llama_tp_not_dividing_kv_heads_is_a_problem():
     model = meta_model(build_tiny_llama)
-    Plan(Mesh(tp=4), LLAMA_RULES).validate(model)  # the shapes divide evenly...
-    problems = tensor_parallel_problems(model, 4)  # ...but 2 kv heads do not split over 4 ranks
+    with pytest.raises(PlanError, match="2 key/value heads"):  # the shapes divide evenly, the heads do not
+        validate(Plan(Mesh(tp=4), LLAMA_RULES), model)
+    problems = tensor_parallel_problems(model, 4)  # 2 kv heads do not split over 4 ranks
     assert len(problems) == 1
     assert "'model.layers.0.self_attn'" in problems[0] and "1 more" in problems[0]
     assert "4 query heads and 2 key/value heads" in problems[0] and "valid tp sizes: [1, 2]" in problems[0]
@@ -281,7 +283,7 @@ def test_registered_models_build_run_and_validate(name):
     with torch.no_grad():
         loss = entry.loss_fn(model(inputs), targets)
     assert abs(float(loss) - torch.log(torch.tensor(float(entry.vocab)))) < 0.5  # near-uniform at init
-    Plan(Mesh(tp=2), entry.rules).validate(model)
+    validate(Plan(Mesh(tp=2), entry.rules), model)
     assert not entry.meta_only
 
 

@@ -15,6 +15,7 @@ from shardkit.plan import Mesh, Pipeline, Plan, PlanError
 from shardkit.plan.pipeline import SCHEDULES, pipeline_from_args, theoretical_bubble
 from shardkit.planner.meta import meta_model
 from shardkit.planner.stages import assign_stages, explain_stages, model_layout, stage_ranks
+from shardkit.planner.validate import validate
 
 
 def gpt(layers: int = 4) -> nn.Module:
@@ -94,7 +95,7 @@ def test_schedule_and_stage_count_constraints():
 def test_plan_validate_reports_schedule_problems_before_launch():
     plan = Plan(mesh=Mesh(pp=4), pipeline=Pipeline(schedule="1f1b", microbatches=2))
     with pytest.raises(PlanError, match="microbatches >= 4"):
-        plan.validate(gpt())
+        validate(plan, gpt())
 
 
 def test_batch_must_split_into_microbatches_per_data_rank():
@@ -137,8 +138,10 @@ def test_unknown_split_point_names_the_module_and_the_valid_ones():
     with pytest.raises(PlanError) as err:
         assign_stages(gpt(), Pipeline(split_points=["layer.2"], schedule="gpipe"), Mesh(pp=2))
     assert "'layer.2' is not a module" in str(err.value) and "'layers.2'" in str(err.value)
-    pipeline = Pipeline(split_points=["layer.2"], schedule="gpipe")
-    assert "'layer.2' is not a module" in pipeline.check_model(gpt(), Mesh(pp=2))[0]
+    plan = Plan(Mesh(pp=2), pipeline=Pipeline(split_points=["layer.2"], schedule="gpipe"))
+    with pytest.raises(PlanError) as err:  # the same problem through sk.validate
+        validate(plan, gpt())
+    assert "'layer.2' is not a module" in err.value.problems[0]
 
 
 def test_split_points_inside_a_unit_out_of_order_or_first_are_rejected():

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 import shardkit as sk
 from shardkit.plan import PlanError, PlanWarning, resolve_layouts
+from shardkit.planner.validate import validate
 
 AXES = st.sampled_from(["dp", "fsdp", "tp", "ep", "cp2"])
 
@@ -168,14 +169,14 @@ def test_validate_warns_about_unused_rule():
     plan = sk.Plan(mesh=sk.Mesh(tp=2), rules=sk.LayoutMap([(r"layers\.0\.q\.weight", ("tp", None)),
                                                            (r".*\.typo_proj\.weight", ("tp", None)), (r".*", None)]))
     with pytest.warns(PlanWarning, match="typo_proj"):
-        report = plan.validate(SHAPES)
+        report = validate(plan, SHAPES)
     assert report.layouts.params["layers.0.q.weight"].local_shape(report.mesh) == (32, 64)
 
 
 def test_validate_rejects_unused_model_axis_and_lists_every_problem():
     plan = sk.Plan(mesh=sk.Mesh(tp=2, ep=2), rules=sk.LayoutMap([(r"layers\.0\.q\.weight", ("tp", None))]))
     with pytest.raises(PlanError) as err:
-        plan.validate(SHAPES)
+        validate(plan, SHAPES)
     assert "mesh axis 'ep' (size 2) is used by no layout rule" in str(err.value)
     assert "match no layout rule" in str(err.value)
     assert len(err.value.problems) == 2
@@ -184,16 +185,16 @@ def test_validate_rejects_unused_model_axis_and_lists_every_problem():
 def test_validate_needs_world_size_for_inferred_axis():
     plan = sk.Plan(mesh=sk.Mesh(fsdp=-1))
     with pytest.raises(PlanError, match="pass world_size"):
-        plan.validate(SHAPES)
-    assert plan.validate(SHAPES, world_size=4).mesh["fsdp"] == 4
+        validate(plan, SHAPES)
+    assert validate(plan, SHAPES, world_size=4).mesh["fsdp"] == 4
 
 
 def test_sequence_parallel_needs_tp():
     with pytest.raises(PlanError, match="sequence_parallel=True needs a 'tp' axis"):
-        sk.Plan(mesh=sk.Mesh(fsdp=2), sequence_parallel=True).validate(SHAPES)
+        validate(sk.Plan(mesh=sk.Mesh(fsdp=2), sequence_parallel=True), SHAPES)
 
 
 def test_hsdp_needs_dp_before_fsdp():
     with pytest.raises(PlanError, match="'dp' must come before \\['fsdp'\\]"):
-        sk.Plan(mesh=sk.Mesh(fsdp=2, dp=2)).validate(SHAPES)
-    sk.Plan(mesh=sk.Mesh(dp=2, fsdp=2)).validate(SHAPES)
+        validate(sk.Plan(mesh=sk.Mesh(fsdp=2, dp=2)), SHAPES)
+    validate(sk.Plan(mesh=sk.Mesh(dp=2, fsdp=2)), SHAPES)

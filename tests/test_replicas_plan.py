@@ -12,6 +12,7 @@ import shardkit as sk
 from shardkit.cli import main as cli_main
 from shardkit.plan import Mesh, Plan, PlanError, ReplicaGrouping
 from shardkit.plan.replicas import grouping_table
+from shardkit.planner.validate import validate
 from shardkit.runtime.groups import grouped_mesh_ranks
 
 
@@ -212,7 +213,7 @@ def test_plan_checks_replicas_against_the_mesh():
     assert "reserved" in ReplicaGrouping(2).check_mesh(Mesh(dp=2, dp_inner=1))[0]
     plan = Plan(mesh=Mesh(dp=4), replicas=ReplicaGrouping(8, group_size=2))
     with pytest.raises(PlanError, match="replication_factor=8"):
-        plan.validate({"w": (4, 4)})
+        validate(plan, {"w": (4, 4)})
 
 
 @pytest.mark.parametrize("replicas", [ReplicaGrouping(8, group_size=2, stride=2),

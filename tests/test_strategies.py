@@ -11,6 +11,7 @@ import torch.distributed as dist
 import shardkit as sk
 from shardkit.models.gpt import GPT_RULES, build_tiny_gpt, gpt_loss
 from shardkit.models.hf import GPT2_RULES, LLAMA_RULES, build_tiny_gpt2, build_tiny_llama, hf_loss
+from shardkit.planner.validate import validate
 
 
 def _batch(batch=8, seq=32, vocab=256):
@@ -78,7 +79,7 @@ def test_shard_keeps_names_splits_parameters_and_steps(world):
     out = world(4).run(_shard_and_report, plan=plan)
     shapes = {n: tuple(p.shape) for n, p in build_tiny_gpt().named_parameters()}
     expected = 0  # tp splits by layout, then FSDP splits dim 0 of the tp-local shard in 2 (padding odd sizes)
-    for p in plan.validate(shapes).layouts.params.values():
+    for p in validate(plan, shapes).layouts.params.values():
         local = p.local_shape(plan.mesh)
         expected += -(-local[0] // 2) * math.prod(local[1:])
     assert expected < sum(math.prod(s) for s in shapes.values()) / 2

@@ -60,6 +60,8 @@ _EXPORTS = {
     "explain_stages": "shardkit.planner.stages",
     # planner
     "meta_model": "shardkit.planner.meta",
+    "validate": "shardkit.planner.validate",
+    "ValidationReport": "shardkit.planner.validate",
     "explain_plan": "shardkit.planner.explain",
     "estimate_memory": "shardkit.planner.explain",
 }

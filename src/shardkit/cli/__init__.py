@@ -6,7 +6,7 @@ import argparse
 import importlib
 import sys
 
-from ..plan import PlanError
+from ..plan import PlanError, UsageError
 
 #: Sub-command modules; each defines ``register(subparsers)`` which sets ``func`` on its parser.
 COMMANDS = ("train", "explain", "replicas")
@@ -32,6 +32,9 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except PlanError as exc:
         print(f"shardkit: invalid plan: {exc}", file=sys.stderr)
+        return 2
+    except UsageError as exc:
+        print(f"shardkit: {exc}", file=sys.stderr)
         return 2
 
 

@@ -35,10 +35,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     entry = model_entry(args.model)
     if args.plan is not None:
-        try:
-            plan = Plan.load(args.plan)
-        except OSError as exc:
-            raise PlanError(f"cannot read plan file {str(args.plan)!r}: {exc.strerror}") from None
+        plan = Plan.load(args.plan)
     else:
         mesh = Mesh.parse(args.mesh)
         plan = Plan(mesh, rules=entry.rules_for(mesh))

@@ -28,6 +28,7 @@ from ..observe.report import RankStats, format_bytes, print_summary
 from ..plan import LayoutMap, Mesh, Plan, PlanError
 from ..plan.pipeline import SCHEDULES, SPLITS, pipeline_from_args
 from ..planner.meta import meta_model
+from ..planner.validate import validate
 from ..runtime.world import Context, LocalWorld, WorldError, in_torchrun, launch
 
 DEFAULT_MODEL = "gpt-small"
@@ -113,10 +114,7 @@ def build_plan(args: argparse.Namespace) -> tuple[Plan, int]:
         if given:
             raise PlanError(f"--plan is a whole plan, so {', '.join(given)} cannot be combined with it; "
                             f"edit the plan file or drop --plan")
-        try:
-            plan = Plan.load(args.plan)
-        except OSError as exc:
-            raise PlanError(f"cannot read plan file {str(args.plan)!r}: {exc.strerror}") from None
+        plan = Plan.load(args.plan)
     else:
         mesh = Mesh.parse(args.mesh or DEFAULT_MESH)
         rules = load_rules(args.rules) if args.rules is not None else model_entry(args.model).rules_for(mesh)
@@ -142,7 +140,7 @@ def check_job(args: argparse.Namespace, plan: Plan, world_size: int) -> TrainJob
     """Validate plan, sizes and data before launch; :class:`PlanError` names each problem."""
     entry = model_entry(args.model)
     meta = meta_model(entry.build)
-    plan.validate(meta, world_size=world_size)
+    validate(plan, meta, world_size=world_size)
     seq_len = args.seq_len or entry.seq_len
     problems = []
     if not 1 <= seq_len <= entry.seq_len:

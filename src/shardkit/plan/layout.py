@@ -15,18 +15,10 @@ from collections.abc import Iterable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
 
 from .errors import PlanError
-from .mesh import Mesh
+from .mesh import NOT_FOR_LAYOUTS, Mesh
 
 DimEntry = str | tuple[str, ...] | None
 Layout = tuple[DimEntry, ...] | None
-
-#: Axes that must never appear in a parameter layout, with the reason.
-NOT_FOR_LAYOUTS = {
-    "dp": "'dp' replicates parameters; to shard a parameter over the data axis use 'fsdp'",
-    "pp": "'pp' splits layers into pipeline stages, not tensors; use Plan(pipeline=...)",
-    "sp": "'sp' splits the sequence of activations, not parameters",
-}
-
 
 def normalize_layout(layout: object, where: str = "layout") -> Layout:
     """Check a layout's form and return it as a tuple (lists from JSON become tuples).
@@ -38,19 +30,22 @@ def normalize_layout(layout: object, where: str = "layout") -> Layout:
     """
     if layout is None:
         return None
-    if isinstance(layout, str) or not isinstance(layout, Iterable):
+    if isinstance(layout, (str, bytes, Mapping, set, frozenset)) or not isinstance(layout, Iterable):
         raise PlanError(
             f"{where}: {layout!r} is not a layout; a layout is None (replicated) or a sequence with "
             f"one entry per tensor dim, each None, an axis name or a tuple of axis names, e.g. ('tp', None)"
+            + (f" (for a 1-D tensor: ({layout!r},))" if isinstance(layout, str) else "")
         )
     entries: list[DimEntry] = []
-    for entry in layout:
-        if entry is None or isinstance(entry, str):
+    for dim, entry in enumerate(layout):
+        if entry is None or (isinstance(entry, str) and entry):
             entries.append(entry)
-        elif isinstance(entry, Iterable) and all(isinstance(a, str) for a in entry):
+        elif (isinstance(entry, (list, tuple)) and entry and all(isinstance(a, str) and a for a in entry)
+              and len(set(entry)) == len(entry)):
             entries.append(tuple(entry))
         else:
-            raise PlanError(f"{where}: dim entry {entry!r} must be None, an axis name or a tuple of axis names")
+            raise PlanError(f"{where}: dim {dim} entry {entry!r} must be None, an axis name or a non-empty tuple of "
+                            f"distinct axis names")
     return tuple(entries)
 
 
@@ -73,20 +68,30 @@ class LayoutMap(MutableMapping[str, Layout]):
     """
 
     def __init__(self, rules: Iterable[tuple[str, object]] | Mapping[str, object] = (), *, strict: bool = True):
+        if not isinstance(strict, bool):
+            raise PlanError(f"LayoutMap(strict=...) must be True or False, got {type(strict).__name__} {strict!r}")
         self.strict = strict
         self._rules: dict[str, Layout] = {}
         self._compiled: dict[str, re.Pattern[str]] = {}
+        if isinstance(rules, (str, bytes)) or not isinstance(rules, Iterable):
+            raise PlanError(f"layout rules must be a list of (regex, layout) pairs, got {type(rules).__name__}")
         items = rules.items() if isinstance(rules, Mapping) else rules
-        for item in items:
-            try:
-                pattern, layout = item
-            except (TypeError, ValueError):
-                raise PlanError(f"layout rule {item!r} must be a (regex, layout) pair") from None
-            self[pattern] = layout
+        for index, item in enumerate(items):
+            if isinstance(item, (str, bytes, Mapping)) or not isinstance(item, (list, tuple)) or len(item) != 2:
+                raise PlanError(f"layout rule #{index} {item!r} must be a (regex, layout) pair, "
+                                f"e.g. ('lm_head\\\\.weight', ('tp', None))")
+            self[item[0]] = item[1]
 
     def __setitem__(self, pattern: str, layout: object) -> None:
+        """Append a rule (Keras style). A pattern already present is an error: rules are ordered and
+        the first match wins, so replacing one in place would silently change what matches first."""
         if not isinstance(pattern, str):
             raise PlanError(f"layout rule pattern {pattern!r} must be a string (a regex)")
+        if pattern in self._rules:
+            position = list(self._rules).index(pattern)
+            raise PlanError(f"layout rule pattern {pattern!r} is given twice (first as rule #{position} with layout "
+                            f"{self._rules[pattern]!r}); each pattern may appear once: delete the first "
+                            f"(del rules[pattern]) to replace it")
         try:
             compiled = re.compile(pattern)
         except re.error as exc:
@@ -130,7 +135,7 @@ class LayoutMap(MutableMapping[str, Layout]):
 
     @classmethod
     def from_list(cls, data: Iterable[Iterable[object]], strict: bool = True) -> LayoutMap:
-        return cls([tuple(item) for item in data], strict=strict)  # type: ignore[misc]
+        return cls(data, strict=strict)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)

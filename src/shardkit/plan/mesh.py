@@ -7,7 +7,8 @@ from collections.abc import Iterator, Mapping
 
 from .errors import PlanError
 
-#: Axes with a fixed meaning. Any other name is a user axis usable in layouts.
+#: Axes with a fixed meaning (the one place that says which axis does what). Any other
+#: name is a *user axis*: a model axis that splits the tensors its layout rules name, like ``tp``.
 AXIS_ROLES: dict[str, str] = {
     "dp": "data parallel: parameters replicated, gradients all-reduced",
     "fsdp": "fully sharded data parallel: parameters, gradients and optimizer state sharded (FSDP2)",
@@ -15,8 +16,31 @@ AXIS_ROLES: dict[str, str] = {
     "pp": "pipeline parallel: layers split into stages",
     "sp": "sequence / context parallel: the sequence dim split across devices",
 }
+USER_AXIS_ROLE = "user axis: splits the tensors its layout rules name (like tp)"
 #: Axes over which the batch is split (each coordinate sees different samples).
 DATA_AXES = ("dp", "fsdp")
+#: Axes that must never appear in a parameter layout, with the reason. (``fsdp`` may: it
+#: chooses the dim FSDP2 shards.)
+NOT_FOR_LAYOUTS: dict[str, str] = {
+    "dp": "'dp' replicates parameters; to shard a parameter over the data axis use 'fsdp'",
+    "pp": "'pp' splits layers into pipeline stages, not tensors; use Plan(pipeline=...)",
+    "sp": "'sp' splits the sequence of activations, not parameters",
+}
+
+
+def is_model_axis(axis: str) -> bool:
+    """Whether ``axis`` splits parameters by layout into pieces that compute separately (tensor
+    parallelism): ``tp`` and every user axis, not the data, pipeline or sequence axes.
+
+    >>> [a for a in ("dp", "fsdp", "tp", "pp", "sp", "expert") if is_model_axis(a)]
+    ['tp', 'expert']
+    """
+    return axis not in DATA_AXES and axis not in NOT_FOR_LAYOUTS
+
+
+def axis_role(axis: str) -> str:
+    """What ``axis`` does, in words (for tables and messages)."""
+    return AXIS_ROLES.get(axis, USER_AXIS_ROLE)
 
 
 class Mesh(Mapping[str, int]):
@@ -97,6 +121,15 @@ class Mesh(Mapping[str, int]):
         return self._axes.get(axis, 1)
 
     @property
+    def model_axes(self) -> tuple[str, ...]:
+        """The axes of size > 1 that split parameters by layout (``tp`` and user axes), in mesh order.
+
+        >>> Mesh(dp=2, tp=2, expert=1).model_axes
+        ('tp',)
+        """
+        return tuple(a for a, s in self._axes.items() if is_model_axis(a) and s != 1)
+
+    @property
     def data_size(self) -> int:
         """How many data-parallel replicas see different samples: the product of the data axes.
 
@@ -155,16 +188,30 @@ class Mesh(Mapping[str, int]):
     # -- text forms -----------------------------------------------------------------------
     @classmethod
     def parse(cls, text: str, world_size: int | None = None) -> Mesh:
-        """Parse ``"fsdp=2,tp=2"`` (as on the command line)."""
+        """Parse ``"fsdp=2,tp=2"`` (as on the command line); an empty text or an axis given twice is an error.
+
+        >>> Mesh.parse("fsdp=2,fsdp=4")
+        Traceback (most recent call last):
+            ...
+        shardkit.plan.errors.PlanError: mesh 'fsdp=2,fsdp=4' gives axis 'fsdp' twice (fsdp=2 and fsdp=4); give each axis once
+        """
+        if not isinstance(text, str) or not text.strip():
+            raise PlanError(f"mesh {text!r} is empty; give axes as axis=size pairs, for example 'fsdp=2,tp=2'")
         axes: dict[str, int] = {}
-        for part in filter(None, (p.strip() for p in text.split(","))):
+        for part in (p.strip() for p in text.split(",")):
             name, sep, size = part.partition("=")
-            if not sep:
+            name = name.strip()
+            if not sep or not name:
                 raise PlanError(f"mesh entry {part!r} in {text!r} is not of the form axis=size (for example 'fsdp=2,tp=2')")
             try:
-                axes[name.strip()] = int(size)
+                value = int(size)
             except ValueError:
-                raise PlanError(f"mesh axis {name.strip()!r} has size {size!r}; sizes are integers or -1") from None
+                raise PlanError(f"mesh axis {name!r} has size {size.strip()!r} in {text!r}; sizes are integers >= 1, "
+                                f"or -1 to infer one") from None
+            if name in axes:
+                raise PlanError(f"mesh {text!r} gives axis {name!r} twice ({name}={axes[name]} and {name}={value}); "
+                                f"give each axis once")
+            axes[name] = value
         return cls(axes, world_size=world_size)
 
     def to_dict(self) -> dict[str, int]:

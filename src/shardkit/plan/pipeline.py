@@ -1,8 +1,8 @@
 """Pipeline: how a model's layers are split into stages and how micro-batches flow through them.
 
 Pure data (no torch): the schedule and split are checked against the mesh here, against a
-model by :func:`shardkit.planner.stages.assign_stages`, and against a batch by
-:meth:`Pipeline.check_batch`.
+batch by :meth:`Pipeline.check_batch`, and against a model by the planner
+(:func:`shardkit.planner.stages.assign_stages`, run by ``sk.validate``).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from .errors import PlanError
+from .files import known_keys, mapping
 from .mesh import Mesh
 
 #: Schedule name -> (torch.distributed.pipelining class, stages per device, what it does).
@@ -81,12 +82,10 @@ class Pipeline:
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 problems.append(f"Pipeline({name}={value!r}): must be an integer >= 1")
-        if self.schedule not in SCHEDULES:
-            problems.append(f"Pipeline(schedule={self.schedule!r}) is unknown; valid: {list(SCHEDULES)}")
-        if self.split not in SPLITS:
-            problems.append(f"Pipeline(split={self.split!r}) is unknown; valid: {list(SPLITS)}")
-        if self.objective not in OBJECTIVES:
-            problems.append(f"Pipeline(objective={self.objective!r}) is unknown; valid: {list(OBJECTIVES)}")
+        for name, valid in (("schedule", SCHEDULES), ("split", SPLITS), ("objective", OBJECTIVES)):
+            value = getattr(self, name)
+            if not isinstance(value, str) or value not in valid:
+                problems.append(f"Pipeline({name}={value!r}) is unknown; valid: {list(valid)}")
         if self.split_points is not None and self.stage_modules is not None:
             problems.append("give split_points or stage_modules, not both (each fixes every stage boundary)")
         if problems:
@@ -173,16 +172,6 @@ class Pipeline:
                     f"use a multiple of {m} (e.g. {hint * data_world if data_world > 1 else hint})"]
         return []
 
-    def check_model(self, model: Any, mesh: Mesh) -> list[str]:
-        """Problems of this pipeline on ``model`` (build it on the meta device): names, stages, ties."""
-        from ..planner.stages import assign_stages
-
-        try:
-            assign_stages(model, self, mesh)
-        except PlanError as exc:
-            return list(exc.problems)
-        return []
-
     # -- serialisation ------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -194,10 +183,8 @@ class Pipeline:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Pipeline:
-        known = [f.name for f in fields(cls)]
-        unknown = sorted(set(data) - set(known))
-        if unknown:
-            raise PlanError(f"pipeline has unknown keys {unknown}; valid keys: {known}")
+        data = mapping(data, "plan field 'pipeline'", "{schedule: 1f1b, microbatches: 4}")
+        known_keys(data, [f.name for f in fields(cls)], "plan field 'pipeline'")
         return cls(**dict(data))
 
 

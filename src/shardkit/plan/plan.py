@@ -3,27 +3,36 @@
 from __future__ import annotations
 
 import json
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from .errors import PlanError, PlanWarning
-from .layout import LayoutMap, LayoutResolution, resolve_layouts
-from .mesh import AXIS_ROLES, DATA_AXES, Mesh
+from .errors import PlanError, UsageError
+from .files import boolean, known_keys, mapping, read_file, read_text
+from .layout import LayoutMap
+from .mesh import DATA_AXES, Mesh, is_model_axis
 from .pipeline import Pipeline
 from .replicas import ReplicaGrouping
+from .sequence import sequence_problems
 
 _DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
 class FSDPOptions:
-    """Options for the ``fsdp`` axis (passed to torch's ``fully_shard``).
+    """Options of the data-parallel wrapper (torch's FSDP2: ``fully_shard`` / ``replicate``).
 
+    ``reshard_after_forward``: free gathered parameters after the forward (``fsdp`` only).
     ``param_dtype`` / ``reduce_dtype``: mixed precision (``"bfloat16"``, ``"float16"``,
-    ``"float32"`` or ``None`` to keep the parameter dtype).
+    ``"float32"`` or ``None`` to keep the parameter dtype), torch's ``MixedPrecisionPolicy``:
+    parameters stay in their dtype for the optimizer, compute runs in ``param_dtype`` and
+    gradients are reduced in ``reduce_dtype``. It applies to every plan, with or without data axes.
+
+    >>> FSDPOptions(reshard_after_forward="no")
+    Traceback (most recent call last):
+        ...
+    shardkit.plan.errors.PlanError: FSDPOptions(reshard_after_forward=...) must be true or false, got str 'no'
     """
 
     reshard_after_forward: bool = True
@@ -31,10 +40,23 @@ class FSDPOptions:
     reduce_dtype: str | None = None
 
     def __post_init__(self) -> None:
+        boolean(self.reshard_after_forward, "FSDPOptions(reshard_after_forward=...)")
         for name in ("param_dtype", "reduce_dtype"):
             value = getattr(self, name)
             if value is not None and value not in _DTYPES:
                 raise PlanError(f"FSDPOptions.{name}={value!r}; valid: None or one of {list(_DTYPES)}")
+
+    @property
+    def mixed_precision(self) -> bool:
+        """Whether compute or gradient reduction runs below float32."""
+        return bool({self.param_dtype, self.reduce_dtype} - {None, "float32"})
+
+    @classmethod
+    def from_dict(cls, data: Any) -> FSDPOptions:
+        data = mapping(data, "plan field 'fsdp'", "{reshard_after_forward: true, param_dtype: bfloat16}")
+        names = [f.name for f in fields(cls)]
+        known_keys(data, names, "plan field 'fsdp'")
+        return cls(**dict(data))
 
 
 def param_shapes(model: Any) -> dict[str, tuple[int, ...]]:
@@ -43,22 +65,16 @@ def param_shapes(model: Any) -> dict[str, tuple[int, ...]]:
         return {str(k): tuple(int(d) for d in v) for k, v in model.items()}
     if hasattr(model, "named_parameters"):
         return {n: tuple(p.shape) for n, p in model.named_parameters()}
-    raise PlanError(f"cannot read parameters from {type(model).__name__}; pass an nn.Module (on the meta device is fine) "
-                    f"or a mapping of parameter name -> shape")
-
-
-@dataclass(frozen=True)
-class ValidationReport:
-    """What ``Plan.validate`` found: the resolved layouts and the warnings it raised."""
-
-    mesh: Mesh
-    layouts: LayoutResolution
-    warnings: list[str] = field(default_factory=list)
+    raise UsageError(f"cannot read parameters from {type(model).__name__}; pass an nn.Module (on the meta device is "
+                     f"fine) or a mapping of parameter name -> shape")
 
 
 @dataclass(frozen=True)
 class Plan:
     """How a model is split: mesh, layout rules, FSDP options, pipeline, replica groups.
+
+    A plan is data: it checks its own fields here, and what it can know without a model with
+    :meth:`problems`; ``sk.validate(plan, model)`` adds every check against the model.
 
     >>> plan = Plan(mesh=Mesh(fsdp=2, tp=2), rules=LayoutMap([(r".*\\.w_in\\.weight", ("tp", None)), (r".*", None)]))
     >>> Plan.from_json(plan.to_json()) == plan
@@ -76,31 +92,45 @@ class Plan:
         if not isinstance(self.mesh, Mesh):
             raise PlanError(f"Plan(mesh=...) must be a shardkit Mesh, got {type(self.mesh).__name__}; e.g. Mesh(dp=2)")
         if self.rules is not None and not isinstance(self.rules, LayoutMap):
+            if isinstance(self.rules, (str, bytes)) or not isinstance(self.rules, (Mapping, list, tuple)):
+                raise PlanError(f"Plan(rules=...) must be a LayoutMap or a list of (regex, layout) pairs, got "
+                                f"{type(self.rules).__name__}")
             object.__setattr__(self, "rules", LayoutMap(self.rules))
+        for name, kind in (("fsdp", FSDPOptions), ("pipeline", Pipeline), ("replicas", ReplicaGrouping)):
+            value = getattr(self, name)
+            if not isinstance(value, kind) and not (value is None and name != "fsdp"):
+                raise PlanError(f"Plan({name}=...) must be a {kind.__name__}{'' if name == 'fsdp' else ' or None'}, "
+                                f"got {type(value).__name__}")
+        boolean(self.sequence_parallel, "Plan(sequence_parallel=...)")
 
-    # -- validation ------------------------------------------------------------------------
+    def __getattr__(self, name: str) -> Any:
+        if name in ("validate", "explain"):
+            raise AttributeError(f"Plan.{name} is sk.{name if name == 'validate' else 'explain_plan'}(plan, model): "
+                                 f"checks against a model live in the planner, which knows model families")
+        raise AttributeError(f"'Plan' object has no attribute {name!r}")
+
+    # -- checks without a model --------------------------------------------------------------
     def resolved(self, world_size: int) -> Plan:
         """This plan with the mesh's ``-1`` axis inferred from ``world_size``."""
         return Plan(**{**self._fields(), "mesh": self.mesh.resolved(world_size)})
 
-    def validate(self, model: Any, world_size: int | None = None) -> ValidationReport:
-        """Check the plan against a model (use the meta device: no memory, no processes).
+    def problems(self) -> list[str]:
+        """What is wrong with this (resolved) plan that is known without a model: axes no rule
+        uses, a ``pp`` axis without a pipeline, HSDP axis order, Megatron SP without ``tp``, the
+        pipeline's and the replica groups' fit to the mesh. Layouts need the parameter shapes:
+        ``sk.validate(plan, model)`` runs these checks and every check against the model.
 
-        Raises :class:`PlanError` naming every offending parameter, axis and size.
-        Warns (:class:`PlanWarning`) about rules that match no parameter.
+        >>> Plan(mesh=Mesh(tp=2)).problems()
+        ["mesh axis 'tp' (size 2) is used by no layout rule, so every tp rank would compute the same thing; add rules that split parameters over 'tp' or remove the axis"]
         """
         mesh = self.mesh
-        if world_size is not None:
-            mesh = mesh.resolved(world_size)
-        elif not mesh.is_resolved:
-            raise PlanError(f"{mesh!r} has an inferred (-1) axis; pass world_size= to validate it")
         problems: list[str] = []
         rule_axes = self.rules.axes() if self.rules is not None else set()
         for axis in mesh.names:
             if axis == "pp" and mesh[axis] > 1 and self.pipeline is None:
                 problems.append(f"mesh axis 'pp' (size {mesh[axis]}) needs a pipeline: add "
                                 f"Plan(pipeline=Pipeline(stages={mesh[axis]}, ...)) (CLI: --schedule/--split) or remove the axis")
-            elif mesh[axis] > 1 and axis not in DATA_AXES and axis not in rule_axes and not self._axis_used_elsewhere(axis):
+            elif mesh[axis] > 1 and is_model_axis(axis) and axis not in rule_axes:
                 problems.append(
                     f"mesh axis {axis!r} (size {mesh[axis]}) is used by no layout rule, so every {axis} rank would "
                     f"compute the same thing; add rules that split parameters over {axis!r} or remove the axis"
@@ -114,24 +144,11 @@ class Plan:
         if self.sequence_parallel and mesh.size_of("tp") == 1:
             problems.append("sequence_parallel=True needs a 'tp' axis of size > 1 (Megatron-style SP splits the "
                             "sequence over the tensor-parallel group); for context parallel use an 'sp' mesh axis")
-        try:
-            layouts = resolve_layouts(param_shapes(model), self.rules, mesh)
-        except PlanError as exc:
-            problems.extend(exc.problems)
-            layouts = None
         if self.pipeline is not None:
             problems.extend(self.pipeline.check_mesh(mesh))
-            if hasattr(model, "named_modules"):  # stage assignment needs the module tree, not only shapes
-                problems.extend(self.pipeline.check_model(model, mesh))
         if self.replicas is not None:
             problems.extend(self.replicas.check_mesh(mesh))
-        if problems:
-            raise PlanError(problems)
-        assert layouts is not None
-        found = [f"layout rule {p!r} matches no parameter (a typo or a renamed module?)" for p in layouts.unused_rules]
-        for text in found:
-            warnings.warn(text, PlanWarning, stacklevel=2)
-        return ValidationReport(mesh, layouts, found)
+        return problems
 
     def batch_problems(self, batch_size: int, seq_len: int | None = None) -> list[str]:
         """Problems of a global batch under this (resolved) plan: its split over the data
@@ -150,23 +167,8 @@ class Plan:
         else:
             problems = []
         if seq_len is not None:
-            from .sequence import sequence_problems
-
             problems += sequence_problems(self, seq_len)
         return problems
-
-    def _axis_used_elsewhere(self, axis: str) -> bool:
-        if axis == "pp":
-            return self.pipeline is not None
-        if axis == "sp":
-            return True  # context parallel splits activations, not parameters
-        return False
-
-    def explain(self, model: Any, world_size: int | None = None) -> str:
-        """A table per parameter: matched rule, layout, local shape and bytes per device."""
-        from ..planner.explain import explain_plan
-
-        return explain_plan(self, model, world_size=world_size)
 
     # -- serialisation ------------------------------------------------------------------------
     def _fields(self) -> dict[str, Any]:
@@ -184,25 +186,32 @@ class Plan:
         }
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> Plan:
-        known = {"mesh", "rules", "strict", "fsdp", "pipeline", "replicas", "sequence_parallel"}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise PlanError(f"plan has unknown keys {unknown}; valid keys: {sorted(known)}")
-        if "mesh" not in data:
-            raise PlanError("plan has no 'mesh'; e.g. {\"mesh\": {\"fsdp\": 2, \"tp\": 2}}")
+    def from_dict(cls, data: Any) -> Plan:
+        """A plan from parsed JSON/YAML; every field is type-checked and named when wrong.
+
+        >>> Plan.from_dict({"mesh": {"dp": 2}, "sequence_parallel": "false"})
+        Traceback (most recent call last):
+            ...
+        shardkit.plan.errors.PlanError: plan field 'sequence_parallel' must be true or false, got str 'false'
+        """
+        data = mapping(data, "a plan", '{"mesh": {"fsdp": 2, "tp": 2}}')
+        known_keys(data, [f.name for f in fields(cls)] + ["strict"], "plan", required=["mesh"])
+        mesh = Mesh.from_dict(mapping(data["mesh"], "plan field 'mesh'", "{fsdp: 2, tp: 2}"))
         rules = data.get("rules")
-        fsdp = data.get("fsdp") or {}
-        bad = sorted(set(fsdp) - {f.name for f in fields(FSDPOptions)})
-        if bad:
-            raise PlanError(f"plan 'fsdp' has unknown keys {bad}; valid: {[f.name for f in fields(FSDPOptions)]}")
+        strict = boolean(data.get("strict", True), "plan field 'strict'")
+        if rules is not None and (isinstance(rules, (str, Mapping)) or not isinstance(rules, list)):
+            raise PlanError(f"plan field 'rules' must be a list of [regex, layout] pairs such as "
+                            f"[['lm_head\\\\.weight', [tp, null]], ['.*', null]], got {type(rules).__name__}")
+        pipeline, replicas = data.get("pipeline"), data.get("replicas")
         return cls(
-            mesh=Mesh.from_dict(data["mesh"]),
-            rules=None if rules is None else LayoutMap.from_list(rules, strict=bool(data.get("strict", True))),
-            fsdp=FSDPOptions(**fsdp),
-            pipeline=None if data.get("pipeline") is None else Pipeline.from_dict(data["pipeline"]),
-            replicas=None if data.get("replicas") is None else ReplicaGrouping.from_dict(data["replicas"]),
-            sequence_parallel=bool(data.get("sequence_parallel", False)),
+            mesh=mesh,
+            rules=None if rules is None else LayoutMap.from_list(rules, strict=strict),
+            fsdp=FSDPOptions.from_dict(data.get("fsdp", {})),
+            pipeline=None if pipeline is None else Pipeline.from_dict(
+                mapping(pipeline, "plan field 'pipeline'", "{schedule: 1f1b, microbatches: 4}")),
+            replicas=None if replicas is None else ReplicaGrouping.from_dict(
+                mapping(replicas, "plan field 'replicas'", "{replication_factor: 4, group_size: 2}")),
+            sequence_parallel=boolean(data.get("sequence_parallel", False), "plan field 'sequence_parallel'"),
         )
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -210,11 +219,7 @@ class Plan:
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise PlanError(f"plan is not valid JSON: {exc}") from None
-        return cls.from_dict(data)
+        return cls.from_dict(read_text(text, "plan"))
 
     def to_yaml(self) -> str:
         import yaml
@@ -223,26 +228,16 @@ class Plan:
 
     @classmethod
     def from_yaml(cls, text: str) -> Plan:
-        import yaml
-
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            raise PlanError(f"plan is not valid YAML: {exc}") from None
-        if not isinstance(data, Mapping):
-            raise PlanError(f"a YAML plan must be a mapping at the top level, got {type(data).__name__}")
-        return cls.from_dict(data)
+        return cls.from_dict(read_text(text, "plan", yaml=True))
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:
-        """Read a plan file: ``.json``, or ``.yaml`` / ``.yml``."""
-        path = Path(path)
-        text = path.read_text()
-        return cls.from_yaml(text) if path.suffix in (".yaml", ".yml") else cls.from_json(text)
+        """Read a plan file: ``.json``, or ``.yaml`` / ``.yml`` (a key given twice is an error)."""
+        return cls.from_dict(read_file(path, "plan"))
 
     def save(self, path: str | Path) -> None:
         path = Path(path)
         path.write_text(self.to_yaml() if path.suffix in (".yaml", ".yml") else self.to_json() + "\n")
 
 
-__all__ = ["AXIS_ROLES", "FSDPOptions", "Plan", "ValidationReport", "param_shapes"]
+__all__ = ["FSDPOptions", "Plan", "param_shapes"]

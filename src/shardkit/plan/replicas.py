@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .errors import PlanError
+from .files import mapping
 from .mesh import Mesh
 
 #: Mesh dims that replace ``dp`` when a plan has replica groups (see ``runtime.groups``).
@@ -262,6 +263,7 @@ class ReplicaGrouping:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ReplicaGrouping:
         """Inverse of :meth:`to_dict`: ``{replication_factor, group_size, stride}`` or ``{assignment}``."""
+        data = mapping(data, "plan field 'replicas'", "{replication_factor: 4, group_size: 2}")
         keys = set(data)
         if "assignment" in keys:
             if keys - {"assignment", "replication_factor"}:

@@ -17,9 +17,12 @@ Two forms split the sequence dim and each constrains its length:
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 from .errors import PlanError
-from .plan import Plan
+
+if TYPE_CHECKING:  # plan.py imports this module
+    from .plan import Plan
 
 
 def required_multiple(plan: Plan) -> int:

@@ -32,9 +32,10 @@ from rich.console import Console
 from rich.table import Table
 from torch import nn
 
-from ..models.adapters import tensor_parallel_problems
-from ..plan import AXIS_ROLES, Mesh, Plan, PlanError, PlanWarning
+from ..plan import Mesh, Plan, PlanWarning
 from ..plan.layout import ParamLayout, axes_of
+from ..plan.mesh import axis_role
+from .validate import validate
 
 FSDP_AXIS = "fsdp"
 ADAMW_STATES = 2  # exp_avg and exp_avg_sq, each the parameter's shape and dtype
@@ -60,8 +61,8 @@ class ParamRow:
 def explain_plan(plan: Plan, model: Any, world_size: int | None = None, *, width: int = 160) -> str:
     """Validate ``plan`` against ``model`` and describe, as plain text, what every device holds.
 
-    Raises :class:`~shardkit.plan.PlanError` for a bad plan: :meth:`Plan.validate`'s problems,
-    or a ``tp`` size that splits attention heads (:func:`~shardkit.models.adapters.tensor_parallel_problems`).
+    Raises :class:`~shardkit.plan.PlanError` for a bad plan: every problem
+    :func:`~shardkit.planner.validate.validate` finds.
     Identical rows of repeated layers are shown once, e.g. ``layers.{0..79}.mlp.up_proj.weight x80``.
     """
     mesh, rows, unused = _analyse(plan, model, world_size)
@@ -118,12 +119,8 @@ def estimate_memory(plan: Plan, model: Any, world_size: int | None = None) -> di
 def _analyse(plan: Plan, model: Any, world_size: int | None) -> tuple[Mesh, list[ParamRow], list[tuple[int, str]]]:
     with warnings.catch_warnings():  # unused rules are reported in the text instead
         warnings.simplefilter("ignore", PlanWarning)
-        report = plan.validate(model, world_size=world_size)
+        report = validate(plan, model, world_size=world_size)
     mesh = report.mesh
-    if isinstance(model, nn.Module) and mesh.size_of("tp") > 1:
-        problems = tensor_parallel_problems(model, mesh["tp"])
-        if problems:
-            raise PlanError(problems)
     layouts = report.layouts.params
     dtypes = _dtypes(model)
     mechanisms = _mechanisms(model, layouts)
@@ -226,7 +223,7 @@ def _memory(plan: Plan, mesh: Mesh, rows: list[ParamRow]) -> dict[str, int]:
 def _mesh_table(mesh: Mesh) -> Table:
     table = Table("axis", "size", "role", title="mesh", **_TABLE_STYLE)
     for axis, size in mesh.items():
-        table.add_row(axis, str(size), AXIS_ROLES.get(axis, "user axis: splits tensors named in layout rules"))
+        table.add_row(axis, str(size), axis_role(axis))
     return table
 
 

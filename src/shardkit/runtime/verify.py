@@ -152,8 +152,9 @@ def verify(build_model: Callable[[], nn.Module], plan: Plan, batch: tuple[Any, A
             raise PlanError("verify needs world= (or a mesh without -1) to know the world size")
         world_size = plan.mesh.size
     from ..planner.meta import meta_model
+    from ..planner.validate import validate
 
-    plan.validate(meta_model(build_model), world_size=world_size)
+    validate(plan, meta_model(build_model), world_size=world_size)
     inputs = batch[0]
     if isinstance(inputs, torch.Tensor):
         seq_len = int(inputs.shape[1]) if inputs.dim() >= 2 else None

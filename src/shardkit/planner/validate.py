@@ -1,0 +1,81 @@
+"""``sk.validate(plan, model)``: every check that can be made before launch, in one place.
+
+The plan layer checks what it knows without a model (:meth:`Plan.problems`: axes, sizes,
+schedules, groupings). This module composes those with every check against the model, on
+the meta device: layouts on the parameters, pipeline stages, and the model checks of
+:mod:`shardkit.planner.model_checks`. It collects every problem and raises once, so one call
+reports everything that is wrong. ``sk.shard`` runs the same function, so a plan passed
+straight to ``sk.launch`` + ``sk.shard`` gets the same :class:`PlanError` before any weight moves.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from ..plan import Mesh, Plan, PlanError, PlanWarning, UsageError, param_shapes, resolve_layouts
+from ..plan.layout import LayoutResolution
+from .model_checks import model_problems
+from .stages import assign_stages
+
+
+@dataclass(frozen=True)
+class ValidationReport:
+    """What :func:`validate` found: the resolved mesh and layouts and the warnings it raised."""
+
+    mesh: Mesh
+    layouts: LayoutResolution
+    warnings: list[str] = field(default_factory=list)
+
+
+def validate(plan: Plan, model: Any, world_size: int | None = None, *,
+             example_inputs: tuple | None = None) -> ValidationReport:
+    """Check ``plan`` against ``model`` (an ``nn.Module``, on the meta device is best, or a
+    mapping ``{parameter name: shape}`` for the layout checks alone). No processes, no memory.
+
+    Raises :class:`PlanError` listing every problem, each naming the parameter, module, axis
+    and sizes and what would be valid. Warns (:class:`PlanWarning`) about rules that match
+    no parameter. ``example_inputs``: one micro-batch for the dataflow checks when the model's
+    family does not say what it takes.
+
+    >>> from shardkit.plan import LayoutMap, Mesh, Plan
+    >>> validate(Plan(Mesh(tp=2), LayoutMap([("w", ("tp", None))])), {"w": (3, 4)})
+    Traceback (most recent call last):
+        ...
+    shardkit.plan.errors.PlanError: parameter 'w' (shape [3, 4], rule 'w'): dim 0 has size 3, not divisible by tp=2 (2); axis sizes that divide it: [1, 3]
+    """
+    if not isinstance(plan, Plan):
+        raise UsageError(f"validate(plan, model): plan must be a shardkit Plan, got {type(plan).__name__}")
+    mesh = plan.mesh
+    if world_size is not None:
+        mesh = mesh.resolved(world_size)
+    elif not mesh.is_resolved:
+        raise PlanError(f"{mesh!r} has an inferred (-1) axis; pass world_size= to validate it")
+    plan = plan.resolved(mesh.size)
+    problems = plan.problems()
+    try:
+        layouts = resolve_layouts(param_shapes(model), plan.rules, mesh)
+    except PlanError as exc:
+        problems.extend(exc.problems)
+        layouts = None
+    if isinstance(model, nn.Module):
+        if plan.pipeline is not None:
+            try:
+                assign_stages(model, plan.pipeline, mesh, example_inputs)
+            except PlanError as exc:
+                problems.extend(exc.problems)
+        if layouts is not None:
+            problems.extend(model_problems(plan, model, layouts.params, example_inputs))
+    if problems:
+        raise PlanError(problems)
+    assert layouts is not None
+    found = [f"layout rule {p!r} matches no parameter (a typo or a renamed module?)" for p in layouts.unused_rules]
+    for text in found:
+        warnings.warn(text, PlanWarning, stacklevel=2)
+    return ValidationReport(mesh, layouts, found)
+
+
+__all__ = ["ValidationReport", "validate"]
