@@ -93,7 +93,6 @@ def _warm_imports() -> None:
     import torch.distributed.tensor.parallel  # noqa: F401
     import torch.nn.parallel  # noqa: F401
 
-    import shardkit.models.adapters  # noqa: F401
     import shardkit.runtime.apply  # noqa: F401
 
 

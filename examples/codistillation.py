@@ -19,7 +19,8 @@ from torch import nn
 from torch.nn import functional as F
 
 import shardkit as sk
-from shardkit.runtime.groups import all_gather, group_index, replica_group
+from shardkit.runtime.collectives import all_gather
+from shardkit.runtime.groups import group_index, replica_group
 from shardkit.runtime.variables import group_module, stack_states
 
 REPLICAS, MODELS = 8, 2

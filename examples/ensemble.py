@@ -17,7 +17,8 @@ from _common import sgd_step
 from torch import nn
 
 import shardkit as sk
-from shardkit.runtime.groups import all_reduce, group_index
+from shardkit.runtime.collectives import all_reduce
+from shardkit.runtime.groups import group_index
 from shardkit.runtime.variables import group_module
 
 MEMBERS = 8

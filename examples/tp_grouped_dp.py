@@ -19,7 +19,8 @@ from _common import sgd_step
 from torch.nn import functional as F
 
 import shardkit as sk
-from shardkit.runtime.groups import all_gather, average_gradients, group_index
+from shardkit.runtime.collectives import all_gather, average_gradients
+from shardkit.runtime.groups import group_index
 from shardkit.runtime.variables import variable
 
 TP, DP = 2, 4

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from shardkit.families import model_layout
 from shardkit.models.gpt import GPT, GPTConfig
 from shardkit.plan import Mesh, Pipeline, PlanError
 from shardkit.planner.autosplit import (
@@ -20,7 +21,7 @@ from shardkit.planner.autosplit import (
     unit_costs,
 )
 from shardkit.planner.meta import meta_model
-from shardkit.planner.stages import assign_stages, layout_costs, model_layout
+from shardkit.planner.stages import assign_stages, layout_costs
 
 UNIT = DeviceModel(flops_per_s=3.0, bytes_per_s=float("inf"))  # time == forward FLOPs
 

@@ -10,13 +10,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from shardkit.models.adapters import adapt_for_tensor_parallel, tensor_parallel_problems
 from shardkit.models.gpt import GPT, GPT_RULES, GPTConfig, build_tiny_gpt, gpt_loss, tiny_config
 from shardkit.models.hf import GPT2_RULES, LLAMA_RULES, build_tiny_gpt2, build_tiny_llama, hf_loss
 from shardkit.models.registry import MODELS, model_entry
 from shardkit.plan import Mesh, Plan, PlanError
 from shardkit.planner.meta import meta_model
+from shardkit.planner.tensor_parallel import tensor_parallel_problems
 from shardkit.planner.validate import validate
+from shardkit.runtime.tensor_parallel import prepare_shard
 
 TINY_GPT = build_tiny_gpt()  # read-only in these tests; tests that modify a model build their own
 
@@ -152,8 +153,6 @@ def test_llama_tp_not_dividing_kv_heads_is_a_problem():
     assert len(problems) == 1
     assert "'model.layers.0.self_attn'" in problems[0] and "1 more" in problems[0]
     assert "4 query heads and 2 key/value heads" in problems[0] and "valid tp sizes: [1, 2]" in problems[0]
-    with pytest.raises(PlanError, match="key/value heads"):
-        adapt_for_tensor_parallel(model, 4, 0)
 
 
 @pytest.mark.parametrize("build, heads", [(build_tiny_gpt, 4), (build_tiny_gpt2, 4)])
@@ -169,6 +168,11 @@ def test_70b_head_counts():
     assert tensor_parallel_problems(model, 8) == []
     (problem,) = tensor_parallel_problems(model, 16)
     assert "64 query heads and 8 key/value heads" in problem and "[1, 2, 4, 8]" in problem
+
+
+def _planned(model: nn.Module, tp: int, rules):
+    """What sk.validate plans for the tp axis of ``model`` (the runtime applies exactly this)."""
+    return validate(Plan(Mesh(tp=tp), rules), model).facts.tensor_parallel["tp"]
 
 
 # -- per-rank attention math: sum of row-parallel partial outputs equals the full output -------
@@ -197,7 +201,7 @@ def _sum_of_ranks(attn: nn.Module, tp: int, names_col: tuple[str, ...], name_row
 @pytest.mark.parametrize("tp", [2, 4])
 def test_reference_gpt_attention_runs_local_heads_without_adapter(tp):
     model = build_tiny_gpt()
-    assert adapt_for_tensor_parallel(model, tp, 0) == {}
+    assert prepare_shard(model, _planned(model, tp, GPT_RULES)) == {}
     attn, x = model.layers[0].attn, torch.randn(2, 8, 64)
     with torch.no_grad():
         summed = _sum_of_ranks(attn, tp, ("q_proj", "k_proj", "v_proj"), "o_proj", lambda m: m(x))
@@ -206,7 +210,7 @@ def test_reference_gpt_attention_runs_local_heads_without_adapter(tp):
 
 def test_llama_attention_runs_local_heads_without_adapter():
     model = build_tiny_llama()
-    assert adapt_for_tensor_parallel(model, 2, 1) == {}
+    assert prepare_shard(model, _planned(model, 2, LLAMA_RULES)) == {}
     attn, x = model.model.layers[0].self_attn, torch.randn(2, 8, 64)
     rope = model.model.rotary_emb(x, torch.arange(8)[None])
 
@@ -228,7 +232,7 @@ def test_gpt2_fused_qkv_adapter_gives_each_rank_its_heads(tp):
     weight, bias = attn.c_attn.weight, attn.c_attn.bias
     original_weight, original_bias = weight.detach().clone(), bias.detach().clone()
 
-    perms = adapt_for_tensor_parallel(model, tp, 0)
+    perms = prepare_shard(model, _planned(model, tp, GPT2_RULES))
 
     assert sorted(perms) == [f"transformer.h.{i}.attn.c_attn.{p}" for i in (0, 1) for p in ("bias", "weight")]
     assert attn.c_attn.weight is weight and attn.c_attn.bias is bias  # same Parameter objects
@@ -253,19 +257,17 @@ def test_gpt2_fused_qkv_adapter_gives_each_rank_its_heads(tp):
     torch.testing.assert_close(summed, expected)
 
 
-def test_gpt2_adapter_refuses_a_second_pass_and_bad_ranks():
+def test_gpt2_adapter_refuses_a_second_pass():
     model = build_tiny_gpt2()
-    with pytest.raises(PlanError, match="tp_rank=2 is outside"):
-        adapt_for_tensor_parallel(model, 2, 2)
-    assert adapt_for_tensor_parallel(model, 1, 0) == {}
-    adapt_for_tensor_parallel(model, 2, 0)
+    planned = _planned(model, 2, GPT2_RULES)
+    prepare_shard(model, planned)
     with pytest.raises(PlanError, match="already adapted"):
-        adapt_for_tensor_parallel(model, 2, 1)
+        prepare_shard(model, planned)
 
 
 def test_gpt2_adapter_works_on_meta():
     model = meta_model(build_tiny_gpt2)
-    perms = adapt_for_tensor_parallel(model, 4, 3)
+    perms = prepare_shard(model, _planned(model, 4, GPT2_RULES))
     assert perms["transformer.h.1.attn.c_attn.weight"][1].device.type == "cpu"
     assert model.transformer.h[1].attn.split_size == 16
 

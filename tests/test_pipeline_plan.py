@@ -9,12 +9,14 @@ from scoped_net import Block, ScopedNet
 from torch import nn
 
 import shardkit as sk
+from shardkit.families import model_layout
 from shardkit.models.gpt import GPT, GPTConfig
 from shardkit.models.hf import build_tiny_llama
 from shardkit.plan import Mesh, Pipeline, Plan, PlanError
 from shardkit.plan.pipeline import SCHEDULES, pipeline_from_args, theoretical_bubble
+from shardkit.planner.explain_stages import explain_stages
 from shardkit.planner.meta import meta_model
-from shardkit.planner.stages import assign_stages, explain_stages, model_layout, stage_ranks
+from shardkit.planner.stages import assign_stages, stage_ranks
 from shardkit.planner.validate import validate
 
 

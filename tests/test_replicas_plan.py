@@ -13,7 +13,7 @@ from shardkit.cli import main as cli_main
 from shardkit.plan import Mesh, Plan, PlanError, ReplicaGrouping
 from shardkit.plan.replicas import grouping_table
 from shardkit.planner.validate import validate
-from shardkit.runtime.groups import grouped_mesh_ranks
+from shardkit.runtime.meshes import grouped_mesh_ranks
 
 
 # -- PopXL's three tables (Tables 13.1-13.3), exactly --------------------------------------------

@@ -11,16 +11,15 @@ import pytest
 import torch
 
 from shardkit.plan import Mesh, Plan, PlanError, ReplicaGrouping
-from shardkit.runtime.groups import (
+from shardkit.runtime.collectives import (
     all_gather,
     all_reduce,
     average_gradients,
     broadcast,
-    group_index,
-    grouped_device_mesh,
     reduce_scatter,
-    replica_index,
 )
+from shardkit.runtime.groups import group_index, replica_index
+from shardkit.runtime.meshes import meshes_for
 from shardkit.runtime.variables import ReplicaDisagreement, group_module, stack_states, variable
 
 WORLD = 8
@@ -257,7 +256,7 @@ PLANS = {
 
 def _plan_job(ctx) -> dict:
     grouping = ctx.plan.replicas
-    mesh = grouped_device_mesh(ctx.plan)
+    mesh = meshes_for(ctx.plan, ctx.device.type).root
     sub = mesh["dp_replica"]
     rank = torch.tensor([float(ctx.rank)])
     torch.distributed.all_reduce(rank, group=sub.get_group())

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardkit.plan import Mesh, Plan, PlanError
-from shardkit.runtime.context_parallel import (
+from shardkit.runtime.ring_attention import (
     gather_sequence,
     ring_attention,
     sequence_positions,

@@ -10,9 +10,10 @@ from hypothesis import strategies as st
 
 from shardkit.models.gpt import GPT_RULES, build_tiny_gpt, gpt_loss
 from shardkit.models.hf import LLAMA_RULES, build_tiny_llama, hf_loss
-from shardkit.plan import Mesh, Plan, PlanError
+from shardkit.plan import Mesh, Plan, PlanError, UsageError
 from shardkit.plan.sequence import check_sequence_length, required_multiple, sequence_problems
-from shardkit.runtime.context_parallel import enable_context_parallel, shard_sequence
+from shardkit.runtime.context_parallel import enable_context_parallel
+from shardkit.runtime.ring_attention import shard_sequence
 from shardkit.runtime.verify import verify
 
 TOL = 1e-5
@@ -109,7 +110,7 @@ def _unsupported_model_error(ctx):
 
 
 def test_enable_context_parallel_rejects_models_it_cannot_position(world):
-    with pytest.raises(PlanError, match="process group or a 1-D DeviceMesh"):
+    with pytest.raises(UsageError, match="process group or a 1-D DeviceMesh"):  # a misused API, not a plan
         enable_context_parallel(torch.nn.Linear(4, 4), "sp")
     for text in world(2).run(_unsupported_model_error, plan=Plan(mesh=Mesh(sp=2))):
         assert "takes neither 'positions' nor 'position_ids'" in text

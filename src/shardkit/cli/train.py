@@ -24,9 +24,10 @@ from rich.console import Console
 
 from ..io.data import DEFAULT_MAX_BYTES, TextShards
 from ..models.registry import MODELS, model_entry
-from ..observe.report import RankStats, format_bytes, print_summary
+from ..observe.report import RankStats, print_summary
 from ..plan import LayoutMap, Mesh, Plan, PlanError
 from ..plan.pipeline import SCHEDULES, SPLITS, pipeline_from_args
+from ..plan.text import format_bytes
 from ..planner.meta import meta_model
 from ..planner.validate import validate
 from ..runtime.world import Context, LocalWorld, WorldError, in_torchrun, launch

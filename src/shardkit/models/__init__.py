@@ -5,7 +5,6 @@
 ['gpt-small', 'gpt-tiny', 'gpt2-tiny', 'llama-70b', 'llama-tiny']
 """
 
-from .adapters import adapt_for_tensor_parallel, tensor_parallel_problems
 from .gpt import (
     GPT,
     GPT_RULES,
@@ -28,7 +27,7 @@ from .hf import (
 from .registry import MODELS, ModelEntry, model_entry
 
 __all__ = [
-    "GPT", "GPT2_RULES", "GPTConfig", "GPT_RULES", "LLAMA_RULES", "MODELS", "ModelEntry", "adapt_for_tensor_parallel",
+    "GPT", "GPT2_RULES", "GPTConfig", "GPT_RULES", "LLAMA_RULES", "MODELS", "ModelEntry",
     "build_llama_70b", "build_small_gpt", "build_tiny_gpt", "build_tiny_gpt2", "build_tiny_llama", "gpt_loss",
-    "hf_loss", "llama_70b_config", "model_entry", "small_config", "tensor_parallel_problems", "tiny_config",
+    "hf_loss", "llama_70b_config", "model_entry", "small_config", "tiny_config",
 ]

@@ -12,7 +12,7 @@ Rule sets, for the ``tp`` axis:
   embedding is 1B parameters, so replicating it would cost every rank 4 GiB in fp32.
 - :data:`GPT2_RULES`: GPT-2's ``Conv1D`` stores its weight as ``[in, out]`` (transposed
   against ``nn.Linear``), so column-parallel is ``(None, "tp")`` and row-parallel
-  ``("tp", None)``. The fused ``c_attn`` needs :func:`shardkit.models.adapters.adapt_for_tensor_parallel`.
+  ``("tp", None)``. The fused ``c_attn`` is permuted so each rank holds whole heads (see :mod:`shardkit.families.hf`).
   ``lm_head`` is tied to ``wte`` (one parameter, listed once as ``transformer.wte.weight``)
   and stays replicated.
 
@@ -30,7 +30,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..plan import LayoutMap
-from ..planner.meta import meta_model
 
 #: Attention kernel of the tiny models: torch SDPA, deterministic on CPU and no
 #: attention-probability tensor materialised.
@@ -103,7 +102,8 @@ def build_tiny_gpt2() -> nn.Module:
 
 def build_llama_70b() -> nn.Module:
     """Llama 70B on the meta device: shapes only, no memory (for explain / validate)."""
-    return meta_model(build_llama, llama_70b_config())
+    with torch.device("meta"):
+        return build_llama(llama_70b_config())
 
 
 def hf_loss(output: Any, targets: torch.Tensor) -> torch.Tensor:

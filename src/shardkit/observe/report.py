@@ -8,6 +8,7 @@ from statistics import fmean
 from rich.console import Console
 from rich.table import Table
 
+from ..plan.text import format_bytes
 from .memory import StateBytes
 
 
@@ -74,18 +75,6 @@ def loss_trend(losses: list[float], window: int | None = None) -> LossTrend:
     window = min(window, len(losses))
     return LossTrend(fmean(losses[:window]), fmean(losses[-window:]), window)
 
-
-def format_bytes(n: float) -> str:
-    """``1536`` -> ``'1.5 KiB'``.
-
-    >>> format_bytes(3 * 2**20)
-    '3.0 MiB'
-    """
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 def _coords(coordinates: dict[str, int]) -> str:

@@ -35,6 +35,7 @@ from torch import nn
 from ..plan import Mesh, Plan, PlanWarning
 from ..plan.layout import ParamLayout, axes_of
 from ..plan.mesh import axis_role
+from ..plan.text import format_bytes
 from .validate import validate
 
 FSDP_AXIS = "fsdp"
@@ -70,7 +71,7 @@ def explain_plan(plan: Plan, model: Any, world_size: int | None = None, *, width
     total = sum(math.prod(r.layout.shape) for r in rows)
     what = type(model).__name__ if isinstance(model, nn.Module) else "parameter shapes"
     console.print(f"Plan for {what}: {len(rows)} parameter tensors, {total:,} parameters "
-                  f"({_human(sum(math.prod(r.layout.shape) * r.itemsize for r in rows))}) on {mesh.size} devices\n")
+                  f"({format_bytes(sum(math.prod(r.layout.shape) * r.itemsize for r in rows), digits=2)}) on {mesh.size} devices\n")
     console.print(_mesh_table(mesh))
     console.print(_options_line(plan, mesh) + "\n")
     if plan.rules is not None:
@@ -81,7 +82,7 @@ def explain_plan(plan: Plan, model: Any, world_size: int | None = None, *, width
     for index, pattern in unused:
         console.print(f"unused rule #{index} {pattern!r} matches no parameter (a typo or a renamed module?)")
     if plan.pipeline is not None and isinstance(model, nn.Module):
-        from .stages import explain_stages
+        from .explain_stages import explain_stages
 
         console.print("\n" + explain_stages(plan, model, world_size=mesh.size))
     if plan.replicas is not None:
@@ -272,11 +273,11 @@ def _totals(plan: Plan, mesh: Mesh, rows: list[ParamRow]) -> list[str]:
     ideal = total / mesh.size
     ratio = per_device / ideal if ideal else 1.0
     lines = [
-        f"parameter bytes per device: {per_device:,} B ({_human(per_device)}); "
-        f"total / {mesh.size} devices = {ideal:,.0f} B ({_human(ideal)}); ratio {ratio:.2f}x",
+        f"parameter bytes per device: {per_device:,} B ({format_bytes(per_device, digits=2)}); "
+        f"total / {mesh.size} devices = {ideal:,.0f} B ({format_bytes(ideal, digits=2)}); ratio {ratio:.2f}x",
         "training memory per device (AdamW, estimate_memory): "
-        + " + ".join(f"{key} {_human(memory[key])}" for key in ("parameters", "gradients", "optimizer", "gathered"))
-        + f" = {_human(memory['total'])}",
+        + " + ".join(f"{key} {format_bytes(memory[key], digits=2)}" for key in ("parameters", "gradients", "optimizer", "gathered"))
+        + f" = {format_bytes(memory['total'], digits=2)}",
     ]
     if mesh.size_of("pp") > 1:
         lines.append(f"pp={mesh['pp']}: a device holds only its pipeline stage, so these are upper bounds")
@@ -321,10 +322,3 @@ def _layout(layout: Any) -> str:
     return "(" + ", ".join(entries) + ("," if len(entries) == 1 else "") + ")"
 
 
-def _human(n: float) -> str:
-    units = ("B", "KiB", "MiB", "GiB", "TiB")
-    power = 0
-    while abs(n) >= 1024 and power < len(units) - 1:
-        n /= 1024
-        power += 1
-    return f"{n:.0f} B" if power == 0 else f"{n:.2f} {units[power]}"

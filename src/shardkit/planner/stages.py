@@ -1,16 +1,9 @@
 """Stage assignment: which modules of a model form each pipeline stage, checked on the meta device.
 
 A model is first cut into *units*, the pieces a stage boundary may fall between, in
-execution order (:func:`model_layout`):
-
-- the reference GPT (``embed`` + ``pos_embed``, ``layers.{i}``, ``norm_f``, ``lm_head``);
-- a HuggingFace decoder-only causal LM (``model.embed_tokens``, ``model.layers.{i}``,
-  ``model.norm``, ``lm_head``; ``model.rotary_emb`` is recomputed on every stage). Split by
-  module lists as torchtitan does: torch's ``pipeline()`` tracer breaks on HF models;
-- any other model whose forward is a *chain* of its top-level modules (``nn.Sequential``,
-  or ``forward`` passing each child's output straight to the next; ModuleList/Sequential
-  children are expanded). The chain and the execution order are checked with forward hooks
-  on meta tensors.
+execution order, by its family (:func:`shardkit.families.model_layout`: the reference GPT,
+HuggingFace decoder-only causal LMs split by module lists as torchtitan does, since torch's
+``pipeline()`` tracer breaks on HF models, and chain models).
 
 :func:`assign_stages` then places units in stages by split points, explicit module lists,
 ``sk.stage`` scopes, an even split of the blocks, or the automatic split, and checks that
@@ -22,155 +15,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
-import torch
 from torch import nn
 
+from ..families import ModelLayout, model_layout
 from ..plan import Mesh, PlanError
 from ..plan.pipeline import Pipeline
 from ..plan.scopes import stage_of
 from .autosplit import DeviceModel, SplitResult, UnitCost, auto_split, unit_costs
-
-#: Sequence length used for the example input when the model does not state one.
-EXAMPLE_SEQ = 16
-
-
-@dataclass(frozen=True)
-class Unit:
-    """A run of modules that always stay together in one stage; ``block`` marks repeated layers."""
-
-    name: str
-    modules: tuple[str, ...]
-    block: bool = True
-
-
-@dataclass(frozen=True, eq=False)
-class ModelLayout:
-    """A model cut into units in execution order; ``kind`` selects the per-stage forward."""
-
-    kind: str
-    units: tuple[Unit, ...]
-    shared: tuple[str, ...] = ()
-    example_inputs: tuple | None = None
-
-    def index(self, name: str) -> int | None:
-        for i, unit in enumerate(self.units):
-            if unit.name == name or unit.modules[0] == name:
-                return i
-        return None
-
-
-def _is_gpt(model: nn.Module) -> bool:
-    return all(isinstance(getattr(model, a, None), nn.Module) for a in ("embed", "pos_embed", "norm_f", "lm_head")) \
-        and isinstance(getattr(model, "layers", None), nn.ModuleList)
-
-
-def _is_hf_causal_lm(model: nn.Module) -> bool:
-    inner = getattr(model, "model", None)
-    return isinstance(getattr(model, "lm_head", None), nn.Module) and isinstance(inner, nn.Module) and all(
-        hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")) and hasattr(model, "config")
-
-
-def _chain_units(model: nn.Module) -> list[Unit]:
-    units = []
-    for name, child in model.named_children():
-        if isinstance(child, (nn.ModuleList, nn.Sequential)):
-            units += [Unit(f"{name}.{i}", (f"{name}.{i}",)) for i, _ in child.named_children()]
-        else:
-            units.append(Unit(name, (name,)))
-    return units
-
-
-def _guess_input(module: nn.Module) -> tuple | None:
-    for leaf in module.modules():
-        if isinstance(leaf, nn.Embedding):
-            return (torch.zeros(1, EXAMPLE_SEQ, dtype=torch.long),)
-        if isinstance(leaf, nn.Linear):
-            return (torch.zeros(1, leaf.in_features, dtype=leaf.weight.dtype),)
-    return None
-
-
-def model_layout(model: nn.Module, example_inputs: tuple | None = None) -> ModelLayout:
-    """Cut ``model`` into pipeline units (see the module docstring for the families known).
-
-    >>> layout = model_layout(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)))
-    >>> layout.kind, [u.name for u in layout.units]
-    ('chain', ['0', '1', '2'])
-    """
-    if _is_gpt(model):
-        units = [Unit("embed", ("embed", "pos_embed"), block=False)]
-        units += [Unit(f"layers.{i}", (f"layers.{i}",)) for i in range(len(model.layers))]
-        units += [Unit("norm_f", ("norm_f",), block=False), Unit("lm_head", ("lm_head",), block=False)]
-        seq = getattr(getattr(model, "config", None), "seq_len", None) or model.pos_embed.num_embeddings
-        inputs = example_inputs or (torch.zeros(1, seq, dtype=torch.long),)
-        return ModelLayout("gpt", tuple(units), (), inputs)
-    if _is_hf_causal_lm(model):
-        units = [Unit("model.embed_tokens", ("model.embed_tokens",), block=False)]
-        units += [Unit(f"model.layers.{i}", (f"model.layers.{i}",)) for i in range(len(model.model.layers))]
-        units += [Unit("model.norm", ("model.norm",), block=False), Unit("lm_head", ("lm_head",), block=False)]
-        seq = min(128, getattr(model.config, "max_position_embeddings", 128) or 128)
-        inputs = example_inputs or (torch.zeros(1, seq, dtype=torch.long),)
-        return ModelLayout("hf-causal-lm", tuple(units), ("model.rotary_emb",), inputs)
-    units = _chain_units(model)
-    if not units:
-        raise PlanError(f"{type(model).__name__} has no child modules to place in pipeline stages")
-    inputs = example_inputs or _guess_input(model.get_submodule(units[0].modules[0]))
-    if inputs is None:
-        return ModelLayout("chain", tuple(units), (), None)
-    return ModelLayout("chain", _chain_order(model, units, inputs), (), inputs)
-
-
-def _chain_order(model: nn.Module, units: list[Unit], inputs: tuple) -> tuple[Unit, ...]:
-    """Run the forward on meta tensors; return the units in call order after checking it is a chain."""
-    from torch.func import functional_call
-
-    calls: list[tuple[int, tuple, dict, Any]] = []
-    handles = []
-    for index, unit in enumerate(units):
-        module = model.get_submodule(unit.modules[0])
-
-        def post(_m: nn.Module, args: tuple, kwargs: dict, out: Any, index: int = index) -> None:
-            calls.append((index, args, kwargs, out))
-
-        handles.append(module.register_forward_hook(post, with_kwargs=True))
-    tensors = {n: torch.empty_like(t, device="meta") for n, t in
-               [*model.named_parameters(), *model.named_buffers()]}
-    meta_inputs = tuple(torch.empty_like(x, device="meta") if isinstance(x, torch.Tensor) else x for x in inputs)
-    try:
-        output = functional_call(model, tensors, meta_inputs)
-    except Exception as exc:
-        raise PlanError(f"could not run {type(model).__name__}.forward on meta tensors of shapes "
-                        f"{[tuple(x.shape) for x in meta_inputs]} to find its execution order ({exc}); pass "
-                        f"example_inputs= to assign_stages/model_layout") from None
-    finally:
-        for handle in handles:
-            handle.remove()
-    problems = []
-    counts = [sum(1 for c in calls if c[0] == i) for i in range(len(units))]
-    for unit, count in zip(units, counts):
-        if count > 1:
-            problems.append(f"module {unit.name!r} runs {count} times in one forward; a pipeline unit must run once "
-                            f"(a module reused in two places cannot live in one stage only)")
-        if count == 0 and any(True for _ in model.get_submodule(unit.modules[0]).parameters()):
-            problems.append(f"module {unit.name!r} has parameters but never runs in forward; remove it from the model")
-    expected: Any = meta_inputs
-    for position, (index, args, kwargs, out) in enumerate(calls):
-        takes_previous = (len(args) == len(expected) and all(a is b for a, b in zip(args, expected)) and not kwargs)
-        if not takes_previous:
-            source = "the model's inputs" if position == 0 else f"the output of {units[calls[position - 1][0]].name!r}"
-            problems.append(f"{type(model).__name__} is not a chain of its modules: {units[index].name!r} does not take "
-                            f"{source} as its only input, so the model cannot be cut between them. Pipelines support "
-                            f"the shardkit GPT, HF causal LMs and chain models (nn.Sequential-like)")
-            break
-        expected = (out,)
-    if not problems and calls and output is not calls[-1][3]:
-        problems.append(f"{type(model).__name__}.forward does more after its last module {units[calls[-1][0]].name!r}; "
-                        f"a chain model must return the last module's output")
-    if problems:
-        raise PlanError(problems)
-    order = [c[0] for c in calls] + [i for i, n in enumerate(counts) if n == 0]
-    return tuple(units[i] for i in order)
 
 
 # -- assignment -------------------------------------------------------------------------------------
@@ -437,120 +289,4 @@ def layout_costs(model: nn.Module, layout: ModelLayout) -> list[UnitCost]:
     return unit_costs(model, [(u.name, u.modules) for u in layout.units], layout.example_inputs)
 
 
-# -- explain ---------------------------------------------------------------------------------------
-def _compress(names: Sequence[str]) -> str:
-    """``['layers.0', 'layers.1', 'layers.2', 'norm_f']`` -> ``'layers.0-2, norm_f'``."""
-    out: list[str] = []
-    run: list[tuple[str, int]] = []
-
-    def flush() -> None:
-        if run:
-            prefix, first, last = run[0][0] and run[0][0] + ".", run[0][1], run[-1][1]
-            out.append(f"{prefix}{first}" if first == last else f"{prefix}{first}-{last}")
-            run.clear()
-
-    for name in names:
-        prefix, _, tail = name.rpartition(".")
-        if tail.isdigit() and run and run[-1][0] == prefix and run[-1][1] + 1 == int(tail):
-            run.append((prefix, int(tail)))
-            continue
-        flush()
-        if tail.isdigit():
-            run.append((prefix, int(tail)))
-        else:
-            out.append(name)
-    flush()
-    return ", ".join(out)
-
-
-def explain_stages(plan: Any, model: nn.Module, example_inputs: tuple | None = None,
-                   device: DeviceModel | None = None, world_size: int | None = None) -> str:
-    """A table of the plan's stages: device, modules, parameter bytes, estimated cost; plus the balance.
-
-    Costs are for one sample of the model's example input on :class:`DeviceModel` (a nominal
-    device); memory counts 4x parameter bytes plus the activations of the micro-batches held.
-
-    >>> from shardkit.plan import Plan
-    >>> seq = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])
-    >>> print(explain_stages(Plan(mesh=Mesh(pp=2), pipeline=Pipeline(schedule="gpipe")), seq))  # doctest: +ELLIPSIS
-    pipeline: 2 stages on pp=2, schedule gpipe, 1 micro-batches, stages by even split
-    stage  device  modules  params  param bytes  FLOP/sample  est. time  memory
-        0       0  0-1         144        576 B  768          19.3 ns    2.3 KiB
-        1       1  2-3         144        576 B  768          19.3 ns    2.3 KiB
-    balance (slowest / mean stage time): 1.000; ...
-    """
-    pipeline: Pipeline = plan.pipeline
-    if pipeline is None:
-        return "no pipeline: every device holds all layers"
-    if world_size is not None:
-        plan = plan.resolved(world_size)
-    elif not plan.mesh.is_resolved:
-        raise PlanError(f"{plan.mesh!r} has an inferred (-1) axis; pass world_size= to explain its stages")
-    problems = pipeline.check_mesh(plan.mesh)
-    if problems:
-        raise PlanError(problems)
-    device = device or DeviceModel()
-    assignment = assign_stages(model, pipeline, plan.mesh, example_inputs, device)
-    layout = assignment.layout
-    costs = assignment.costs
-    if costs is None and layout.example_inputs is not None:
-        costs = tuple(layout_costs(model, layout))
-    devices = plan.mesh.size_of("pp")
-    inflight = inflight_microbatches(pipeline.schedule, pipeline.microbatches, assignment.ranks, devices)
-    header = (f"pipeline: {assignment.num_stages} stages on pp={devices}, schedule {pipeline.schedule}, "
-              f"{pipeline.microbatches} micro-batches, stages by {_METHOD_TEXT[assignment.method]}")
-    rows = [("stage", "device", "modules", "params", "param bytes", "FLOP/sample", "est. time", "memory")]
-    times = []
-    for s in range(assignment.num_stages):
-        params = {id(p): p for path in assignment.modules(s) for p in model.get_submodule(path).parameters()}
-        numel = sum(p.numel() for p in params.values())
-        nbytes = sum(p.numel() * p.element_size() for p in params.values())
-        if costs is not None:
-            stage_costs = [costs[i] for i in assignment.stages[s]]
-            t = sum(device.time(c) for c in stage_costs)
-            mem = sum(4 * c.param_bytes + inflight[s] * c.act_bytes for c in stage_costs)
-            times.append(t)
-            extra = (_si(3 * sum(c.flops for c in stage_costs)), _seconds(t), _bytes(mem))
-        else:
-            extra = ("?", "?", "?")
-        rows.append((str(s), str(assignment.ranks[s]), _compress(assignment.unit_names(s)), str(numel),
-                     _bytes(nbytes), *extra))
-    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
-    lines = [header] + ["  ".join(cell.rjust(w) if c in (0, 1, 3, 4) else cell.ljust(w)
-                                  for c, (cell, w) in enumerate(zip(row, widths))).rstrip() for row in rows]
-    if times:
-        mean = sum(times) / len(times)
-        lines.append(f"balance (slowest / mean stage time): {max(times) / mean if mean else 1.0:.3f}; "
-                     f"memory = 4 x param bytes (param, grad, Adam) + activations of the micro-batches held")
-    return "\n".join(lines)
-
-
-def _si(n: float) -> str:
-    for unit in ("", "K", "M", "G", "T"):
-        if abs(n) < 1000 or unit == "T":
-            return f"{n:.0f}" if unit == "" else f"{n:.3g}{unit}"
-        n /= 1000
-    return f"{n:.3g}P"
-
-
-def _seconds(t: float) -> str:
-    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
-        if t >= scale:
-            return f"{t / scale:.3g} {unit}"
-    return f"{t / 1e-9:.3g} ns"
-
-
-_METHOD_TEXT = {"split_points": "split points", "stage_modules": "module lists", "even": "even split",
-                "auto": "auto split", "scopes": "sk.stage scopes"}
-
-
-def _bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
-
-
-__all__ = ["ModelLayout", "StageAssignment", "Unit", "assign_stages", "explain_stages", "inflight_microbatches",
-           "layout_costs", "model_layout", "stage_ranks"]
+__all__ = ["StageAssignment", "assign_stages", "inflight_microbatches", "layout_costs", "stage_ranks"]

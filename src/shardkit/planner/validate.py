@@ -18,17 +18,19 @@ from torch import nn
 
 from ..plan import Mesh, Plan, PlanError, PlanWarning, UsageError, param_shapes, resolve_layouts
 from ..plan.layout import LayoutResolution
-from .model_checks import model_problems
+from .model_checks import ModelFacts, analyse_model
 from .stages import assign_stages
 
 
 @dataclass(frozen=True)
 class ValidationReport:
-    """What :func:`validate` found: the resolved mesh and layouts and the warnings it raised."""
+    """What :func:`validate` found: the resolved mesh and layouts, the warnings it raised, and
+    (for an ``nn.Module``) what the runtime applies: :class:`~shardkit.planner.model_checks.ModelFacts`."""
 
     mesh: Mesh
     layouts: LayoutResolution
     warnings: list[str] = field(default_factory=list)
+    facts: ModelFacts | None = None
 
 
 def validate(plan: Plan, model: Any, world_size: int | None = None, *,
@@ -61,6 +63,7 @@ def validate(plan: Plan, model: Any, world_size: int | None = None, *,
     except PlanError as exc:
         problems.extend(exc.problems)
         layouts = None
+    facts = None
     if isinstance(model, nn.Module):
         if plan.pipeline is not None:
             try:
@@ -68,14 +71,15 @@ def validate(plan: Plan, model: Any, world_size: int | None = None, *,
             except PlanError as exc:
                 problems.extend(exc.problems)
         if layouts is not None:
-            problems.extend(model_problems(plan, model, layouts.params, example_inputs))
+            facts, found = analyse_model(plan, model, layouts.params, example_inputs)
+            problems.extend(found)
     if problems:
         raise PlanError(problems)
     assert layouts is not None
     found = [f"layout rule {p!r} matches no parameter (a typo or a renamed module?)" for p in layouts.unused_rules]
     for text in found:
         warnings.warn(text, PlanWarning, stacklevel=2)
-    return ValidationReport(mesh, layouts, found)
+    return ValidationReport(mesh, layouts, found, facts)
 
 
 __all__ = ["ValidationReport", "validate"]

@@ -2,16 +2,22 @@
 
 The order follows torchtitan's parallelize procedures, top to bottom:
 
-1. resolve every parameter's layout (``resolve_layouts``: the per-parameter checks of
-   ``Plan.validate``, which callers such as ``verify`` and ``shardkit train`` run in full
-   before launch; a pipeline stage resolves only its own parameters);
-2. model adapters (``shardkit.models.adapters``) check head counts and fix what TP styles
-   cannot know (fused QKV);
-3. tensor parallel per model axis: layouts -> torch TP styles (see ``tensor_parallel``);
+1. validate: ``sk.validate(plan, model)``, the same checks as before launch, so a plan passed
+   straight to ``sk.launch`` + ``sk.shard`` fails with the same :class:`PlanError` before any
+   weight moves; it also plans every model axis (:mod:`shardkit.planner.tensor_parallel`);
+2. pipelines cut this rank's stage(s) first (:mod:`shardkit.runtime.pipeline`), which then
+   run steps 3-6 on the stage;
+3. tensor parallel per model axis: family attribute changes, packed projections permuted,
+   torch's styles, ties re-tied (:mod:`shardkit.runtime.tensor_parallel`); tensor parallel
+   needs whole weights, so it comes before data parallel;
 4. context parallel on ``sp``: attention becomes ring attention (``context_parallel``);
-5. data parallel: ``fully_shard`` over ``fsdp`` (HSDP with ``dp``); over ``dp`` alone, DDP
-   (torch's composable ``replicate``, in place) or, with TP, mixed precision or a pipeline,
-   FSDP2's ``replicate``; ``sp`` joins the gradient reduction;
+5. data parallel over :meth:`Meshes.data`: ``fully_shard`` over ``fsdp`` (HSDP with ``dp``),
+   each block on its own unless it shares parameters with the rest of the model; over ``dp``
+   alone, DDP (torch's composable ``replicate``, in place) when every parameter is used and
+   nothing else is asked, else FSDP2's ``replicate`` (tensor parallel, mixed precision,
+   pipelines, or parameters the forward never uses, on which DDP's reducer fails); ``sp``
+   joins the gradient reduction. Mixed precision applies to every plan: with no data axis
+   the reduction runs over a ``dp`` dim of size 1;
 6. the module's class gains ``step()`` and ``plan``.
 """
 
@@ -25,12 +31,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from ..plan import Plan, PlanError, param_shapes, resolve_layouts
+from ..plan import Plan, PlanWarning, UsageError
 from ..plan.layout import ParamLayout
-from .tensor_parallel import apply_tensor_parallel, model_axes
+from ..planner.model_checks import ModelFacts
+from ..planner.validate import validate
+from .meshes import DataMesh, meshes_for
+from .tensor_parallel import apply_tensor_parallel
 from .world import Context, current_context
 
-_SHARDED_CLASSES: dict[type, type] = {}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -62,132 +70,131 @@ def mean_over_world(value: torch.Tensor) -> torch.Tensor:
     return value
 
 
-def as_sharded(module: nn.Module, plan: Plan) -> nn.Module:
-    """Give ``module`` the ``ShardedModule`` methods (a class swap, as FSDP2 does)."""
+_MIXINS: dict[tuple[type, type], type] = {}
+
+
+def with_mixin(module: nn.Module, mixin: type, prefix: str) -> nn.Module:
+    """Give ``module`` the methods of ``mixin`` by swapping its class (as FSDP2 does), once per class.
+
+    >>> m = with_mixin(nn.Linear(2, 2), ShardedModule, "Sharded")
+    >>> type(m).__name__, isinstance(m, nn.Linear)
+    ('ShardedLinear', True)
+    """
     cls = type(module)
-    if not isinstance(module, ShardedModule):
-        if cls not in _SHARDED_CLASSES:
-            _SHARDED_CLASSES[cls] = type(f"Sharded{cls.__name__}", (ShardedModule, cls), {})
-        module.__class__ = _SHARDED_CLASSES[cls]
-    module._sk_plan = plan
+    if isinstance(module, mixin):
+        return module
+    if (cls, mixin) not in _MIXINS:
+        _MIXINS[cls, mixin] = type(f"{prefix}{cls.__name__}", (mixin, cls), {})
+    module.__class__ = _MIXINS[cls, mixin]
     return module
 
 
-def shard(model: nn.Module, plan: Plan, ctx: Context | None = None) -> nn.Module:
+def shard(model: nn.Module, plan: Plan, ctx: Context | None = None, *, example_inputs: tuple | None = None
+          ) -> nn.Module:
     """Split ``model`` as ``plan`` says, in this process of a launched world; returns the same module.
 
-    The model takes and returns ordinary tensors; it gains ``model.step(inputs, targets,
-    loss_fn)`` and ``model.plan``. Call it inside a function run by ``sk.launch``.
+    Runs ``sk.validate`` first (the same :class:`PlanError` as before launch). The model takes
+    and returns ordinary tensors; it gains ``model.step(inputs, targets, loss_fn)`` and
+    ``model.plan``. Call it inside a function run by ``sk.launch``. ``example_inputs``: one
+    micro-batch, for models whose family shardkit does not know (see ``sk.validate``).
 
     >>> def work(ctx):                                    # doctest: +SKIP
     ...     model = sk.shard(build_model(), plan)
     ...     loss = model.step(x, y, loss_fn)
     """
     ctx = ctx or current_context()
+    if not isinstance(model, nn.Module):
+        raise UsageError(f"sk.shard(model, plan): model must be an nn.Module, got {type(model).__name__}")
+    if isinstance(model, ShardedModule) or getattr(model, "_sk_facts", None) is not None:
+        raise UsageError("sk.shard got a model that is already sharded; build a fresh model for each plan")
+    if any(p.device.type == "meta" for p in model.parameters()):
+        raise UsageError("sk.shard got a model on the meta device; build it on a real device (the plan is validated "
+                         "on meta, but sharding needs the weights)")
     plan = plan.resolved(ctx.world_size)
+    with warnings.catch_warnings():
+        if ctx.rank != 0:  # unused rules are said once, not once per process
+            warnings.simplefilter("ignore", PlanWarning)
+        report = validate(plan, model, ctx.world_size, example_inputs=example_inputs)
+    assert report.facts is not None
     if plan.pipeline is not None:
         from .pipeline import build_pipeline
 
-        return build_pipeline(model, plan, ctx)
-    return as_sharded(parallelize(model, plan, ctx), plan)
+        return build_pipeline(model, plan, ctx, report.layouts.params, report.facts)
+    return with_mixin(parallelize(model, plan, ctx, report.layouts.params, report.facts), ShardedModule, "Sharded")
 
 
-def _mesh_for(plan: Plan, ctx: Context):
-    if plan.replicas is not None:
-        from .groups import grouped_device_mesh
-
-        return grouped_device_mesh(plan, ctx.device.type)
-    return ctx.mesh
-
-
-def parallelize(module: nn.Module, plan: Plan, ctx: Context) -> nn.Module:
-    """Apply tensor, context and data parallelism (not pipeline stages) to ``module`` in place."""
+def parallelize(module: nn.Module, plan: Plan, ctx: Context, layouts: dict[str, ParamLayout],
+                facts: ModelFacts) -> nn.Module:
+    """Apply tensor, context and data parallelism (not pipeline stages) to ``module`` in place,
+    as :func:`sk.validate <shardkit.planner.validate.validate>` planned it (``layouts``, ``facts``)."""
     plan = plan.resolved(ctx.world_size)
-    mesh_spec = plan.mesh
-    layouts = resolve_layouts(param_shapes(module), plan.rules, mesh_spec).params
-    if any(p.device.type == "meta" for p in module.parameters()):
-        raise PlanError("sk.shard got a model on the meta device; build it on a real device (the plan is validated "
-                        "on meta, but sharding needs the weights)")
     module.to(ctx.device)
-    mesh = _mesh_for(plan, ctx)
+    meshes = meshes_for(plan, ctx.device.type)
     permutations: dict = {}
-    for axis in model_axes(mesh_spec.names):
-        size = mesh_spec[axis]
-        if size == 1:
-            continue
-        permutations.update(_adapt(module, size, ctx.mesh[axis].get_local_rank()))
-        apply_tensor_parallel(module, layouts, mesh, axis, sequence_parallel=plan.sequence_parallel)
-    if mesh_spec.size_of("sp") > 1:
+    for axis, axis_plan in facts.tensor_parallel.items():
+        permutations.update(apply_tensor_parallel(module, axis_plan, meshes.axis(axis)))
+    if plan.mesh.size_of("sp") > 1:
         from .context_parallel import enable_context_parallel
 
-        enable_context_parallel(module, mesh["sp"])
-    _apply_data_parallel(module, plan, mesh, layouts)
+        enable_context_parallel(module, meshes.axis("sp"))
+    data = meshes.data()
+    if data is not None:
+        _apply_data_parallel(module, plan, data, layouts, facts)
     module._sk_permutations = permutations  # read by full_state_dict / full_grads
+    module._sk_facts = facts
     return module
 
 
-def _adapt(module: nn.Module, size: int, rank: int) -> dict:
-    from ..models.adapters import adapt_for_tensor_parallel, tensor_parallel_problems
+def fsdp_units(module: nn.Module) -> list[nn.Module]:
+    """Blocks FSDP wraps on their own: the children of every ModuleList, except one holding a
+    parameter the model also uses outside it (a module shared by two blocks, a weight tied to
+    an embedding): its own unit would hand the other user a sharded parameter, so it stays in
+    the root's unit.
 
-    problems = tensor_parallel_problems(module, size)
-    if problems:
-        raise PlanError(problems)
-    return adapt_for_tensor_parallel(module, size, rank)
-
-
-def _blocks(module: nn.Module) -> list[nn.Module]:
-    """Units FSDP wraps on their own: the children of every ModuleList (transformer layers)."""
-    return [child for m in module.modules() if isinstance(m, nn.ModuleList) for child in m]
-
-
-def _data_mesh(plan: Plan, mesh):
-    """(mesh for FSDP2 / DDP, shards?) from the data axes; ``sp`` joins the gradient reduction.
-
-    Sliced dims must be in mesh order, and HSDP's replicate dim (``dp``) comes first
-    (``Plan.validate`` checks that ``dp`` precedes ``fsdp``).
+    >>> class Shared(nn.Module):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         common = nn.Linear(2, 2)
+    ...         self.layers = nn.ModuleList([nn.Sequential(common, nn.Linear(2, 2)), nn.Sequential(common)])
+    >>> [type(u).__name__ for u in fsdp_units(Shared())]
+    []
     """
-    m = plan.mesh
-    replicate = ["dp_replica"] if plan.replicas is not None else (["dp"] if m.size_of("dp") > 1 else [])
-    others = sorted((a for a in ("fsdp", "sp") if m.size_of(a) > 1), key=mesh.mesh_dim_names.index)
-    if m.size_of("fsdp") > 1:
-        if len(others) == 1:
-            return mesh[(*replicate, others[0])], True
-        flat = mesh[tuple(others)]._flatten("_".join(others))
-        if not replicate:
-            return flat, True
-        with warnings.catch_warnings():  # torch has no other way yet to pair a flattened dim with dp
-            warnings.filterwarnings("ignore", message="Slicing a flattened dim")
-            return mesh[(*replicate, flat.mesh_dim_names[0])], True
-    replicate = sorted(replicate + others, key=mesh.mesh_dim_names.index)
-    if not replicate:
-        return None, False
-    if len(replicate) == 1:
-        return mesh[replicate[0]], False
-    return mesh[tuple(replicate)]._flatten("_".join(replicate)), False
+    owners: dict[int, set[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(p), set()).add(name)
+    units = []
+    for list_name, modules in module.named_modules():
+        if not isinstance(modules, nn.ModuleList):
+            continue
+        for child_name, child in modules.named_children():
+            prefix = f"{list_name}.{child_name}." if list_name else f"{child_name}."
+            if all(n.startswith(prefix) for p in child.parameters() for n in owners[id(p)]):
+                units.append(child)
+    return units
 
 
-def _apply_data_parallel(module: nn.Module, plan: Plan, mesh, layouts: dict[str, ParamLayout]) -> None:
-    data_mesh, sharded = _data_mesh(plan, mesh)
-    if data_mesh is None:
-        return
+def _apply_data_parallel(module: nn.Module, plan: Plan, data: DataMesh, layouts: dict[str, ParamLayout],
+                         facts: ModelFacts) -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     opts = plan.fsdp
     mp = MixedPrecisionPolicy(param_dtype=_DTYPES.get(opts.param_dtype or ""),
                               reduce_dtype=_DTYPES.get(opts.reduce_dtype or ""))
-    if not sharded:
-        if (plan.pipeline is not None or opts.param_dtype or opts.reduce_dtype
+    if not data.shards:
+        all_used = facts.unused_parameters is not None and not facts.unused_parameters
+        if (plan.pipeline is not None or opts.mixed_precision or not all_used
                 or any(isinstance(p, DTensor) for p in module.parameters())):
-            # FSDP2's replicate composes with tensor parallel (DTensor parameters), mixed precision and
-            # pipeline schedules (several forwards per backward, which DDP's reducer does not allow).
+            # FSDP2's replicate composes with tensor parallel (DTensor parameters), mixed precision, pipeline
+            # schedules (several forwards per backward, which DDP's reducer does not allow) and parameters the
+            # forward never uses (DDP's reducer waits for their gradients forever, then fails).
             from torch.distributed._composable.replicate_with_fsdp import replicate
 
-            replicate(module, mesh=data_mesh, mp_policy=mp)
+            replicate(module, mesh=data.mesh, mp_policy=mp)
         else:
             # Plain replication: DDP itself (bucketed all-reduce overlapped with backward), applied in place.
             from torch.distributed._composable import replicate
 
-            replicate(module, device_mesh=data_mesh)
+            replicate(module, device_mesh=data.mesh)
         return
     by_param = {id(p): layouts.get(n) for n, p in module.named_parameters()}
 
@@ -196,10 +203,10 @@ def _apply_data_parallel(module: nn.Module, plan: Plan, mesh, layouts: dict[str,
         dim = None if lay is None else lay.axis_dim("fsdp")
         return Shard(dim or 0)
 
-    kwargs = dict(mesh=data_mesh, reshard_after_forward=opts.reshard_after_forward, mp_policy=mp,
+    kwargs = dict(mesh=data.mesh, reshard_after_forward=opts.reshard_after_forward, mp_policy=mp,
                   shard_placement_fn=placement)
-    for block in _blocks(module):
-        fully_shard(block, **kwargs)
+    for unit in fsdp_units(module):
+        fully_shard(unit, **kwargs)
     fully_shard(module, **kwargs)
 
 
@@ -231,3 +238,7 @@ def full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
         g = p.grad
         out[n] = torch.zeros(p.shape) if g is None else _unpermute(model, n, _full(g)).cpu()
     return out
+
+
+__all__ = ["ShardedModule", "full_grads", "full_state_dict", "fsdp_units", "mean_over_world", "parallelize", "shard",
+           "with_mixin"]

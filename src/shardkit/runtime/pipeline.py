@@ -6,10 +6,12 @@
 2. prune this rank's model to the units of its stage(s): the other units are removed from
    their parents, so every remaining parameter keeps its ORIGINAL dotted name (layout rules,
    ``full_state_dict`` and ``sk.verify`` work by name);
-3. give the model a per-stage forward (``model(x, stage=s)``) for its family: the reference
-   GPT, a HuggingFace causal LM (position embeddings and the causal mask are recomputed on
-   every stage; only hidden states cross stage boundaries) or a chain model;
-4. apply tp/fsdp/dp with :func:`shardkit.runtime.apply.parallelize`;
+3. give the model a per-stage forward (``model(x, stage=s)``) from its family
+   (:mod:`shardkit.families`): the reference GPT, a HuggingFace causal LM (position embeddings
+   and the causal mask are recomputed on every stage; only hidden states cross stage
+   boundaries) or a chain model;
+4. apply tp/fsdp/dp with :func:`shardkit.runtime.apply.parallelize`, as ``sk.validate`` planned
+   them for the whole model (parameter names are unchanged by pruning);
 5. wrap each local stage in a ``PipelineStage`` on ``mesh["pp"]``'s group and build the
    torch schedule. ``sequential`` is torch's GPipe with one micro-batch: the whole batch goes
    through stage 0, then stage 1, ..., and back (torch has no separate plain-sharding schedule,
@@ -33,68 +35,11 @@ from torch.distributed.pipelining import schedules as torch_schedules
 
 from ..observe import timeline
 from ..plan import DATA_AXES, Plan, PlanError
+from ..plan.layout import ParamLayout
 from ..plan.pipeline import SCHEDULES, SINGLE_STAGE_SCHEDULES
-from ..planner.stages import StageAssignment, Unit, assign_stages
+from ..planner.model_checks import ModelFacts
+from ..planner.stages import StageAssignment, assign_stages
 from .world import Context
-
-_PIPELINED_CLASSES: dict[type, type] = {}
-
-
-# -- per-stage forwards ------------------------------------------------------------------------
-def _gpt_stage_forward(model: nn.Module, units: list[Unit], x: torch.Tensor) -> torch.Tensor:
-    """The reference GPT's forward restricted to ``units`` (the first stage takes token ids)."""
-    for unit in units:
-        if unit.name == "embed":
-            positions = torch.arange(x.shape[1], device=x.device)
-            x = model.embed(x) + model.pos_embed(positions)
-        else:
-            x = model.get_submodule(unit.name)(x)
-    return x
-
-
-def _causal_mask(inner: nn.Module, hidden: torch.Tensor, position_ids: torch.Tensor) -> Any:
-    import inspect
-
-    from transformers.masking_utils import create_causal_mask
-
-    kwargs = {"config": inner.config, "inputs_embeds": hidden, "attention_mask": None, "position_ids": position_ids}
-    params = inspect.signature(create_causal_mask).parameters
-    kwargs["cache" if "cache" in params else "past_key_values"] = None
-    if "cache_position" in params:
-        kwargs["cache_position"] = position_ids[0]
-    return create_causal_mask(**kwargs)
-
-
-def _hf_stage_forward(model: nn.Module, units: list[Unit], x: torch.Tensor) -> torch.Tensor:
-    """A HF causal LM's forward restricted to ``units``; rotary embeddings and mask recomputed here."""
-    inner = model.model
-    hidden = inner.embed_tokens(x) if units[0].name == "model.embed_tokens" else x
-    blocks = [u for u in units if u.block]
-    if blocks:
-        position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-        mask = _causal_mask(inner, hidden, position_ids)
-        position_embeddings = inner.rotary_emb(hidden, position_ids=position_ids)
-        for unit in blocks:
-            hidden = model.get_submodule(unit.name)(hidden, attention_mask=mask, position_ids=position_ids,
-                                                    position_embeddings=position_embeddings)
-    for unit in units:
-        if unit.name == "model.norm":
-            hidden = inner.norm(hidden)
-        elif unit.name == "lm_head":
-            hidden = model.lm_head(hidden)
-    return hidden
-
-
-def _chain_stage_forward(model: nn.Module, units: list[Unit], *args: Any) -> Any:
-    """A chain model's stage: each unit's output is the next unit's only input."""
-    for unit in units:
-        args = (model.get_submodule(unit.name)(*args),)
-    return args[0]
-
-
-STAGE_FORWARDS: dict[str, Callable[..., Any]] = {
-    "gpt": _gpt_stage_forward, "hf-causal-lm": _hf_stage_forward, "chain": _chain_stage_forward,
-}
 
 
 # -- the pipelined model -------------------------------------------------------------------------
@@ -127,7 +72,7 @@ class PipelinedModule:
             stage = runtime.local[0]
         if stage not in runtime.local:
             raise PlanError(f"stage {stage} does not run on this rank (it runs stages {runtime.local})")
-        return STAGE_FORWARDS[runtime.assignment.layout.kind](self, runtime.units[stage], *args)
+        return runtime.assignment.layout.family.stage_forward(self, runtime.units[stage], *args)
 
     def step(self, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], torch.Tensor]) -> torch.Tensor:
         """Forward and backward over the micro-batches of this data rank's batch.
@@ -168,14 +113,6 @@ def _prune(model: nn.Module, keep: set[str], assignment: StageAssignment) -> Non
                 del parent._modules[leaf]  # iteration then yields the kept blocks only
             else:
                 parent._modules[leaf] = None
-
-
-def _as_pipelined(model: nn.Module) -> nn.Module:
-    cls = type(model)
-    if cls not in _PIPELINED_CLASSES:
-        _PIPELINED_CLASSES[cls] = type(f"Pipelined{cls.__name__}", (PipelinedModule, cls), {})
-    model.__class__ = _PIPELINED_CLASSES[cls]
-    return model
 
 
 def _schedule_class(name: str) -> type:
@@ -340,13 +277,15 @@ def _recording_waits() -> Iterator[None]:
         torch_schedules._wait_batch_p2p = original
 
 
-def build_pipeline(model: nn.Module, plan: Plan, ctx: Context) -> nn.Module:
-    """Split ``model`` into this rank's pipeline stage(s), parallelize them, and schedule them.
+def build_pipeline(model: nn.Module, plan: Plan, ctx: Context, layouts: dict[str, ParamLayout],
+                   facts: ModelFacts) -> nn.Module:
+    """Split ``model`` into this rank's pipeline stage(s), parallelize them, and schedule them
+    (``layouts`` and ``facts``: what ``sk.validate`` planned for the whole model).
 
     Returns the pruned model (original parameter names) with ``step(inputs, targets, loss_fn)``,
     ``plan``, ``local_stages`` and ``forward(x, stage=s)``.
     """
-    from .apply import parallelize
+    from .apply import parallelize, with_mixin
 
     plan = plan.resolved(ctx.world_size)
     pipeline = plan.pipeline
@@ -361,11 +300,12 @@ def build_pipeline(model: nn.Module, plan: Plan, ctx: Context) -> nn.Module:
     runtime = _Runtime(model, plan, ctx, assignment)
     keep = {m for s in runtime.local for m in assignment.modules(s)} | set(assignment.layout.shared)
     _prune(model, keep, assignment)
-    model = _as_pipelined(model)
+    model = with_mixin(model, PipelinedModule, "Pipelined")
     model._sk_runtime = runtime
-    model = parallelize(model, plan, ctx)
+    held = {n for n, _ in model.named_parameters()}
+    model = parallelize(model, plan, ctx, {n: lay for n, lay in layouts.items() if n in held}, facts)
     runtime.build(model)
     return model
 
 
-__all__ = ["STAGE_FORWARDS", "PipelinedModule", "build_pipeline"]
+__all__ = ["PipelinedModule", "build_pipeline"]

@@ -1,34 +1,35 @@
-"""Compile layout rules into torch's tensor-parallel styles.
+"""Apply a planned tensor-parallel axis with torch's own styles (``parallelize_module``).
 
-A layout says which dim of a weight is split over a model axis (``tp`` or a user axis).
-This module turns that into torch's own machinery, per module type:
+:func:`shardkit.planner.tensor_parallel.plan_axis` decided, before launch, each module's
+mechanism; this module turns it into torch's styles on the axis' 1-D mesh:
 
-=============================  ==========================  =====================================
-module and split               torch mechanism             communication
-=============================  ==========================  =====================================
-Linear weight ``(axis, None)``  ``ColwiseParallel``         output stays split, or all-gathered
-Linear weight ``(None, axis)``  ``RowwiseParallel``         all-reduce of partial outputs
-Embedding ``(axis, None)``      ``RowwiseParallel``         vocab-parallel: masked lookup + all-reduce
-Embedding ``(None, axis)``      ``ColwiseParallel``         all-gather of the embedding dim
-Conv1D (GPT-2, ``[in, out]``)   colwise/rowwise subclasses  as Linear, with the dims swapped
-any other parameter             DTensor via distribute_module  inputs replicated, outputs gathered
-=============================  ==========================  =====================================
+=====================  ==========================================  ==================================
+mechanism              torch                                       communication
+=====================  ==========================================  ==================================
+``colwise``            ``ColwiseParallel`` (Conv1D: a subclass)    output kept split, or all-gathered
+``rowwise``            ``RowwiseParallel`` (Conv1D: a subclass)    all-reduce of partial outputs
+``vocab``              ``RowwiseParallel`` on an Embedding          masked lookup + all-reduce
+``embed-colwise``      ``ColwiseParallel`` on an Embedding          all-gather of the embedding dim
+``dtensor``            DTensor parameters via ``distribute_module``  inputs replicated, outputs gathered
+=====================  ==========================================  ==================================
 
-A column-parallel layer keeps its output split when its parent module also holds a
-row-parallel layer (attention, MLP pairs); otherwise (an output head) the output is gathered.
-A row-parallel layer without a column-parallel sibling takes a replicated input.
-With ``sequence_parallel`` (Megatron SP) the residual stream is split along the sequence
-(dim 1): column-parallel layers all-gather their input, row-parallel layers reduce-scatter
-their output, norms run as torch's ``SequenceParallel`` and embeddings' outputs are split.
-The residual stream stays a DTensor (sequence-sharded) so that model code reading
-``hidden_states.shape`` (HF Llama's rotary positions and reshapes) sees global shapes; only
-the output head returns an ordinary, gathered tensor.
+Before the styles: family attribute changes (local head counts, GPT-2's ``split_size``) and
+packed projections permuted rank-major (``[a | b]`` -> ``[a_0 | b_0 | a_1 | b_1 ...]``, so a
+contiguous shard holds its slice of every part; undone by ``full_state_dict``). After them:
+tied parameters re-tied (torch's styles give each module its own new Parameter).
+
+With ``sequence_parallel`` (Megatron SP) the residual stream is split along the sequence (dim
+1): column-parallel layers all-gather their input, row-parallel layers reduce-scatter their
+output, norms run as torch's ``SequenceParallel``, embeddings hand out sequence shards and
+replicated output heads get the whole sequence back first. The residual stream stays a
+DTensor (sequence-sharded) so model code reading ``hidden_states.shape`` (HF Llama's rotary
+positions and reshapes) sees global shapes; the model's output is an ordinary tensor.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import torch
 from torch import nn
@@ -43,24 +44,19 @@ from torch.distributed.tensor import (
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
+    PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
 )
 
+from ..families.modules import is_conv1d, linear_dims
 from ..plan import PlanError
-from ..plan.layout import ParamLayout
+from ..planner.tensor_parallel import COLWISE, DTENSOR, ROWWISE, VOCAB, AxisPlan, ModuleSplit
 
 SEQUENCE_DIM = 1
-
-
-def _is_conv1d(module: nn.Module) -> bool:
-    """transformers' ``Conv1D`` (GPT-2): a Linear whose weight is stored ``[in, out]``."""
-    return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
-
-
-def _is_norm(module: nn.Module) -> bool:
-    return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or type(module).__name__.endswith(("RMSNorm", "LayerNorm"))
+#: ``{parameter name: (dim, permutation)}``: ``permuted.index_select(dim, argsort(permutation))`` is the original.
+Permutations = dict[str, tuple[int, torch.Tensor]]
 
 
 class _Conv1DStyle:
@@ -106,7 +102,7 @@ class _DTensorParams(ParallelStyle):
     module computes correctly (DTensor propagates the sharding) at the cost of communication.
     """
 
-    def __init__(self, placements: dict[str, list]):
+    def __init__(self, placements: dict[str, int | None]):
         self.placements = placements
 
     def _apply(self, module, device_mesh):
@@ -114,7 +110,8 @@ class _DTensorParams(ParallelStyle):
             if mod is not module:
                 return
             for pname, param in list(mod.named_parameters(recurse=False)):
-                placement = self.placements.get(pname, [Replicate()])
+                dim = self.placements.get(pname)
+                placement = [Replicate()] if dim is None else [Shard(dim)]
                 mod.register_parameter(pname, nn.Parameter(distribute_tensor(param, mesh, placement),
                                                            requires_grad=param.requires_grad))
 
@@ -128,115 +125,6 @@ class _DTensorParams(ParallelStyle):
             return outputs
 
         return distribute_module(module, device_mesh, partition, inputs_fn, outputs_fn)
-
-
-@dataclass(frozen=True)
-class _Split:
-    module: str
-    kind: str  # "colwise" | "rowwise" | "vocab" | "embed-colwise" | "dtensor"
-
-
-def _direct_params(module: nn.Module, prefix: str, layouts: dict[str, ParamLayout]) -> dict[str, ParamLayout]:
-    return {p: layouts[f"{prefix}{p}"] for p, _ in module.named_parameters(recurse=False) if f"{prefix}{p}" in layouts}
-
-
-def _classify(name: str, module: nn.Module, params: dict[str, ParamLayout], axis: str) -> _Split | None:
-    """Which TP mechanism a module's layouts on ``axis`` ask for (or a PlanError)."""
-    using = {p: lay for p, lay in params.items() if lay.axis_dim(axis) is not None}
-    if not using:
-        return None
-    weight = params.get("weight")
-    bias = params.get("bias")
-    linear_like = isinstance(module, nn.Linear) or _is_conv1d(module)
-    if linear_like and weight is not None:
-        out_dim = 1 if _is_conv1d(module) else 0
-        wdim = weight.axis_dim(axis)
-        if wdim is None:
-            raise PlanError(f"parameter {name}.bias is split over {axis!r} but {name}.weight is not; split the weight "
-                            f"too (('{axis}', None) for column-parallel) or replicate the bias")
-        kind = "colwise" if wdim == out_dim else "rowwise"
-        bdim = None if bias is None else bias.axis_dim(axis)
-        if bias is not None and kind == "colwise" and bdim != 0:
-            raise PlanError(f"parameter {name}.bias has layout {bias.layout!r} but {name}.weight is column-parallel over "
-                            f"{axis!r}; a column-parallel layer's bias is split with its output: use ('{axis}',)")
-        if bias is not None and kind == "rowwise" and bdim is not None:
-            raise PlanError(f"parameter {name}.bias has layout {bias.layout!r} but {name}.weight is row-parallel over "
-                            f"{axis!r}; a row-parallel layer's bias is added after the all-reduce: use None")
-        return _Split(name, kind)
-    if isinstance(module, nn.Embedding) and weight is not None:
-        return _Split(name, "vocab" if weight.axis_dim(axis) == 0 else "embed-colwise")
-    return _Split(name, "dtensor")
-
-
-def _placements(params: dict[str, ParamLayout], axis: str) -> dict[str, list]:
-    out = {}
-    for pname, lay in params.items():
-        dim = lay.axis_dim(axis)
-        out[pname] = [Replicate()] if dim is None else [Shard(dim)]
-    return out
-
-
-def tensor_parallel_plan(model: nn.Module, layouts: dict[str, ParamLayout], axis: str,
-                         sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
-    """The ``parallelize_module`` plan (module name -> style) for one model axis."""
-    splits: dict[str, _Split] = {}
-    modules = dict(model.named_modules())
-    for name, module in modules.items():
-        split = _classify(name, module, _direct_params(module, f"{name}." if name else "", layouts), axis)
-        if split is not None:
-            splits[name] = split
-    kinds_by_parent: dict[str, set[str]] = {}
-    for name, split in splits.items():
-        kinds_by_parent.setdefault(name.rpartition(".")[0], set()).add(split.kind)
-    seq = Shard(SEQUENCE_DIM)
-    styles: dict[str, ParallelStyle] = {}
-    for name, split in splits.items():
-        module, siblings = modules[name], kinds_by_parent[name.rpartition(".")[0]]
-        if split.kind == "colwise":
-            paired = "rowwise" in siblings
-            kwargs = {"output_layouts": Shard(-1) if paired else Replicate()}
-            if sequence_parallel:
-                kwargs["input_layouts"] = seq
-            styles[name] = (_Conv1DColwise if _is_conv1d(module) else ColwiseParallel)(**kwargs)
-        elif split.kind == "rowwise":
-            kwargs = {"input_layouts": Shard(-1) if "colwise" in siblings else Replicate()}
-            if sequence_parallel:
-                kwargs.update(output_layouts=seq, use_local_output=False)
-            styles[name] = (_Conv1DRowwise if _is_conv1d(module) else RowwiseParallel)(**kwargs)
-        elif split.kind in ("vocab", "embed-colwise"):
-            style = RowwiseParallel if split.kind == "vocab" else ColwiseParallel
-            styles[name] = style(input_layouts=Replicate(), output_layouts=seq if sequence_parallel else Replicate(),
-                                 use_local_output=not sequence_parallel)
-        else:
-            if sequence_parallel:
-                raise PlanError(f"module {name!r} ({type(module).__name__}) has parameters split over {axis!r} that no "
-                                f"tensor-parallel style covers; with sequence_parallel=True only Linear, Embedding, "
-                                f"Conv1D and norms are supported")
-            styles[name] = _DTensorParams(_placements(_direct_params(module, f"{name}." if name else "", layouts), axis))
-    if sequence_parallel:
-        has_head = any(split.kind == "colwise" and "rowwise" not in kinds_by_parent[name.rpartition(".")[0]]
-                       for name, split in splits.items())
-        styles.update(_sequence_parallel_extras(model, splits, has_head))
-    return styles
-
-
-def _sequence_parallel_extras(model: nn.Module, splits: dict[str, _Split], has_head: bool
-                              ) -> dict[str, ParallelStyle]:
-    """Norms run on sequence shards; replicated embeddings hand out sequence shards."""
-    extras: dict[str, ParallelStyle] = {}
-    if not has_head:
-        raise PlanError("sequence_parallel=True needs a column-parallel output projection (for example lm_head with "
-                        "layout ('tp', None)) to gather the sequence at the end; none was found in the rules")
-    for name, module in model.named_modules():
-        if name in splits:
-            continue
-        if _is_norm(module):
-            # DTensor output: its .shape stays global, which attention code reshaping with
-            # hidden_states.shape[:-1] (HF Llama) relies on; TP layers accept it as input.
-            extras[name] = SequenceParallel(use_local_output=False)
-        elif isinstance(module, nn.Embedding):
-            extras[name] = _SequenceShardOutput()
-    return extras
 
 
 class _SequenceShardOutput(ParallelStyle):
@@ -257,15 +145,124 @@ class _SequenceShardOutput(ParallelStyle):
         return module
 
 
-def model_axes(mesh_names: tuple[str, ...]) -> list[str]:
-    """Mesh axes that split parameters by layout (everything but dp, fsdp, pp, sp)."""
-    return [a for a in mesh_names if a not in ("dp", "fsdp", "pp", "sp")]
+def _style(split: ModuleSplit, module: nn.Module, sequence_parallel: bool) -> ParallelStyle:
+    seq = Shard(SEQUENCE_DIM)
+    if split.kind == COLWISE:
+        kwargs: dict[str, Any] = {"output_layouts": Replicate() if split.gather_output else Shard(-1)}
+        if sequence_parallel:
+            kwargs["input_layouts"] = seq
+        return (_Conv1DColwise if is_conv1d(module) else ColwiseParallel)(**kwargs)
+    if split.kind == ROWWISE:
+        kwargs = {"input_layouts": Replicate() if split.replicated_input else Shard(-1)}
+        if sequence_parallel:
+            kwargs.update(output_layouts=seq, use_local_output=False)
+        return (_Conv1DRowwise if is_conv1d(module) else RowwiseParallel)(**kwargs)
+    if split.kind == DTENSOR:
+        return _DTensorParams(split.placements)
+    style = RowwiseParallel if split.kind == VOCAB else ColwiseParallel
+    return style(input_layouts=Replicate(), output_layouts=seq if sequence_parallel else Replicate(),
+                 use_local_output=not sequence_parallel)
 
 
-def apply_tensor_parallel(model: nn.Module, layouts: dict[str, ParamLayout], mesh: DeviceMesh, axis: str,
-                          sequence_parallel: bool = False) -> nn.Module:
-    """Apply the styles for ``axis`` with torch's ``parallelize_module`` on ``mesh[axis]``."""
-    styles = tensor_parallel_plan(model, layouts, axis, sequence_parallel)
+def tensor_parallel_styles(model: nn.Module, plan: AxisPlan) -> dict[str, ParallelStyle]:
+    """The ``parallelize_module`` plan (module name -> style) for one planned axis."""
+    modules = dict(model.named_modules())
+    styles = {name: _style(split, modules[name], plan.sequence_parallel) for name, split in plan.splits.items()
+              if name in modules}
+    if plan.sequence_parallel:
+        for name in plan.norms:
+            if name in modules:
+                # DTensor output: its .shape stays global, which attention code reshaping with
+                # hidden_states.shape[:-1] (HF Llama) relies on; TP layers accept it as input.
+                styles[name] = SequenceParallel(use_local_output=False)
+        for name in plan.embeddings:
+            if name in modules:
+                styles[name] = _SequenceShardOutput()
+        for name in plan.gathers:
+            if name in modules:
+                styles[name] = PrepareModuleInput(input_layouts=(Shard(SEQUENCE_DIM),),
+                                                  desired_input_layouts=(Replicate(),), use_local_output=True)
+    return styles
+
+
+def permute_packed(model: nn.Module, plan: AxisPlan) -> Permutations:
+    """Permute every packed column-parallel weight rank-major, in place (same Parameter objects)."""
+    modules = dict(model.named_modules())
+    permutations: Permutations = {}
+    for name, split in plan.splits.items():
+        if split.packed == 1 or name not in modules:
+            continue
+        module = modules[name]
+        out_dim = linear_dims(module)[0]
+        width = module.weight.shape[out_dim]
+        part, local = width // split.packed, width // split.packed // plan.size
+        perm = torch.cat([torch.arange(rank * local, (rank + 1) * local) + p * part
+                          for rank in range(plan.size) for p in range(split.packed)])
+        with torch.no_grad():
+            for pname, dim in (("weight", out_dim), ("bias", 0)):
+                param = getattr(module, pname, None)
+                if param is not None:
+                    param.copy_(param.index_select(dim, perm.to(param.device)))
+                    permutations[f"{name}.{pname}" if name else pname] = (dim, perm)
+    return permutations
+
+
+def _retie(model: nn.Module, ties: tuple[tuple[str, ...], ...]) -> None:
+    """Point every name of a tied parameter at the first name's (now distributed) Parameter."""
+    for names in ties:
+        first = model.get_parameter(names[0])
+        for name in names[1:]:
+            owner, _, pname = name.rpartition(".")
+            module = model.get_submodule(owner) if owner else model
+            module._parameters[pname] = first
+
+
+def _plain_outputs(module: nn.Module, inputs: Any, output: Any) -> Any:
+    """Sequence-parallel models return ordinary tensors: DTensor outputs gathered and made local."""
+    if isinstance(output, DTensor):
+        return output.full_tensor()
+    if isinstance(output, tuple):
+        return type(output)(_plain_outputs(module, inputs, o) for o in output)
+    if isinstance(output, dict):
+        for key, value in output.items():
+            output[key] = _plain_outputs(module, inputs, value)
+    return output
+
+
+def prepare_shard(model: nn.Module, plan: AxisPlan) -> Permutations:
+    """What comes before torch's styles, the same on every rank: the family's attribute changes
+    (local head counts, GPT-2's ``split_size``) and packed weights permuted rank-major. Refuses
+    a model prepared once already (its attributes are local, its weights permuted)."""
+    marker = f"_sk_prepared_{plan.axis}"
+    if getattr(model, marker, False):
+        raise PlanError(f"this model was already adapted for tensor parallel over {plan.axis!r} (attributes made "
+                        f"local, packed weights permuted); adapt a freshly built model once")
+    modules = dict(model.named_modules())
+    for change in plan.changes:
+        if change.module in modules:
+            setattr(modules[change.module], change.attribute, change.local)
+    setattr(model, marker, True)
+    return permute_packed(model, plan)
+
+
+def apply_tensor_parallel(model: nn.Module, plan: AxisPlan, mesh: DeviceMesh) -> Permutations:
+    """Apply ``plan`` on the axis' 1-D ``mesh`` in place; returns the permutations made."""
+    permutations = prepare_shard(model, plan)
+    styles = tensor_parallel_styles(model, plan)
     if styles:
-        parallelize_module(model, mesh[axis], styles)
-    return model
+        parallelize_module(model, mesh, styles)
+    _retie(model, tuple(t for t in plan.ties if all(_has_parameter(model, n) for n in t)))
+    if plan.sequence_parallel:
+        model.register_forward_hook(_plain_outputs)
+    return permutations
+
+
+def _has_parameter(model: nn.Module, name: str) -> bool:
+    try:
+        model.get_parameter(name)
+    except AttributeError:
+        return False
+    return True
+
+
+__all__ = ["Permutations", "apply_tensor_parallel", "permute_packed", "prepare_shard", "tensor_parallel_styles"]

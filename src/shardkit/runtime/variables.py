@@ -22,7 +22,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ..plan import PlanError, ReplicaGrouping
-from .groups import average_gradients, broadcast, check_same_layout, replicas_of
+from .collectives import average_gradients, broadcast, check_same_layout
+from .groups import replicas_of
 from .world import Context, current_context
 
 RETRIEVAL_MODES = ("one_per_group", "all_replicas")

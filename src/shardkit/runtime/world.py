@@ -60,7 +60,9 @@ class Context:
         """The plan's mesh as a torch ``DeviceMesh`` (created once per shape in a process)."""
         if self.plan is None:
             raise PlanError("this job was started without a plan, so it has no mesh; pass a Plan to launch/run")
-        return device_mesh_for(self.plan, self.device.type)
+        from .meshes import meshes_for
+
+        return meshes_for(self.plan, self.device.type).device_mesh
 
     def coordinates(self) -> dict[str, int]:
         return {} if self.plan is None else self.plan.mesh.coordinates(self.rank)
@@ -85,14 +87,13 @@ class Context:
                                 f"batch of {t.shape[dim]} samples does not split over {self.data_world} ranks")
             part = t.chunk(self.data_world, dim=dim)[self.data_rank]
             if sp > 1:
-                from .context_parallel import shard_sequence
+                from .ring_attention import shard_sequence
 
                 part = shard_sequence(part, self.coordinates()["sp"], sp, dim=dim + 1)
             out.append(part.to(self.device))
         return out[0] if len(out) == 1 else tuple(out)
 
 
-_MESH_CACHE: dict = {}
 _CURRENT: list[Context] = []
 
 
@@ -110,17 +111,6 @@ def _run_job(ctx: Context, fn: Callable[..., Any], args: tuple, kwargs: dict) ->
         return fn(ctx, *args, **kwargs)
     finally:
         _CURRENT.pop()
-
-
-def device_mesh_for(plan: Plan, device_type: str):
-    """A torch ``DeviceMesh`` with the plan's axis names and sizes (one per shape and process:
-    creating one makes new process groups, a collective over every rank)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    key = (device_type, plan.mesh.names, plan.mesh.shape)
-    if key not in _MESH_CACHE:
-        _MESH_CACHE[key] = init_device_mesh(device_type, plan.mesh.shape, mesh_dim_names=plan.mesh.names)
-    return _MESH_CACHE[key]
 
 
 def _default_backend(world_size: int) -> str:

@@ -1,0 +1,240 @@
+"""HuggingFace ``transformers`` models: any model (attention, heads, positions, ring attention),
+and decoder-only causal LMs laid out as ``model.{embed_tokens, layers, norm, rotary_emb}`` +
+``lm_head`` (Llama, Qwen2, Mistral, Phi-3, Gemma, ...), which pipelines can cut.
+
+transformers is imported only when a model is run, never to recognise one: a model is a
+transformers model when its ``config`` has ``_attn_implementation``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..plan import PlanError
+from .base import Attention, AttentionFn, AttributeChange, Family, ModelLayout, Unit
+
+#: The name ring attention is registered under in transformers' ``AttentionInterface``.
+HF_ATTENTION = "shardkit_ring"
+_ATTENTION_ATTR = "_shardkit_attention"  # the attention callable a module's forward should use
+#: Module attributes holding a head count that a forward may use to reshape (OPT's ``view(bsz,
+#: -1, self.num_heads, head_dim)``): a tensor-parallel shard must see the local count.
+HEAD_COUNT_ATTRIBUTES = ("num_heads", "num_attention_heads", "num_key_value_heads", "n_head", "n_heads",
+                         "num_kv_heads")
+#: Module attributes holding heads x head_dim (BERT's ``all_head_size``), local likewise.
+WIDTH_ATTRIBUTES = ("all_head_size",)
+#: Config fields giving the number of positions, in order of preference.
+POSITION_FIELDS = ("max_position_embeddings", "n_positions", "n_ctx", "seq_length")
+
+
+def is_hf_model(model: nn.Module) -> bool:
+    return hasattr(getattr(model, "config", None), "_attn_implementation")
+
+
+def _config_value(model: nn.Module, *fields: str) -> Any:
+    config = getattr(model, "config", None)
+    for name in fields:
+        value = getattr(config, name, None)
+        if value is not None:
+            return value
+    return None
+
+
+class HFFamily(Family):
+    """Any transformers model: attention modules are the ``*Attention`` classes holding a config."""
+
+    name = "hf"
+
+    def matches(self, model: nn.Module) -> bool:
+        return is_hf_model(model)
+
+    def max_positions(self, model: nn.Module) -> int | None:
+        return _config_value(model, *POSITION_FIELDS)
+
+    def vocab_size(self, model: nn.Module) -> int | None:
+        return _config_value(model, "vocab_size")
+
+    def takes_token_ids(self, model: nn.Module) -> bool:
+        return self.vocab_size(model) is not None
+
+    def example_inputs(self, model: nn.Module, seq_len: int | None = None) -> tuple | None:
+        if not self.takes_token_ids(model):
+            return None
+        seq_len = seq_len or min(128, self.max_positions(model) or 128)
+        return (torch.zeros(1, seq_len, dtype=torch.long),)
+
+    # -- attention ----------------------------------------------------------------------------------
+    def _attention_modules(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
+        return [(n, m) for n, m in model.named_modules()
+                if type(m).__name__.endswith("Attention") and hasattr(m, "config")]
+
+    def attentions(self, model: nn.Module) -> list[Attention]:
+        found = []
+        for name, module in self._attention_modules(model):
+            config = module.config
+            heads = next((getattr(module, a) for a in ("num_heads", "num_attention_heads")
+                          if isinstance(getattr(module, a, None), int)), getattr(config, "num_attention_heads", None))
+            if not isinstance(heads, int):
+                continue
+            kv_heads = getattr(module, "num_key_value_heads", None) or getattr(config, "num_key_value_heads", None) \
+                or heads
+            head_dim = getattr(module, "head_dim", None) or getattr(config, "head_dim", None) \
+                or config.hidden_size // heads
+            found.append(Attention(name, heads, kv_heads, head_dim))
+        return found
+
+    def tensor_parallel_changes(self, model: nn.Module, split: set[str], size: int) -> list[AttributeChange]:
+        """Head counts (and heads x head_dim widths) of attention modules whose projections are split."""
+        changes = []
+        for name, module in self._attention_modules(model):
+            prefix = f"{name}." if name else ""
+            if not any(s.startswith(prefix) for s in split):
+                continue
+            for attribute in (*HEAD_COUNT_ATTRIBUTES, *WIDTH_ATTRIBUTES):
+                value = getattr(module, attribute, None)
+                if isinstance(value, int) and not isinstance(value, bool) and value % size == 0:
+                    changes.append(AttributeChange(name, attribute, value // size))
+        return changes
+
+    # -- context parallel ---------------------------------------------------------------------------
+    def context_parallel_problems(self, model: nn.Module) -> list[str]:
+        problems = []
+        if not self._attention_modules(model):
+            problems.append(f"{type(model).__name__} has no attention modules (transformers classes named "
+                            f"*Attention) to run as ring attention; remove the 'sp' axis")
+        dropout = _config_value(model, "attention_dropout", "attn_pdrop", "attention_probs_dropout_prob")
+        if dropout:
+            problems.append(f"{type(model).__name__} has attention dropout {dropout} (config), which context "
+                            f"parallel (ring attention) does not support; set it to 0.0 in the config")
+        if "position_ids" not in inspect.signature(model.forward).parameters:
+            problems.append(f"{type(model).__name__}.forward takes no 'position_ids', so it cannot be given the "
+                            f"global positions of its sequence chunk under context parallel")
+        return problems
+
+    def position_argument(self, model: nn.Module) -> str:
+        return "position_ids"
+
+    def install_attention(self, model: nn.Module, attention: AttentionFn) -> None:
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(HF_ATTENTION, _interface_attention)
+        model.set_attn_implementation(HF_ATTENTION)
+        for _, module in self._attention_modules(model):
+            setattr(module, _ATTENTION_ATTR, attention)
+
+    def check_context_parallel_inputs(self, kwargs: dict) -> None:
+        if kwargs.get("labels") is not None:
+            raise PlanError("under context parallel pass targets to your loss instead of labels= to the model: "
+                            "HuggingFace shifts labels by one token inside each rank's sequence chunk, which is "
+                            "wrong when the sequence is split; shard pre-shifted targets with shard_sequence")
+        mask = kwargs.get("attention_mask")
+        if mask is not None:
+            if mask.dim() != 2 or not bool(mask.all()):
+                raise PlanError("context parallel (ring attention) supports causal attention without padding: "
+                                "attention_mask must be None or all ones; pack sequences without padding instead")
+            kwargs["attention_mask"] = None
+
+
+def _interface_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                         **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers ``AttentionInterface`` entry: the attention installed on ``module``.
+
+    Returns ``[batch, seq, heads, head_dim]`` like transformers' own attention functions.
+    """
+    attention = getattr(module, _ATTENTION_ATTR, None)
+    if attention is None:
+        raise PlanError(f"{type(module).__name__} uses attn_implementation={HF_ATTENTION!r} but no attention was "
+                        f"installed on it (enable_context_parallel(model, mesh['sp']) does)")
+    if attention_mask is not None:
+        raise PlanError("context parallel computes the causal mask itself and takes no attention_mask; "
+                        "custom or padding masks are not supported")
+    if dropout:
+        raise PlanError(f"context parallel does not support attention dropout (got {dropout}); "
+                        f"set config.attention_dropout=0.0")
+    return attention(query, key, value, scale=scaling).transpose(1, 2).contiguous(), None
+
+
+class HFCausalLMFamily(HFFamily):
+    """A decoder-only causal LM: ``model.{embed_tokens, layers, norm, rotary_emb}`` and ``lm_head``."""
+
+    name = "hf-causal-lm"
+
+    def matches(self, model: nn.Module) -> bool:
+        inner = getattr(model, "model", None)
+        return is_hf_model(model) and isinstance(getattr(model, "lm_head", None), nn.Module) \
+            and isinstance(inner, nn.Module) and all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm",
+                                                                                "rotary_emb"))
+
+    def pipeline_layout(self, model: nn.Module, example_inputs: tuple | None = None) -> ModelLayout:
+        units = [Unit("model.embed_tokens", ("model.embed_tokens",), block=False)]
+        units += [Unit(f"model.layers.{i}", (f"model.layers.{i}",)) for i in range(len(model.model.layers))]
+        units += [Unit("model.norm", ("model.norm",), block=False), Unit("lm_head", ("lm_head",), block=False)]
+        return ModelLayout(self, tuple(units), ("model.rotary_emb",), example_inputs or self.example_inputs(model))
+
+    def stage_forward(self, model: nn.Module, units: Sequence[Unit], x: torch.Tensor) -> torch.Tensor:
+        """The forward restricted to ``units``; rotary embeddings and the causal mask recomputed here."""
+        inner = model.model
+        hidden = inner.embed_tokens(x) if units[0].name == "model.embed_tokens" else x
+        blocks = [u for u in units if u.block]
+        if blocks:
+            position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+            mask = _causal_mask(inner, hidden, position_ids)
+            position_embeddings = inner.rotary_emb(hidden, position_ids=position_ids)
+            for unit in blocks:
+                hidden = model.get_submodule(unit.name)(hidden, attention_mask=mask, position_ids=position_ids,
+                                                        position_embeddings=position_embeddings)
+        for unit in units:
+            if unit.name == "model.norm":
+                hidden = inner.norm(hidden)
+            elif unit.name == "lm_head":
+                hidden = model.lm_head(hidden)
+        return hidden
+
+
+def _causal_mask(inner: nn.Module, hidden: torch.Tensor, position_ids: torch.Tensor) -> Any:
+    from transformers.masking_utils import create_causal_mask
+
+    kwargs = {"config": inner.config, "inputs_embeds": hidden, "attention_mask": None, "position_ids": position_ids}
+    params = inspect.signature(create_causal_mask).parameters
+    kwargs["cache" if "cache" in params else "past_key_values"] = None
+    if "cache_position" in params:
+        kwargs["cache_position"] = position_ids[0]
+    return create_causal_mask(**kwargs)
+
+
+class GPT2Family(HFFamily):
+    """transformers GPT-2: ``Conv1D`` projections (weights ``[in, out]``) and a fused ``c_attn`` = ``[q | k | v]``
+    split with ``split_size``, the width a shard must see as local."""
+
+    name = "gpt2"
+
+    def matches(self, model: nn.Module) -> bool:
+        return is_hf_model(model) and any(_is_gpt2_attention(m) for m in model.modules())
+
+    def fused_projections(self, model: nn.Module) -> dict[str, int]:
+        out = {}
+        for name, module in model.named_modules():
+            if _is_gpt2_attention(module):
+                prefix = f"{name}." if name else ""
+                out[f"{prefix}c_attn"] = module.c_attn.weight.shape[1] // module.embed_dim  # 3, or 2 ([k | v])
+        return out
+
+    def tensor_parallel_changes(self, model: nn.Module, split: set[str], size: int) -> list[AttributeChange]:
+        changes = []
+        for name, module in model.named_modules():
+            prefix = f"{name}." if name else ""
+            if _is_gpt2_attention(module) and f"{prefix}c_attn" in split and module.split_size % size == 0:
+                changes.append(AttributeChange(name, "split_size", module.split_size // size))
+        return changes
+
+
+def _is_gpt2_attention(module: nn.Module) -> bool:
+    return hasattr(module, "c_attn") and hasattr(module, "split_size") and hasattr(module, "embed_dim")
+
+
+__all__ = ["GPT2Family", "HFCausalLMFamily", "HFFamily", "HF_ATTENTION", "is_hf_model"]

@@ -1,0 +1,173 @@
+"""Every DeviceMesh and process group a job makes, in one place (torchtitan's ``ParallelDims`` idea).
+
+Creating a DeviceMesh or a process group is a collective over every rank, so each is made
+once per process and cached here; callers ask by axis name:
+
+- :func:`meshes_for` ``(plan).device_mesh``: the plan's mesh, named as the plan names it (what
+  ``ctx.mesh`` gives a job). When the plan asks for mixed precision but has no data axis, a
+  leading ``dp`` dim of size 1 is added: torch applies mixed precision through FSDP2's
+  wrappers, which need a data mesh (on one device it reduces nothing);
+- ``.root``: the mesh parameters are split on. With replica groups, ``dp`` becomes three dims
+  ``dp_outer, dp_replica, dp_inner`` so that one replica group is one slice of ``dp_replica``
+  (:func:`grouped_mesh_ranks`);
+- ``.axis(name)``: the 1-D mesh of one axis (tensor parallel, pipeline, sequence);
+- ``.data()``: the mesh FSDP2 / DDP reduce gradients over and whether it shards: ``fsdp``
+  (with ``dp`` in front: HSDP), and ``sp`` joins the reduction, since context-parallel ranks
+  see different tokens of the same samples;
+- :func:`process_group`: a group for an arbitrary list of ranks (replica groups).
+
+Axis roles themselves are stated once, in :mod:`shardkit.plan.mesh`.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..plan import Mesh, Plan, PlanError, ReplicaGrouping
+from ..plan.replicas import GROUPED_DP_DIMS
+
+
+def grouped_mesh_ranks(mesh: Mesh, grouping: ReplicaGrouping) -> tuple[tuple[str, ...], torch.Tensor]:
+    """Names and rank layout of ``mesh`` with ``dp`` replaced by ``dp_outer, dp_replica, dp_inner``.
+
+    For a constant grouping the sizes are ``(dp // (stride * group_size), group_size, stride)``
+    (a reshape of ``dp``); other equal-size groupings get ``(num_groups, group_size, 1)`` with
+    the dp coordinates reordered. Either way the ranks of one replica group differ only
+    along ``dp_replica``. Pure: no processes.
+
+    >>> names, ranks = grouped_mesh_ranks(Mesh(dp=4, tp=2), ReplicaGrouping(4, group_size=2, stride=2))
+    >>> names, tuple(ranks.shape)
+    (('dp_outer', 'dp_replica', 'dp_inner', 'tp'), (1, 2, 2, 2))
+    """
+    problems = grouping.check_mesh(mesh)
+    if problems:
+        raise PlanError(problems)
+    axis = mesh.names.index("dp")
+    ranks = torch.arange(mesh.size).reshape(mesh.shape)
+    if grouping.is_constant:
+        stride, size = grouping.stride, grouping.group_size
+        assert stride is not None and size is not None
+        dims = (mesh["dp"] // (stride * size), size, stride)
+    else:
+        order = [r for members in grouping.groups for r in members]
+        ranks = ranks.index_select(axis, torch.tensor(order))
+        dims = (grouping.num_groups, grouping.group_size or 1, 1)
+    shape = mesh.shape[:axis] + dims + mesh.shape[axis + 1:]
+    names = mesh.names[:axis] + GROUPED_DP_DIMS + mesh.names[axis + 1:]
+    return names, ranks.reshape(shape)
+
+
+def needs_unit_data_dim(plan: Plan) -> bool:
+    """Whether mixed precision needs a ``dp`` dim of size 1 (the plan has no data axis of its own)."""
+    m = plan.mesh
+    return plan.fsdp.mixed_precision and "dp" not in m and m.data_size == 1 and m.size_of("sp") == 1
+
+
+@dataclass(frozen=True)
+class DataMesh:
+    """The mesh gradients are reduced over and whether parameters are sharded on it (FSDP) or not."""
+
+    mesh: Any
+    shards: bool
+
+
+class Meshes:
+    """The DeviceMeshes of one plan in this process; made once by :func:`meshes_for`."""
+
+    def __init__(self, plan: Plan, device_type: str):
+        from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+        mesh = plan.mesh if plan.mesh.is_resolved else plan.mesh.resolved(dist.get_world_size())
+        self.plan = plan
+        if needs_unit_data_dim(plan):
+            self.device_mesh = init_device_mesh(device_type, (1, *mesh.shape), mesh_dim_names=("dp", *mesh.names))
+        else:
+            self.device_mesh = init_device_mesh(device_type, mesh.shape, mesh_dim_names=mesh.names)
+        #: The mesh parameters are split on (tensor parallel and data parallel must share one root):
+        #: the plan's mesh, or with replica groups the one whose ``dp_replica`` dim is a group.
+        self.root = self.device_mesh
+        if plan.replicas is not None:
+            names, ranks = grouped_mesh_ranks(mesh, plan.replicas)
+            self.root = DeviceMesh(device_type, ranks, mesh_dim_names=names)
+        self._data: DataMesh | None = None
+        self._data_made = False
+
+    def axis(self, name: str):
+        """The 1-D mesh of axis ``name`` on :attr:`root`; :class:`PlanError` naming the valid axes otherwise."""
+        names = self.root.mesh_dim_names or ()
+        if name not in names:
+            raise PlanError(f"the job's mesh has no axis {name!r}; its axes: {list(names)}")
+        return self.root[name]
+
+    def data(self) -> DataMesh | None:
+        """FSDP2 / DDP's mesh (``None`` when there is nothing to reduce and no mixed precision)."""
+        if not self._data_made:
+            self._data, self._data_made = self._make_data(), True
+        return self._data
+
+    def _make_data(self) -> DataMesh | None:
+        mesh, m = self.root, self.plan.mesh
+        dims = mesh.mesh_dim_names
+        if self.plan.replicas is not None:
+            replicate = ["dp_replica"]
+        elif m.size_of("dp") > 1 or (self.plan.fsdp.mixed_precision and "dp" in dims and m.data_size == 1
+                                     and m.size_of("sp") == 1):
+            replicate = ["dp"]  # of size 1 only for mixed precision, applied through FSDP2's replicate
+        else:
+            replicate = []
+        others = sorted((a for a in ("fsdp", "sp") if m.size_of(a) > 1), key=dims.index)
+        if m.size_of("fsdp") > 1:
+            if not replicate:
+                return DataMesh(mesh[others[0]] if len(others) == 1 else mesh[tuple(others)]._flatten("_".join(others)),
+                                True)
+            if len(others) == 1:
+                return DataMesh(mesh[(*replicate, others[0])], True)
+            flat = mesh[tuple(others)]._flatten("_".join(others))
+            with warnings.catch_warnings():  # torch has no other way yet to pair a flattened dim with dp
+                warnings.filterwarnings("ignore", message="Slicing a flattened dim")
+                return DataMesh(mesh[(*replicate, flat.mesh_dim_names[0])], True)
+        replicate = sorted(replicate + others, key=dims.index)
+        if not replicate:
+            return None
+        if len(replicate) == 1:
+            return DataMesh(mesh[replicate[0]], False)
+        return DataMesh(mesh[tuple(replicate)]._flatten("_".join(replicate)), False)
+
+
+_MESHES: dict[tuple, Meshes] = {}
+
+
+def meshes_for(plan: Plan, device_type: str) -> Meshes:
+    """The :class:`Meshes` of ``plan`` in this process (made on first use: a collective on every rank)."""
+    mesh = plan.mesh
+    key = (device_type, mesh.names, mesh.shape, plan.replicas, needs_unit_data_dim(plan))
+    if key not in _MESHES:
+        _MESHES[key] = Meshes(plan, device_type)
+    return _MESHES[key]
+
+
+_GROUPS: dict[tuple[int, ...], Any] = {}
+
+
+def process_group(ranks: tuple[int, ...]) -> Any:
+    """The process group of ``ranks`` (``None`` for one rank, the world for all), made once.
+
+    Every rank of the world must ask for the same rank lists in the same order (``new_group``
+    is a collective over the whole world).
+    """
+    if ranks not in _GROUPS:
+        if len(ranks) == 1:
+            _GROUPS[ranks] = None
+        elif len(ranks) == dist.get_world_size():
+            _GROUPS[ranks] = dist.group.WORLD
+        else:
+            _GROUPS[ranks] = dist.new_group(list(ranks))
+    return _GROUPS[ranks]
+
+
+__all__ = ["DataMesh", "Meshes", "grouped_mesh_ranks", "meshes_for", "needs_unit_data_dim", "process_group"]
