@@ -22,6 +22,7 @@ from torch import nn
 from ..plan import PlanError
 from .base import Family, ModelLayout, Unit
 from .modules import guess_input
+from .on_meta import meta_tensors, swapped
 
 
 class ChainFamily(Family):
@@ -62,8 +63,6 @@ def _chain_units(model: nn.Module) -> list[Unit]:
 
 def _chain_order(model: nn.Module, units: list[Unit], inputs: tuple) -> tuple[Unit, ...]:
     """Run the forward on meta tensors; return the units in call order after checking it is a chain."""
-    from torch.func import functional_call
-
     calls: list[tuple[int, tuple, dict, Any]] = []
     handles = []
     for index, unit in enumerate(units):
@@ -73,11 +72,10 @@ def _chain_order(model: nn.Module, units: list[Unit], inputs: tuple) -> tuple[Un
             calls.append((index, args, kwargs, out))
 
         handles.append(module.register_forward_hook(post, with_kwargs=True))
-    tensors = {n: torch.empty_like(t, device="meta") for n, t in
-               [*model.named_parameters(), *model.named_buffers()]}
     meta_inputs = tuple(torch.empty_like(x, device="meta") if isinstance(x, torch.Tensor) else x for x in inputs)
     try:
-        output = functional_call(model, tensors, meta_inputs)
+        with swapped(model, meta_tensors(model)):
+            output = model(*meta_inputs)
     except Exception as exc:
         raise PlanError(f"could not run {type(model).__name__}.forward on meta tensors of shapes "
                         f"{[tuple(x.shape) for x in meta_inputs]} to find its execution order ({exc}); pass "

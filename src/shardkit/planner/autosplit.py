@@ -3,7 +3,7 @@
 Costs (per pipeline unit, for one example micro-batch): forward FLOPs from torch's
 ``FlopCounterMode``, parameter bytes, and activation bytes (tensors autograd saves for the
 backward, counted with ``saved_tensors_hooks``, parameters excluded). All measured with meta
-tensors substituted through ``torch.func.functional_call``: no memory, no real compute.
+tensors substituted (:func:`shardkit.families.on_meta.swapped`): no memory, no real compute.
 
 The split minimises the largest stage time (or, with ``objective="memory"``, the largest
 stage memory) over contiguous partitions, under a per-device memory limit, by dynamic
@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..families.on_meta import swapped
 from ..plan import PlanError
 
 #: Bytes of training state per parameter byte: the parameter, its gradient, two Adam moments.
@@ -157,7 +158,6 @@ def unit_costs(model: nn.Module, units: Sequence[tuple[str, Sequence[str]]], exa
     >>> [c.flops for c in unit_costs(seq, [("0", ["0"]), ("1", ["1"])], (torch.zeros(3, 4),))]
     [192, 96]
     """
-    from torch.func import functional_call
     from torch.utils.flop_counter import FlopCounterMode
 
     tensors = {n: _meta_like(p) for n, p in model.named_parameters()}
@@ -190,8 +190,8 @@ def unit_costs(model: nn.Module, units: Sequence[tuple[str, Sequence[str]]], exa
             handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
     meta_inputs = tuple(_meta_like(x) if isinstance(x, torch.Tensor) else x for x in example_inputs)
     try:
-        with counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            functional_call(model, tensors, meta_inputs)
+        with counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), swapped(model, tensors):
+            model(*meta_inputs)
     finally:
         for handle in handles:
             handle.remove()

@@ -1,7 +1,7 @@
 """What a model's forward and backward do, seen on the meta device (no memory, no compute).
 
 :func:`trace` runs one forward and backward of an example input with every parameter and
-buffer replaced by a meta tensor (``torch.func.functional_call``) and records:
+buffer replaced by a meta tensor (:func:`shardkit.families.on_meta.run_on_meta`) and records:
 
 - how many times each module runs (a module shared by two blocks runs twice);
 - how the outputs of watched modules are cut along their last dim: a ``chunk``, ``split``,
@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
+
+from ..families.on_meta import meta_tensors, run_on_meta
 
 #: Functions that cut a tensor into pieces along a dim, with how to find that dim.
 _CUTS = {
@@ -144,26 +146,6 @@ def _hooks(model: nn.Module, calls: dict[str, int], outputs: dict[int, tuple[str
             handle.remove()
 
 
-def meta_tensors(model: nn.Module, shapes: dict[str, tuple[int, ...]] | None = None) -> dict[str, torch.Tensor]:
-    """Meta stand-ins for every parameter (requiring grad) and buffer of ``model``, under every
-    name (tied parameters too); ``shapes`` overrides some shapes (a tensor-parallel shard's)."""
-    shapes = shapes or {}
-    out: dict[str, torch.Tensor] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        out[name] = torch.empty(shapes.get(name, p.shape), dtype=p.dtype, device="meta", requires_grad=True)
-    for name, b in model.named_buffers(remove_duplicate=False):
-        out[name] = torch.empty(shapes.get(name, b.shape), dtype=b.dtype, device="meta")
-    return out
-
-
-def run_on_meta(model: nn.Module, tensors: dict[str, torch.Tensor], inputs: tuple) -> Any:
-    """``model(*inputs)`` with ``tensors`` in place of its parameters and buffers, inputs on meta."""
-    from torch.func import functional_call
-
-    meta_inputs = tuple(torch.empty_like(x, device="meta") if isinstance(x, torch.Tensor) else x for x in inputs)
-    return functional_call(model, tensors, meta_inputs, tie_weights=False)
-
-
 def trace(model: nn.Module, example_inputs: tuple | None, watch: Collection[str] = ()) -> Dataflow:
     """Run one forward and backward of ``example_inputs`` on meta tensors; see the module docstring.
 
@@ -186,11 +168,8 @@ def trace(model: nn.Module, example_inputs: tuple | None, watch: Collection[str]
             torch.autograd.backward([g.float().sum() for g in grads])
     except Exception as exc:  # the model's own error, reported by the caller with context
         return Dataflow(ran=False, calls=calls, error=f"{type(exc).__name__}: {exc}")
-    aliases: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        aliases.setdefault(id(p), []).append(name)
-    unused = [names[0] for names in aliases.values() if all(tensors[n].grad is None for n in names)]
+    unused = [name for name, _ in model.named_parameters() if tensors[name].grad is None]
     return Dataflow(ran=True, calls=calls, cuts=watcher.cuts, unused=unused)
 
 
-__all__ = ["Cut", "Dataflow", "meta_tensors", "run_on_meta", "trace"]
+__all__ = ["Cut", "Dataflow", "trace"]
