@@ -33,8 +33,9 @@ import threading
 import time
 import traceback
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,7 @@ STOP_GRACE_S = 10.0  # how long a stopping world waits before killing processes
 DEATH_GRACE_S = 2.0  # how long a rank that lost its connection waits for its dead peer to be seen
 STACK_WAIT_S = 5.0  # how long a timed-out job waits for the unfinished ranks to write their stacks
 POLL_S = 0.05  # the step of the waits above
+MIN_GROUP_TIMEOUT_S = 60.0  # a joined torchrun world's collectives time out no sooner (see _process_group_timeout)
 PARENT_POLL_S = 1.0  # how often a worker without prctl checks that its parent is alive
 STACK_SIGNAL = signal.SIGUSR1  # asks a worker to write its Python stack (faulthandler)
 PR_SET_PDEATHSIG = 1  # linux/prctl.h: signal this process when its parent thread ends
@@ -500,20 +502,43 @@ def _close_joined_world() -> None:
     dist.destroy_process_group()
 
 
-def _run_in_torchrun(fn: Callable[..., Any], plan: Plan | None, args: tuple, kwargs: dict) -> list[Any]:
+@contextlib.contextmanager
+def _stacks_when_stopped(timeout: float | None) -> Iterator[None]:
+    """While the block runs, print every thread's Python stack to stderr if this rank is still
+    running after ``timeout`` s (then exit with code 1, so torchrun stops the job) or is stopped
+    by SIGTERM (how torchrun stops the other ranks). faulthandler does both without the GIL."""
+    faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)  # then terminate as before
+    if timeout is not None:
+        faulthandler.dump_traceback_later(timeout, exit=True)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+        faulthandler.unregister(signal.SIGTERM)
+
+
+def _process_group_timeout(timeout: float | None) -> timedelta | None:
+    """How long a collective may wait before it raises on its rank: the job's timeout, but at
+    least MIN_GROUP_TIMEOUT_S, since the same limit bounds connecting the ranks at start."""
+    return None if timeout is None else timedelta(seconds=max(timeout, MIN_GROUP_TIMEOUT_S))
+
+
+def _run_in_torchrun(fn: Callable[..., Any], plan: Plan | None, args: tuple, kwargs: dict,
+                     timeout: float | None) -> list[Any]:
     world_size = int(os.environ["WORLD_SIZE"])
     rank = int(os.environ["RANK"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if not dist.is_initialized():
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, timeout=_process_group_timeout(timeout))
         _watch_uncaught_exceptions()
         atexit.register(_close_joined_world)
     device = _device_for(dist.get_backend(), local_rank)
     ctx = Context(rank, world_size, local_rank, device, None if plan is None else plan.resolved(world_size))
-    value = _run_job(ctx, fn, args, kwargs)
-    gathered: list[Any] = [None] * world_size
-    dist.all_gather_object(gathered, value)
+    with _stacks_when_stopped(timeout):  # stuck anywhere, in a collective or not: its stack, then exit 1
+        value = _run_job(ctx, fn, args, kwargs)
+        gathered: list[Any] = [None] * world_size
+        dist.all_gather_object(gathered, value)
     return gathered
 
 
@@ -535,7 +560,7 @@ def launch(fn: Callable[..., Any], plan: Plan | None = None, *args: Any, world_s
     ``world`` if given. Any failing rank stops all processes and raises :class:`WorldError`.
     A job still running after ``timeout`` seconds (default :data:`DEFAULT_TIMEOUT_S`, 30
     minutes; ``None``: no limit) is stopped with every unfinished rank's stack
-    (:class:`WorldTimeout`).
+    (:class:`WorldTimeout`; under torchrun each stuck rank prints its stack and exits 1).
 
     Before any process starts, the job must pickle (:class:`UsageError` names the part that
     does not) and the plan's mesh must fit the world size (:class:`PlanError`).
@@ -549,7 +574,7 @@ def launch(fn: Callable[..., Any], plan: Plan | None = None, *args: Any, world_s
         raise UsageError(f"launch(fn, plan): plan must be a shardkit Plan or None, got {type(plan).__name__}")
     _check_timeout(timeout, "launch")
     if in_torchrun():
-        return _run_in_torchrun(fn, plan, args, kwargs)
+        return _run_in_torchrun(fn, plan, args, kwargs, timeout)
     if world is not None:
         return world.run(fn, *args, plan=plan, timeout=timeout, **kwargs)
     size = _launch_size(plan, world_size)
