@@ -33,6 +33,7 @@ import threading
 import time
 import traceback
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -339,6 +340,7 @@ class LocalWorld:
         ctx = mp.get_context("spawn")
         self._store = dist.TCPStore("127.0.0.1", 0, self.size + 1, is_master=True, wait_for_workers=False)
         self._stack_dir = Path(tempfile.mkdtemp(prefix="shardkit-stacks-"))
+        self._remove_stack_dir = weakref.finalize(self, shutil.rmtree, self._stack_dir, ignore_errors=True)
         self._results = ctx.Queue()
         self._jobs = [ctx.Queue() for _ in range(self.size)]
         for r in range(self.size):
@@ -462,7 +464,7 @@ class LocalWorld:
                 p.kill()
                 p.join(5)
         self._procs = []
-        shutil.rmtree(self._stack_dir, ignore_errors=True)
+        self._remove_stack_dir()  # also done if the world is never closed, at collection or exit
 
     def __enter__(self) -> LocalWorld:
         return self
