@@ -94,7 +94,7 @@ def test_workers_end_when_their_parent_is_killed(starter, tmp_path):
     out, err = tmp_path / "out.txt", tmp_path / "err.txt"
     with out.open("w") as stdout, err.open("w") as stderr:
         parent = subprocess.Popen([sys.executable, str(ORPHAN_JOB), starter], stdout=stdout, stderr=stderr,
-                                  env={**os.environ, "OMP_NUM_THREADS": "1"})
+                                  env={**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)})
     pids: list[int] = []
     try:
         deadline = time.monotonic() + 120
