@@ -49,7 +49,7 @@ def test_a_failing_rank_stops_the_world_with_its_traceback():
 
 
 def test_unpicklable_job_is_rejected_before_sending(world):
-    with pytest.raises(sk.PlanError, match="top-level"):
+    with pytest.raises(sk.UsageError, match="top-level"):
         world(2).run(lambda ctx: ctx.rank)
 
 

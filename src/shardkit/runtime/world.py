@@ -4,22 +4,40 @@ torch.multiprocessing can spawn processes, but it has no *persistent* pool that 
 process group alive across jobs, and its errors do not stop the other ranks' collectives.
 :class:`LocalWorld` adds both: start processes once, run many jobs on them (a process start
 costs seconds), and on any failure stop every process and raise the failing rank's traceback.
+
+Faults (see docs/faults.md): every job has a timeout (:data:`DEFAULT_TIMEOUT_S` unless told
+otherwise) after which the stack of every unfinished rank is shown and the world stopped; a
+rank that dies is named rather than the peer that lost its connection to it; workers end with
+their parent, however it ends.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
+import ctypes
+import faulthandler
 import io
 import logging
+import math
+import numbers
 import os
 import pickle
 import queue
+import shutil
+import signal
 import sys
+import tempfile
+import textwrap
+import threading
 import time
 import traceback
 import warnings
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,17 +45,52 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ..plan import Plan, PlanError
+from ..plan.errors import ShardkitError, UsageError
 
+DEFAULT_TIMEOUT_S = 30 * 60.0  # a job still running after this is stopped, with every unfinished rank's stack
 STOP_GRACE_S = 10.0  # how long a stopping world waits before killing processes
+DEATH_GRACE_S = 2.0  # how long a rank that lost its connection waits for its dead peer to be seen
+STACK_WAIT_S = 5.0  # how long a timed-out job waits for the unfinished ranks to write their stacks
+POLL_S = 0.05  # the step of the waits above
+MIN_GROUP_TIMEOUT_S = 60.0  # a joined torchrun world's collectives time out no sooner (see _process_group_timeout)
+PARENT_POLL_S = 1.0  # how often a worker without prctl checks that its parent is alive
+STACK_SIGNAL = signal.SIGUSR1  # asks a worker to write its Python stack (faulthandler)
+PR_SET_PDEATHSIG = 1  # linux/prctl.h: signal this process when its parent thread ends
+# what gloo reports on a rank whose peer died under a collective
+LOST_CONNECTION = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 
 
-class WorldError(RuntimeError):
-    """A rank raised (or died) while running a job; carries the rank and its traceback."""
+class WorldError(ShardkitError, RuntimeError):
+    """A rank raised, died or hung while running a job: ``rank`` names it, ``details`` says how
+    (its traceback, its exit code, or its stack)."""
 
-    def __init__(self, rank: int, details: str):
+    def __init__(self, rank: int, details: str, summary: str | None = None):
         self.rank = rank
         self.details = details
-        super().__init__(f"rank {rank} failed:\n{details}")
+        super().__init__(f"{summary or f'rank {rank} failed'}:\n{details}")
+
+
+class WorldTimeout(WorldError):
+    """A job outlived its timeout; the world was stopped. ``stacks`` maps every unfinished rank
+    to its Python stack (all threads, most recent call first); ``finished`` lists the ranks that
+    had returned; ``rank`` is the lowest unfinished rank.
+
+    >>> try:                                              # doctest: +SKIP
+    ...     world.run(train, timeout=600)
+    ... except WorldTimeout as e:
+    ...     print(sorted(e.stacks), e.finished)
+    [0] [1]
+    """
+
+    def __init__(self, timeout: float, stacks: dict[int, str], finished: list[int]):
+        self.timeout = timeout
+        self.stacks = stacks
+        self.finished = finished
+        summary = (f"the job did not finish within its timeout of {timeout:g} s: ranks {sorted(stacks)} were "
+                   f"still running (finished: {finished or 'none'}); the world was stopped. Pass a larger "
+                   f"timeout= (seconds) or timeout=None for no limit. Where each unfinished rank was")
+        details = "\n".join(f"rank {rank}:\n{textwrap.indent(stack, '  ')}" for rank, stack in sorted(stacks.items()))
+        super().__init__(min(stacks), details, summary)
 
 
 @dataclass
@@ -136,7 +189,95 @@ def _loads(data: bytes) -> Any:
     return torch.load(io.BytesIO(data), weights_only=False)
 
 
-def _worker(rank: int, world_size: int, port: int, backend: str, threads: int, jobs, results) -> None:
+def _check_timeout(timeout: Any, caller: str) -> None:
+    if timeout is None:
+        return
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not math.isfinite(timeout) or timeout <= 0:
+        raise UsageError(f"{caller}(timeout={timeout!r}): give a positive, finite number of seconds "
+                         f"(default {DEFAULT_TIMEOUT_S:g}), or timeout=None for no limit")
+
+
+def _check_world_size(size: Any, caller: str) -> None:
+    if isinstance(size, bool) or not isinstance(size, numbers.Integral) or size < 1:
+        raise UsageError(f"{caller}: a world needs a whole number of processes, at least 1; got {size!r}")
+
+
+def _pack_job(fn: Callable[..., Any], args: tuple, kwargs: dict, plan: Plan | None, world_size: int,
+              caller: str) -> bytes:
+    """The job as every worker receives it, the plan resolved to the world size (PlanError when
+    its mesh does not fit). UsageError names the part that cannot be pickled."""
+    plan = None if plan is None else plan.resolved(world_size)
+    try:
+        return pickle.dumps((fn, args, kwargs, plan))
+    except Exception as exc:
+        name, value, error = _unpicklable_part(fn, args, kwargs, plan, exc)
+        raise UsageError(f"{caller}: {name} ({value!r:.80}) cannot be sent to the worker "
+                         f"processes: {error}. Pass top-level (importable) functions and picklable arguments, "
+                         f"not lambdas, local functions, locks, files or sockets") from None
+
+
+def _unpicklable_part(fn: Callable[..., Any], args: tuple, kwargs: dict, plan: Plan | None,
+                      error: Exception) -> tuple[str, Any, Exception]:
+    """The first of fn, args[i], kwargs[k], plan that pickle refuses, with its error."""
+    parts = [("fn", fn), *((f"args[{i}]", a) for i, a in enumerate(args)),
+             *((f"kwargs[{k!r}]", v) for k, v in kwargs.items()), ("plan", plan)]
+    for name, value in parts:
+        try:
+            pickle.dumps(value)
+        except Exception as exc:
+            return name, value, exc
+    return "the job", (fn, args, kwargs), error
+
+
+def _exit_reason(code: int) -> str:
+    """``exited with code 3`` or, for a negative code, ``was killed by SIGKILL``."""
+    if code >= 0:
+        return f"exited with code {code}"
+    try:
+        return f"was killed by {signal.Signals(-code).name}"
+    except ValueError:
+        return f"was killed by signal {-code}"
+
+
+def _lost_connection(details: str) -> bool:
+    return any(text in details for text in LOST_CONNECTION)
+
+
+def _last_line(text: str) -> str:
+    return text.strip().splitlines()[-1]
+
+
+def _end_with_parent(parent_pid: int, spawned_by_main_thread: bool) -> None:
+    """End this worker as soon as its parent process ends, by any signal (SIGKILL included).
+
+    Linux sends SIGKILL when the parent *thread* that spawned us ends, so prctl is used only for
+    worlds started by the main thread; otherwise (and off Linux) a daemon thread polls the parent.
+    The last check closes the race of a parent that ended before either was in place."""
+    if not (spawned_by_main_thread and _kill_with_parent()):
+        threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True,
+                         name="shardkit-parent-watch").start()
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def _kill_with_parent() -> bool:
+    """Ask Linux to SIGKILL this process when its parent ends; False where prctl is missing."""
+    if not sys.platform.startswith("linux"):
+        return False
+    return ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL) == 0
+
+
+def _exit_when_orphaned(parent_pid: int) -> None:
+    while os.getppid() == parent_pid:  # an orphan is adopted by another process
+        time.sleep(PARENT_POLL_S)
+    os._exit(1)
+
+
+def _worker(rank: int, world_size: int, port: int, backend: str, threads: int, parent: tuple[int, bool],
+            stack_file: str, jobs, results) -> None:
+    _end_with_parent(*parent)
+    # faulthandler keeps the file open; the parent reads it when a job times out
+    faulthandler.register(STACK_SIGNAL, file=open(stack_file, "w"), all_threads=True)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(threads)
@@ -166,6 +307,8 @@ def _worker(rank: int, world_size: int, port: int, backend: str, threads: int, j
 class LocalWorld:
     """A persistent world of ``size`` local processes (gloo on CPU, NCCL with enough GPUs).
 
+    The processes end with the one that started them, however it ends (even SIGKILL).
+
     >>> def hello(ctx):
     ...     return ctx.rank
     >>> with LocalWorld(2) as world:          # doctest: +SKIP
@@ -174,9 +317,8 @@ class LocalWorld:
     """
 
     def __init__(self, size: int, backend: str | None = None, threads: int | None = None):
-        if size < 1:
-            raise PlanError(f"a world needs at least 1 process, got {size}")
-        self.size = size
+        _check_world_size(size, "LocalWorld(size)")
+        self.size = int(size)
         self.backend = backend or _default_backend(size)
         self.threads = threads or max(1, (os.cpu_count() or 1) // size)
         self._procs: list = []
@@ -187,36 +329,49 @@ class LocalWorld:
     def _start(self) -> None:
         ctx = mp.get_context("spawn")
         self._store = dist.TCPStore("127.0.0.1", 0, self.size + 1, is_master=True, wait_for_workers=False)
+        self._stack_dir = Path(tempfile.mkdtemp(prefix="shardkit-stacks-"))
+        self._remove_stack_dir = weakref.finalize(self, shutil.rmtree, self._stack_dir, ignore_errors=True)
         self._results = ctx.Queue()
         self._jobs = [ctx.Queue() for _ in range(self.size)]
+        for r in range(self.size):
+            self._stack_file(r).touch()
+        parent = (os.getpid(), threading.current_thread() is threading.main_thread())
         self._procs = [
-            ctx.Process(target=_worker, args=(r, self.size, self._store.port, self.backend, self.threads, self._jobs[r], self._results),
+            ctx.Process(target=_worker, args=(r, self.size, self._store.port, self.backend, self.threads, parent,
+                                              str(self._stack_file(r)), self._jobs[r], self._results),
                         daemon=True, name=f"shardkit-rank{r}")
             for r in range(self.size)
         ]
         for p in self._procs:
             p.start()
 
+    def _stack_file(self, rank: int) -> Path:
+        return self._stack_dir / f"rank{rank}.txt"
+
     @property
     def alive(self) -> bool:
         return bool(self._procs) and all(p.is_alive() for p in self._procs)
 
-    def run(self, fn: Callable[..., Any], *args: Any, plan: Plan | None = None, timeout: float | None = None,
-            **kwargs: Any) -> list[Any]:
+    def run(self, fn: Callable[..., Any], *args: Any, plan: Plan | None = None,
+            timeout: float | None = DEFAULT_TIMEOUT_S, **kwargs: Any) -> list[Any]:
         """Run ``fn(ctx, *args, **kwargs)`` on every rank; return the values in rank order.
 
         If any rank raises or dies, every process is stopped and :class:`WorldError` names
-        the rank and its traceback; the world is closed afterwards.
+        the rank and its traceback (or exit code); if the job is still running after
+        ``timeout`` seconds (default :data:`DEFAULT_TIMEOUT_S`, 30 minutes; ``None``: no
+        limit), :class:`WorldTimeout` shows every unfinished rank's stack. Either way the
+        world is closed afterwards.
+
+        >>> world.run(hello, timeout=60)          # doctest: +SKIP
+        [0, 1]
         """
-        if not self.alive:
-            raise RuntimeError("this LocalWorld is closed (a previous job failed or close() was called)")
-        if plan is not None:
-            plan = plan.resolved(self.size)
-        try:
-            payload = pickle.dumps((fn, args, kwargs, plan))
-        except Exception as exc:
-            raise PlanError(f"cannot send the job to the worker processes: {exc}. Pass top-level (importable) "
-                            f"functions and picklable arguments, not lambdas or local functions") from None
+        _check_timeout(timeout, "LocalWorld.run")
+        if not self._procs:  # a process that died since the last job is named by the job's run
+            raise UsageError("LocalWorld.run: this world is closed (a previous job failed or close() was called); "
+                             "start a new LocalWorld")
+        return self._run_packed(_pack_job(fn, args, kwargs, plan, self.size, "LocalWorld.run"), timeout)
+
+    def _run_packed(self, payload: bytes, timeout: float | None) -> list[Any]:
         job_id = self._next_job
         self._next_job += 1
         for q in self._jobs:
@@ -227,22 +382,64 @@ class LocalWorld:
             try:
                 got_id, rank, ok, data = self._results.get(timeout=0.2)
             except queue.Empty:
-                dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
+                dead = self._dead_ranks()
                 if dead:
-                    code = self._procs[dead[0]].exitcode
-                    self.close(force=True)
-                    raise WorldError(dead[0], f"process exited with code {code} without finishing the job") from None
+                    raise self._stopped(self._death(dead[0])) from None
                 if deadline is not None and time.monotonic() > deadline:
-                    self.close(force=True)
-                    raise WorldError(-1, f"job did not finish within {timeout} s; ranks done: {sorted(values)}") from None
+                    raise self._stopped(self._timeout(timeout, sorted(values))) from None
                 continue
             if got_id != job_id:
                 continue
             if not ok:
-                self.close(force=True)
-                raise WorldError(rank, data)
+                raise self._stopped(self._failure(rank, data))
             values[rank] = _loads(data)
         return [values[r] for r in range(self.size)]
+
+    def _dead_ranks(self, wait: float = 0.0) -> list[int]:
+        """The ranks whose process has ended, waiting up to ``wait`` s for a first one."""
+        deadline = time.monotonic() + wait
+        while True:
+            dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
+            if dead or time.monotonic() >= deadline:
+                return dead
+            time.sleep(POLL_S)
+
+    def _death(self, rank: int, context: str = "") -> WorldError:
+        reason = _exit_reason(self._procs[rank].exitcode)
+        return WorldError(rank, f"its process {reason} before finishing the job{context}", f"rank {rank} died")
+
+    def _failure(self, rank: int, details: str) -> WorldError:
+        """The error for a rank's failure report. A rank that lost its connection is most likely
+        the survivor of a peer that died: the dead peer is named instead, once it is seen."""
+        if _lost_connection(details):
+            dead = self._dead_ranks(wait=DEATH_GRACE_S)
+            if dead:
+                return self._death(dead[0], f"\n(rank {rank} then lost its connection: {_last_line(details)})")
+        return WorldError(rank, details)
+
+    def _timeout(self, timeout: float, finished: list[int]) -> WorldTimeout:
+        unfinished = [r for r in range(self.size) if r not in finished]
+        return WorldTimeout(timeout, self._stacks(unfinished), finished)
+
+    def _stacks(self, ranks: list[int]) -> dict[int, str]:
+        """Each rank's Python stack, asked for by signal and written by its faulthandler."""
+        for rank in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self._procs[rank].pid, STACK_SIGNAL)
+        files = [self._stack_file(rank) for rank in ranks]
+        deadline = time.monotonic() + STACK_WAIT_S
+        sizes: list[int] = []
+        while time.monotonic() < deadline:  # until every file is written and stops growing
+            time.sleep(POLL_S)
+            previous, sizes = sizes, [f.stat().st_size for f in files]
+            if all(sizes) and sizes == previous:
+                break
+        silent = f"(no stack: the process wrote none within {STACK_WAIT_S:g} s; it may still have been starting)"
+        return {rank: f.read_text().rstrip() or silent for rank, f in zip(ranks, files)}
+
+    def _stopped(self, error: WorldError) -> WorldError:
+        self.close(force=True)
+        return error
 
     def close(self, force: bool = False) -> None:
         """Stop the processes (politely unless ``force``; killed after a grace period)."""
@@ -257,6 +454,7 @@ class LocalWorld:
                 p.kill()
                 p.join(5)
         self._procs = []
+        self._remove_stack_dir()  # also done if the world is never closed, at collection or exit
 
     def __enter__(self) -> LocalWorld:
         return self
@@ -296,46 +494,82 @@ def _close_joined_world() -> None:
     dist.destroy_process_group()
 
 
-def _run_in_torchrun(fn: Callable[..., Any], plan: Plan | None, args: tuple, kwargs: dict) -> list[Any]:
+@contextlib.contextmanager
+def _stacks_when_stopped(timeout: float | None) -> Iterator[None]:
+    """While the block runs, print every thread's Python stack to stderr if this rank is still
+    running after ``timeout`` s (then exit with code 1, so torchrun stops the job) or is stopped
+    by SIGTERM (how torchrun stops the other ranks). faulthandler does both without the GIL."""
+    faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)  # then terminate as before
+    if timeout is not None:
+        faulthandler.dump_traceback_later(timeout, exit=True)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+        faulthandler.unregister(signal.SIGTERM)
+
+
+def _process_group_timeout(timeout: float | None) -> timedelta | None:
+    """How long a collective may wait before it raises on its rank: the job's timeout, but at
+    least MIN_GROUP_TIMEOUT_S, since the same limit bounds connecting the ranks at start."""
+    return None if timeout is None else timedelta(seconds=max(timeout, MIN_GROUP_TIMEOUT_S))
+
+
+def _run_in_torchrun(fn: Callable[..., Any], plan: Plan | None, args: tuple, kwargs: dict,
+                     timeout: float | None) -> list[Any]:
     world_size = int(os.environ["WORLD_SIZE"])
     rank = int(os.environ["RANK"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if not dist.is_initialized():
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, timeout=_process_group_timeout(timeout))
         _watch_uncaught_exceptions()
         atexit.register(_close_joined_world)
     device = _device_for(dist.get_backend(), local_rank)
     ctx = Context(rank, world_size, local_rank, device, None if plan is None else plan.resolved(world_size))
-    value = _run_job(ctx, fn, args, kwargs)
-    gathered: list[Any] = [None] * world_size
-    dist.all_gather_object(gathered, value)
+    with _stacks_when_stopped(timeout):  # stuck anywhere, in a collective or not: its stack, then exit 1
+        value = _run_job(ctx, fn, args, kwargs)
+        gathered: list[Any] = [None] * world_size
+        dist.all_gather_object(gathered, value)
     return gathered
 
 
+def _launch_size(plan: Plan | None, world_size: int | None) -> int:
+    if world_size is not None:
+        _check_world_size(world_size, "launch(world_size=...)")
+        return int(world_size)
+    if plan is None or not plan.mesh.is_resolved:
+        raise UsageError("launch needs world_size= when the plan is missing or its mesh has a -1 axis")
+    return plan.mesh.size
+
+
 def launch(fn: Callable[..., Any], plan: Plan | None = None, *args: Any, world_size: int | None = None,
-           world: LocalWorld | None = None, **kwargs: Any) -> list[Any]:
+           world: LocalWorld | None = None, timeout: float | None = DEFAULT_TIMEOUT_S, **kwargs: Any) -> list[Any]:
     """Run ``fn(ctx, *args, **kwargs)`` on every process of a world; return values in rank order.
 
     Under ``torchrun`` it joins that world (NCCL when CUDA is present, else gloo). Otherwise
     it starts ``world_size`` local processes (default: the plan's mesh size), or uses
     ``world`` if given. Any failing rank stops all processes and raises :class:`WorldError`.
+    A job still running after ``timeout`` seconds (default :data:`DEFAULT_TIMEOUT_S`, 30
+    minutes; ``None``: no limit) is stopped with every unfinished rank's stack
+    (:class:`WorldTimeout`; under torchrun each stuck rank prints its stack and exits 1).
+
+    Before any process starts, the job must pickle (:class:`UsageError` names the part that
+    does not) and the plan's mesh must fit the world size (:class:`PlanError`).
 
     >>> def work(ctx):
     ...     return ctx.rank
-    >>> launch(work, Plan(mesh=Mesh(dp=2)))   # doctest: +SKIP
+    >>> launch(work, Plan(mesh=Mesh(dp=2)), timeout=60)   # doctest: +SKIP
     [0, 1]
     """
     if plan is not None and not isinstance(plan, Plan):
-        raise PlanError(f"launch(fn, plan): plan must be a shardkit Plan, got {type(plan).__name__}")
+        raise UsageError(f"launch(fn, plan): plan must be a shardkit Plan or None, got {type(plan).__name__}")
+    _check_timeout(timeout, "launch")
     if in_torchrun():
-        return _run_in_torchrun(fn, plan, args, kwargs)
+        return _run_in_torchrun(fn, plan, args, kwargs, timeout)
     if world is not None:
-        return world.run(fn, *args, plan=plan, **kwargs)
-    size = world_size
-    if size is None:
-        if plan is None or not plan.mesh.is_resolved:
-            raise PlanError("launch needs world_size= when the plan is missing or its mesh has a -1 axis")
-        size = plan.mesh.size
+        return world.run(fn, *args, plan=plan, timeout=timeout, **kwargs)
+    size = _launch_size(plan, world_size)
+    payload = _pack_job(fn, args, kwargs, plan, size, "launch")  # before any process starts
     with LocalWorld(size) as local:
-        return local.run(fn, *args, plan=plan, **kwargs)
+        return local._run_packed(payload, timeout)
