@@ -1,10 +1,13 @@
 """The command line: typed flags (one line, exit 2, nothing started), ``--model package.module:function``,
-and ``explain`` with the plan flags of ``train``."""
+``explain`` with the plan flags of ``train``, and the README's example."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +17,8 @@ import shardkit.runtime.world as world_module
 from shardkit.cli import build_parser, main
 from shardkit.models.gpt import GPT_RULES
 from shardkit.runtime.world import WorldError
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -205,3 +210,16 @@ def test_explain_refuses_what_train_refuses(capsys, no_processes, argv, message)
     assert code == 2 and out == ""
     assert err.startswith("shardkit: invalid plan:") and message in err
 
+
+# -- the README's example ---------------------------------------------------------------------
+
+def test_readme_example_is_the_quickstart_and_prints_its_table_once():
+    readme = (ROOT / "README.md").read_text()
+    block = re.search(r"^## Twenty lines\n\n```python\n(.*?)^```$", readme, re.M | re.S)
+    example = ROOT / "examples" / "quickstart.py"
+    assert block is not None and block.group(1) == example.read_text()
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, str(example)], capture_output=True, text=True, timeout=600, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.count("Plan for GPT:") == 1  # not again in each of the worker processes
+    assert "verify OK" in run.stdout
