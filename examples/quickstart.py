@@ -1,4 +1,4 @@
-"""The README's twenty lines: a plan, its explanation, a sharded step and a verification."""
+"""shardkit in twenty lines: a plan, its explanation, a sharded step and a verification."""
 
 import torch
 
@@ -12,15 +12,14 @@ rules = sk.LayoutMap([                          # ordered; the first re.fullmatc
     (r".*", None),                              # explicit catch-all: replicate the rest
 ])
 plan = sk.Plan(mesh=sk.Mesh(fsdp=2, tp=2), rules=rules)
-print(sk.explain_plan(plan, sk.meta_model(build_tiny_gpt)))   # per parameter: rule, layout, local shape, bytes
 
-tokens = torch.randint(0, 256, (8, 33), generator=torch.Generator().manual_seed(0))
-x, y = tokens[:, :-1], tokens[:, 1:]
-
-def work(ctx):                                  # runs in every process
+def work(ctx, x, y):                            # runs in every process
     model = sk.shard(build_tiny_gpt(), plan)    # still an nn.Module; takes and returns plain tensors
     return model.step(*ctx.shard_batch(x, y), gpt_loss).item()
 
-if __name__ == "__main__":
-    print(sk.launch(work, plan))                # 4 local gloo processes, or joins a torchrun world
+if __name__ == "__main__":                      # not in the worker processes, which import this file again
+    print(sk.explain_plan(plan, sk.meta_model(build_tiny_gpt)))  # per parameter: rule, layout, local shape, bytes
+    tokens = torch.randint(0, 256, (8, 33), generator=torch.Generator().manual_seed(0))
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    print(sk.launch(work, plan, x, y))          # 4 local gloo processes, or joins a torchrun world
     print(sk.verify(build_tiny_gpt, plan, (x, y), loss_fn=gpt_loss, steps=3))  # per-step max |diff|

@@ -15,7 +15,7 @@ from shardkit.cli import build_parser, main
 from shardkit.models.gpt import GPT_RULES
 from shardkit.observe.memory import PeakMemory, state_bytes
 from shardkit.observe.report import loss_trend
-from shardkit.plan import LayoutMap, Mesh, Plan
+from shardkit.plan import LayoutMap, Mesh, Plan, PlanError
 
 
 @pytest.fixture
@@ -101,6 +101,40 @@ def test_short_run_trains_and_reports_every_rank(capsys):
         assert re.search(rf"│\s+{rank} │ fsdp={rank}\s", out), out
     assert "all_gather_into_tensor" in out and "reduce_scatter_tensor" in out
     assert "loss went down" in out
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--model", "cli_models:build_lm_with_100_tokens"],
+     "its vocabulary has 100 tokens, but the training data are bytes (token ids 0..255)"),
+    (["--model", "cli_models:build_lm_without_positions"], "cannot tell how many positions it takes"),
+])
+def test_a_builder_path_must_read_bytes_and_say_its_positions(capsys, no_processes, argv, message):
+    assert main(["train", "--mesh", "fsdp=2", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"shardkit train: --model {argv[1]!r}: ") and message in err
+    assert err.count("\n") == 1
+
+
+def test_a_builder_path_takes_its_sizes_from_the_model_or_the_flags():
+    def job(*argv: str):
+        args = _args("--mesh", "fsdp=2", *argv)
+        return train_cli.check_job(args, *train_cli.build_plan(args))
+
+    assert job("--model", "shardkit.models.gpt:build_small_gpt").seq_len == 128  # the reference GPT's config.seq_len
+    assert job("--model", "cli_models:build_tiny_lm").seq_len == 32              # its position embedding
+    assert job("--model", "cli_models:build_lm_without_positions", "--seq-len", "64").seq_len == 64
+    with pytest.raises(PlanError, match=r"--seq-len 64: model 'cli_models:build_tiny_lm' has 32 positions; valid: 1\.\.32"):
+        job("--model", "cli_models:build_tiny_lm", "--seq-len", "64")
+
+
+def test_short_run_of_a_model_given_by_its_builder(capsys):
+    code = main(["train", "--model", "cli_models:build_tiny_lm", "--steps", "2", "--world-size", "2", "--mesh", "fsdp=2",
+                 "--seq-len", "16", "--batch-size", "2", "--data-mb", "0.25"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "shardkit train: cli_models:build_tiny_lm on Mesh(fsdp=2) (2 processes), 2 steps" in out
+    for rank in (0, 1):
+        assert re.search(rf"│\s+{rank} │ fsdp={rank}\s", out), out
 
 
 def _held_by_fsdp(ctx):

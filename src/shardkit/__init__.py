@@ -29,6 +29,7 @@ _EXPORTS = {
     "launch": "shardkit.runtime.world",
     "LocalWorld": "shardkit.runtime.world",
     "WorldError": "shardkit.runtime.world",
+    "WorldTimeout": "shardkit.runtime.world",
     "Context": "shardkit.runtime.world",
     "shard": "shardkit.runtime.apply",
     "full_state_dict": "shardkit.runtime.apply",

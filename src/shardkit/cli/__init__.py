@@ -7,13 +7,14 @@ import importlib
 import sys
 
 from ..plan import PlanError, UsageError
+from .options import OneLineParser
 
 #: Sub-command modules; each defines ``register(subparsers)`` which sets ``func`` on its parser.
 COMMANDS = ("train", "explain", "replicas")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="shardkit", description="Split PyTorch models across devices from one Plan.")
+    parser = OneLineParser(prog="shardkit", description="Split PyTorch models across devices from one Plan.")
     sub = parser.add_subparsers(dest="command", required=True)
     for name in COMMANDS:
         try:
@@ -27,6 +28,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run a sub-command; its exit status: 0 done, 1 a job failed, 2 an invalid plan or command line.
+
+    A command-line error exits with status 2 while parsing (one line on stderr, see :class:`OneLineParser`).
+    """
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
@@ -34,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"shardkit: invalid plan: {exc}", file=sys.stderr)
         return 2
     except UsageError as exc:
-        print(f"shardkit: {exc}", file=sys.stderr)
+        print(f"shardkit {args.command}: {exc}", file=sys.stderr)
         return 2
 
 

@@ -1,4 +1,6 @@
-"""``shardkit train``: train a registered model as a byte-level language model across a local world.
+"""``shardkit train``: train a model as a byte-level language model across a local world.
+
+The model is a registered name or any importable builder, ``package.module:function``.
 
 The plan is checked against the model on the meta device before any process starts; then a
 local world (gloo on CPU, one process per device) trains with AdamW, rank 0 shows progress,
@@ -7,6 +9,7 @@ and every rank reports memory, step time and communication::
     shardkit train                                   # 4 CPU processes, mesh fsdp=2,tp=2
     shardkit train --mesh dp=2,tp=2 --verify
     shardkit train --plan plan.yaml --data ~/notes --steps 100
+    shardkit train --model mypkg.models:build --mesh fsdp=2 --seq-len 256
 """
 
 from __future__ import annotations
@@ -16,33 +19,46 @@ import os
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
 from rich.console import Console
+from torch import nn
 
 from ..io.data import DEFAULT_MAX_BYTES, TextShards
-from ..models.registry import MODELS, model_entry
+from ..models.registry import MODELS, ModelEntry, infer_token_sizes, model_entry
 from ..observe.report import RankStats, print_summary
-from ..plan import LayoutMap, Mesh, Plan, PlanError
-from ..plan.pipeline import SCHEDULES, SPLITS, pipeline_from_args
+from ..plan import Plan, PlanError, UsageError
 from ..plan.text import format_bytes
-from ..planner.meta import meta_model
 from ..planner.validate import validate
-from ..runtime.world import Context, LocalWorld, WorldError, in_torchrun, launch
+from ..runtime.world import DEFAULT_TIMEOUT_S, Context, LocalWorld, WorldError, in_torchrun, launch
+from .options import (
+    add_model_option,
+    add_plan_options,
+    meta_model_from_flag,
+    model_from_flag,
+    non_negative_int,
+    path,
+    plan_from_args,
+    positive_float,
+    positive_int,
+    rules_hint,
+)
 
 DEFAULT_MODEL = "gpt-small"
-DEFAULT_MESH = "fsdp=2,tp=2"
 DEFAULT_STEPS = 60
 DEFAULT_BATCH = 8
 DEFAULT_LR = 3e-3
 VERIFY_STEPS = 2
+BYTE_VOCAB = 256  # the data are bytes: token ids 0..255
 
 
 @dataclass(frozen=True)
 class TrainJob:
-    """Everything a rank needs to train (sent to every process, so plain picklable data)."""
+    """Everything a rank needs to train (sent to every process, so plain picklable data).
+
+    ``model`` is a registered name or a builder path, resolved again in each process.
+    """
 
     model: str
     data: TextShards
@@ -58,79 +74,37 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     trainable = sorted(name for name, entry in MODELS.items() if not entry.meta_only)
     parser = subparsers.add_parser(
         "train", help="train a model across a local world and report memory, time and communication per device",
-        description="Train a registered model as a byte-level language model on local text (default: the Python "
+        description="Train a model as a byte-level language model on local text (default: the Python "
                     "standard library's sources) across a local world of processes, as a plan says. The plan is "
                     "validated on the meta device before any process starts.")
-    parser.add_argument("--model", default=DEFAULT_MODEL, choices=trainable, help=f"default: {DEFAULT_MODEL}")
-    parser.add_argument("--mesh", help=f"mesh axes such as 'fsdp=2,tp=2' (default: {DEFAULT_MESH}); one axis may be -1")
-    parser.add_argument("--rules", type=Path, help="JSON/YAML file: a list of [regex, layout] pairs (default: the model's rules)")
-    parser.add_argument("--plan", type=Path, help="a whole plan file (.json, .yaml, .yml); replaces --mesh and --rules")
-    parser.add_argument("--world-size", type=int, help="number of processes (default: the mesh size; needed for a -1 axis)")
-    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, help=f"optimizer steps (default: {DEFAULT_STEPS})")
-    parser.add_argument("--batch-size", type=int, default=DEFAULT_BATCH,
+    add_model_option(parser, DEFAULT_MODEL, trainable)
+    pipe = add_plan_options(parser)
+    parser.add_argument("--steps", type=positive_int, default=DEFAULT_STEPS, metavar="N",
+                        help=f"optimizer steps (default: {DEFAULT_STEPS})")
+    parser.add_argument("--batch-size", type=positive_int, default=DEFAULT_BATCH, metavar="N",
                         help=f"global batch, split over the data axes dp x fsdp (default: {DEFAULT_BATCH})")
-    parser.add_argument("--seq-len", type=int, help="tokens (bytes) per sample (default: the model's positions)")
-    parser.add_argument("--lr", type=float, default=DEFAULT_LR, help=f"AdamW learning rate (default: {DEFAULT_LR})")
-    parser.add_argument("--data", type=Path, help="folder of text files, searched recursively (default: Python stdlib sources)")
-    parser.add_argument("--data-mb", type=float, default=DEFAULT_MAX_BYTES / 2**20,
+    parser.add_argument("--seq-len", type=positive_int, metavar="N",
+                        help="tokens (bytes) per sample (default: the model's positions)")
+    parser.add_argument("--lr", type=positive_float, default=DEFAULT_LR, metavar="X",
+                        help=f"AdamW learning rate (default: {DEFAULT_LR})")
+    parser.add_argument("--data", type=path, metavar="DIR",
+                        help="folder of text files, searched recursively (default: Python stdlib sources)")
+    parser.add_argument("--data-mb", type=positive_float, default=DEFAULT_MAX_BYTES / 2**20, metavar="X",
                         help=f"read at most this many MiB of text (default: {DEFAULT_MAX_BYTES / 2**20:g})")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the batch sampling (default: 0)")
+    parser.add_argument("--seed", type=non_negative_int, default=0, metavar="N",
+                        help="seed of the batch sampling (default: 0)")
+    parser.add_argument("--timeout", type=positive_float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
+                        help=f"stop every process and exit 1 when the job runs longer (default: {DEFAULT_TIMEOUT_S:g})")
     parser.add_argument("--verify", action="store_true",
                         help=f"first check the sharded model against a single-process run for {VERIFY_STEPS} steps")
-    pipe = parser.add_argument_group("pipeline (with a 'pp' mesh axis)")
-    pipe.add_argument("--schedule", choices=list(SCHEDULES), help="pipeline schedule (default: 1f1b)")
-    pipe.add_argument("--microbatches", type=int, help="micro-batches per step (default: the pp size)")
-    pipe.add_argument("--split", choices=list(SPLITS), help="how layers are split into stages (default: even)")
-    pipe.add_argument("--split-points", help="comma-separated module names that begin a stage, e.g. layers.2")
-    pipe.add_argument("--profile", type=Path, metavar="DIR",
+    pipe.add_argument("--profile", type=path, metavar="DIR",
                       help="write the pipeline timeline (Chrome/Perfetto trace and PNG) and the bubble fraction to DIR")
     parser.set_defaults(func=run)
 
 
-def load_rules(path: Path) -> LayoutMap:
-    """A layout rule file: a JSON or YAML list of ``[regex, layout]`` pairs, first match wins."""
-    example = '[["lm_head\\\\.weight", ["tp", null]], [".*", null]]'
-    try:
-        data = yaml.safe_load(path.read_text())  # YAML reads JSON too
-    except OSError as exc:
-        raise PlanError(f"cannot read rules file {str(path)!r}: {exc.strerror}") from None
-    except yaml.YAMLError as exc:
-        raise PlanError(f"rules file {str(path)!r} is neither JSON nor YAML: {exc}") from None
-    if not isinstance(data, list) or not data:
-        raise PlanError(f"rules file {str(path)!r} must hold a non-empty list of [regex, layout] pairs, "
-                        f"e.g. {example}; got {type(data).__name__}")
-    try:
-        return LayoutMap.from_list(data)
-    except PlanError as exc:
-        raise PlanError(f"rules file {str(path)!r}: {exc}") from None
-
-
 def build_plan(args: argparse.Namespace) -> tuple[Plan, int]:
     """The plan and world size from the command line (not yet checked against the model)."""
-    pipeline_options = {"--schedule": args.schedule, "--microbatches": args.microbatches, "--split": args.split,
-                        "--split-points": args.split_points}
-    if args.plan is not None:
-        given = [flag for flag, value in {"--mesh": args.mesh, "--rules": args.rules, **pipeline_options}.items()
-                 if value is not None]
-        if given:
-            raise PlanError(f"--plan is a whole plan, so {', '.join(given)} cannot be combined with it; "
-                            f"edit the plan file or drop --plan")
-        plan = Plan.load(args.plan)
-    else:
-        mesh = Mesh.parse(args.mesh or DEFAULT_MESH)
-        rules = load_rules(args.rules) if args.rules is not None else model_entry(args.model).rules_for(mesh)
-        plan = Plan(mesh=mesh, rules=rules)
-    world_size = args.world_size
-    if world_size is None:
-        if not plan.mesh.is_resolved:
-            raise PlanError(f"{plan.mesh!r} has an inferred (-1) axis; pass --world-size N to infer it")
-        world_size = plan.mesh.size
-    if world_size < 1:
-        raise PlanError(f"--world-size {world_size}: a world needs at least 1 process")
-    plan = plan.resolved(world_size)
-    if args.plan is None:
-        pipeline = pipeline_from_args(plan.mesh, args.schedule, args.microbatches, args.split, args.split_points)
-        plan = replace(plan, pipeline=pipeline)
+    plan, world_size = plan_from_args(args, model_from_flag(args.model))
     if args.profile is not None and plan.pipeline is None:
         raise PlanError(f"--profile records the pipeline timeline (forward/backward per micro-batch and stage), but "
                         f"{plan.mesh!r} has no pipeline; add a 'pp' axis of size >= 2, e.g. --mesh pp=2")
@@ -138,19 +112,16 @@ def build_plan(args: argparse.Namespace) -> tuple[Plan, int]:
 
 
 def check_job(args: argparse.Namespace, plan: Plan, world_size: int) -> TrainJob:
-    """Validate plan, sizes and data before launch; :class:`PlanError` names each problem."""
-    entry = model_entry(args.model)
-    meta = meta_model(entry.build)
-    validate(plan, meta, world_size=world_size)
-    seq_len = args.seq_len or entry.seq_len
+    """Validate model, plan, sizes and data before launch; :class:`PlanError` / :class:`UsageError` name each problem."""
+    entry = model_from_flag(args.model)
+    model = meta_model_from_flag(args.model, entry)
+    positions = _check_token_sizes(args, entry, model)
+    with rules_hint(args):
+        validate(plan, model, world_size=world_size)
+    seq_len = positions if args.seq_len is None else args.seq_len
     problems = []
-    if not 1 <= seq_len <= entry.seq_len:
-        problems.append(f"--seq-len {seq_len}: model {args.model!r} has {entry.seq_len} positions; "
-                        f"valid: 1..{entry.seq_len}")
-    if args.steps < 1:
-        problems.append(f"--steps {args.steps}: train at least 1 step")
-    if args.data_mb <= 0:
-        problems.append(f"--data-mb {args.data_mb}: read a positive amount of text, e.g. 4")
+    if positions is not None and seq_len > positions:
+        problems.append(f"--seq-len {seq_len}: model {args.model!r} has {positions} positions; valid: 1..{positions}")
     problems += [f"--batch-size {args.batch_size} / --seq-len {seq_len}: {p}"
                  for p in plan.resolved(world_size).batch_problems(args.batch_size, seq_len)]
     if problems:
@@ -158,6 +129,22 @@ def check_job(args: argparse.Namespace, plan: Plan, world_size: int) -> TrainJob
     data = TextShards(args.data, max_bytes=int(args.data_mb * 2**20))
     data.check()
     return TrainJob(args.model, data, args.steps, args.batch_size, seq_len, args.lr, args.seed, args.profile is not None)
+
+
+def _check_token_sizes(args: argparse.Namespace, entry: ModelEntry, model: nn.Module) -> int | None:
+    """The model's positions (``None``: unknown, so ``--seq-len`` was given); it must read byte ids."""
+    vocab, positions = infer_token_sizes(model) if entry.vocab is None else (entry.vocab, entry.seq_len)
+    flag = f"--model {args.model!r}"
+    if vocab is None:
+        raise UsageError(f"{flag}: cannot tell its vocabulary (no config.vocab_size, no nn.Embedding); the "
+                         f"training data are bytes, so it must embed token ids 0..{BYTE_VOCAB - 1}")
+    if vocab < BYTE_VOCAB:
+        raise UsageError(f"{flag}: its vocabulary has {vocab} tokens, but the training data are bytes "
+                         f"(token ids 0..{BYTE_VOCAB - 1}); give it a vocabulary of at least {BYTE_VOCAB}")
+    if positions is None and args.seq_len is None:
+        raise UsageError(f"{flag}: cannot tell how many positions it takes (no config.max_position_embeddings "
+                         f"or n_positions, no position embedding); pass --seq-len N")
+    return positions
 
 
 def train_job(ctx: Context, job: TrainJob) -> tuple[RankStats, list]:
@@ -264,7 +251,7 @@ def run(args: argparse.Namespace) -> int:
                 print("shardkit train: verify FAILED, not training (the sharded model differs from one device)",
                       file=sys.stderr)
                 return 1
-            results = launch(train_job, plan, job, world=world)
+            results = launch(train_job, plan, job, world=world, timeout=args.timeout)
     except WorldError as exc:
         print(f"shardkit train: {exc}", file=sys.stderr)
         return 1

@@ -1,13 +1,23 @@
-"""Named models for the command line: builder, tensor-parallel rules, loss, input sizes.
+"""Models for the command line: registered names, or any builder given as ``package.module:function``.
+
+A registered name carries its builder, tensor-parallel rules, loss and input sizes. A builder
+path is treated as a causal LM over token ids (``[batch, seq] -> logits [batch, seq, vocab]``,
+or an object with ``.logits``); its vocabulary and positions are read from the model.
 
 >>> entry = MODELS["gpt-tiny"]
 >>> inputs, targets = entry.sample_batch(batch_size=2)
 >>> inputs.shape, entry.meta_only
 (torch.Size([2, 32]), False)
+>>> custom = model_entry("shardkit.models.gpt:build_tiny_gpt")
+>>> infer_token_sizes(custom.on_meta())   # (vocabulary, positions)
+(256, 32)
 """
 
 from __future__ import annotations
 
+import importlib
+import inspect
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -15,26 +25,46 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..plan import LayoutMap, PlanError
+from ..plan import LayoutMap, PlanError, UsageError
+from ..planner.meta import meta_model
 from . import gpt, hf
+
+#: How a model is named by its builder rather than by a registered name.
+BUILDER_PATH_FORM = "package.module:function"
 
 
 @dataclass(frozen=True)
 class ModelEntry:
-    """One named model: ``build()`` makes it (seeded), ``rules`` split it over ``tp``."""
+    """One model: ``build()`` makes it (seeded), ``rules`` split it over ``tp``.
+
+    A model given by its builder path has no rules, and ``vocab`` / ``seq_len`` are ``None``:
+    :func:`infer_token_sizes` reads them from the model.
+    """
 
     build: Callable[[], nn.Module]
-    rules: LayoutMap
+    rules: LayoutMap | None
     loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]
-    vocab: int
-    seq_len: int
+    vocab: int | None
+    seq_len: int | None
     meta_only: bool = False  # too large to build for real; explain / validate only
     description: str = ""
 
     def rules_for(self, mesh) -> LayoutMap | None:
         """The built-in rules, or ``None`` (nothing split by layout) when ``mesh`` has none of their axes:
         ``--mesh fsdp=2`` then means plain FSDP rather than an error about a missing ``tp`` axis."""
-        return self.rules if self.rules.axes() & set(mesh.names) else None
+        return self.rules if self.rules is not None and self.rules.axes() & set(mesh.names) else None
+
+    def on_meta(self) -> nn.Module:
+        """``build()`` on the meta device (no memory); :class:`UsageError` saying why when it cannot be."""
+        try:
+            model = meta_model(self.build)
+        except Exception as exc:  # the builder is user code: any failure is reported, not a traceback
+            raise UsageError(f"cannot be built on the meta device, where shardkit checks plans without memory: "
+                             f"{type(exc).__name__}: {exc}; the builder must create the module without "
+                             f"reading or loading tensor values") from None
+        if not isinstance(model, nn.Module):
+            raise UsageError(f"returned a {type(model).__name__}, not a torch.nn.Module")
+        return model
 
     def sample_batch(self, batch_size: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Random token ids ``(inputs, targets)``, each ``[batch_size, seq_len]``; targets are inputs shifted by one."""
@@ -57,9 +87,84 @@ MODELS: dict[str, ModelEntry] = {
 }
 
 
+def is_builder_path(name: str) -> bool:
+    """Whether ``name`` names a model by its builder (``package.module:function``), not by registration."""
+    return ":" in name
+
+
 def model_entry(name: str) -> ModelEntry:
-    """The registered model ``name``; :class:`PlanError` listing the valid names otherwise."""
+    """The registered model ``name``, or the model a ``package.module:function`` builder makes.
+
+    :class:`PlanError` listing the valid names for an unknown name; :class:`UsageError` for a
+    builder path that does not lead to a zero-argument callable.
+    """
+    if is_builder_path(name):
+        return ModelEntry(import_builder(name), None, hf.hf_loss, None, None, description=f"built by {name}")
     try:
         return MODELS[name]
     except KeyError:
-        raise PlanError(f"unknown model {name!r}; valid: {sorted(MODELS)}") from None
+        raise PlanError(f"unknown model {name!r}; valid: {sorted(MODELS)} or {BUILDER_PATH_FORM}") from None
+
+
+def import_builder(path: str) -> Callable[[], Any]:
+    """The callable at ``package.module:function``; :class:`UsageError` naming what is missing.
+
+    The function may be an attribute path (``module:Class.build``). It must take no arguments.
+    """
+    module_name, _, attributes = path.partition(":")
+    if not module_name or not attributes:
+        raise UsageError(f"is not of the form {BUILDER_PATH_FORM}")
+    try:
+        found: Any = importlib.import_module(module_name)
+    except Exception as exc:  # ImportError, or any error the module raises while importing
+        raise UsageError(f"module {module_name!r} cannot be imported: {type(exc).__name__}: {exc}") from None
+    for attribute in attributes.split("."):
+        if not hasattr(found, attribute):
+            raise UsageError(f"module {module_name!r} has no attribute {attributes!r}")
+        found = getattr(found, attribute)
+    if not callable(found):
+        raise UsageError(f"is not callable (type {type(found).__name__}); give a function that takes no "
+                         f"arguments and returns an nn.Module")
+    required = _required_parameters(found)
+    if required:
+        raise UsageError(f"needs arguments ({', '.join(required)}); give a function that takes none, "
+                         f"e.g. one that calls it with your sizes")
+    return found
+
+
+def _required_parameters(function: Callable) -> list[str]:
+    try:
+        parameters = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):  # some builtins have no signature: calling them will tell
+        return []
+    return [p.name for p in parameters
+            if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+
+
+_POSITION_EMBEDDING = re.compile(r"pos|wpe", re.IGNORECASE)  # pos_embed, position_embeddings, GPT-2's wpe
+
+
+def infer_token_sizes(model: nn.Module) -> tuple[int | None, int | None]:
+    """``(vocabulary, positions)`` of a causal LM (works on the meta device); ``None`` where unknown.
+
+    Vocabulary: ``config.vocab_size``, else the rows of the first ``nn.Embedding``. Positions:
+    ``config.max_position_embeddings`` or ``config.n_positions`` (transformers), the reference
+    GPT's ``config.seq_len``, else the rows of an embedding named like a position embedding.
+    """
+    config = getattr(model, "config", None)
+    embeddings = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Embedding)]
+    vocab = _config_size(config, "vocab_size")
+    if vocab is None and embeddings:
+        vocab = embeddings[0][1].num_embeddings
+    positions = _config_size(config, "max_position_embeddings", "n_positions")
+    if positions is None and isinstance(config, gpt.GPTConfig):
+        positions = config.seq_len
+    if positions is None:
+        positions = next((m.num_embeddings for name, m in embeddings
+                          if _POSITION_EMBEDDING.search(name.rpartition(".")[2])), None)
+    return vocab, positions
+
+
+def _config_size(config: Any, *names: str) -> int | None:
+    values = (getattr(config, name, None) for name in names)
+    return next((v for v in values if isinstance(v, int) and not isinstance(v, bool) and v > 0), None)
