@@ -93,5 +93,5 @@ def test_fsdp_mixed_precision_options_take_effect(world):
     plan = sk.Plan(mesh=sk.Mesh(fsdp=2), fsdp=sk.FSDPOptions(reshard_after_forward=False, param_dtype="bfloat16",
                                                                reduce_dtype="float32"))
     result = sk.verify(build_tiny_gpt, plan, _batch(), loss_fn=gpt_loss, steps=2, world=world(2))
-    assert result.ok, result  # within the bf16 tolerances (1000 x fp32's)
-    assert result.steps[0].loss > 1e-5  # and visibly not fp32 arithmetic: bf16 really was used
+    assert result.ok, result  # against a single process computing in bf16 too
+    assert result.float32_gap > 1e-4  # and visibly not fp32 arithmetic: the sharded run really computed in bf16

@@ -54,7 +54,7 @@ def test_unpicklable_job_is_rejected_before_sending(world):
 
 
 def test_verify_rejects_unpicklable_build_model_before_any_process():
-    with pytest.raises(sk.PlanError, match="build_model cannot be pickled"):
+    with pytest.raises(sk.UsageError, match="build_model cannot be pickled"):
         sk.verify(lambda: build_tiny_gpt(), sk.Plan(mesh=sk.Mesh(dp=2)), (None, None), loss_fn=gpt_loss)
 
 

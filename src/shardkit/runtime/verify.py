@@ -1,37 +1,60 @@
 """``sk.verify``: prove a plan computes what a single device computes.
 
-The same model (``build_model()``), data and optimizer run once in this process on one
-device and once sharded in a world; after every step the loss, every gradient and every
-updated weight are compared. This is how silent engine bugs (for example FSDP2 summing
-gradients on gloo where it should average) are caught.
+The model (``build_model()``) takes ``steps`` optimizer steps sharded in a world, and every
+step is recomputed in this process on one device, from the weights the sharded run started
+that step with and in the plan's precision; the loss, every gradient and every updated
+weight are compared. Starting each step from the sharded run's own weights keeps the
+comparison sharp: rounding differences do not compound over the steps (AdamW turns a
+different sign of a near-zero gradient into a full step of ``lr``), so an error shows at the
+step where it happens, in bf16 as clearly as in fp32. This is how silent engine bugs (for
+example FSDP2 summing gradients on gloo where it should average) are caught.
 """
 
 from __future__ import annotations
 
+import math
 import pickle
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..plan import Plan, PlanError
+from ..plan import Plan, PlanError, UsageError
+from .precision import DTYPES, Precision, mixed_precision_backward
 from .world import Context, LocalWorld, launch
 
-#: Default fp32 tolerances. Sharded reductions run in a different order, so results differ
-#: in the last bits. ``loss``: ``|diff| <= loss + loss_rel * |reference loss|``. ``grad``: per
-#: parameter, ``|diff| <= grad + grad_rel * max|reference grad|``. ``weight``: max absolute
-#: difference after step k (from 0) <= ``weight * lr * (k + 1)``: AdamW normalises each
-#: gradient by its running RMS, so a parameter whose true gradient is ~0 (an attention key
-#: bias, for instance) turns rounding noise into steps of up to ~lr; a tenth of lr per step
-#: bounds that noise while a wrong gradient (caught by ``grad``) or update rule is far larger.
-TOLERANCES = {"loss": 1e-5, "loss_rel": 0.0, "grad": 1e-5, "grad_rel": 1e-4, "weight": 0.1}
-#: With bf16/fp16 mixed precision (``FSDPOptions.param_dtype``/``reduce_dtype``) the sharded
-#: run computes in 8 significant bits against an fp32 reference: about 1% on the loss and 5%
-#: on gradients; AdamW then flips the sign of near-zero gradients' steps, so weights may
-#: differ by up to two steps of lr per step.
-MIXED_PRECISION_TOLERANCES = {"loss": 1e-3, "loss_rel": 2e-2, "grad": 1e-3, "grad_rel": 5e-2, "weight": 2.0}
+#: fp32 tolerances. Sharded reductions run in another order, so results differ in the last
+#: bits. ``loss``: ``|diff| <= loss + loss_rel * |reference loss|``. ``grad``: per parameter,
+#: ``|diff| <= grad + grad_rel * max|reference grad|``. ``weight``: per step, the weights the
+#: sharded optimizer produced differ from those one process computes from the same weights and
+#: gradients by at most ``weight * lr`` (measured: not at all; 1% of a step leaves room for
+#: optimizer kernels that round differently, and catches any update rule that differs).
+TOLERANCES = {"loss": 1e-5, "loss_rel": 0.0, "grad": 1e-5, "grad_rel": 1e-4, "weight": 1e-2}
+
+
+def mixed_precision_tolerances(dtype: torch.dtype) -> dict[str, float]:
+    """Tolerances for a mixed-precision plan whose least precise dtype is ``dtype``.
+
+    Both sides compute in ``dtype`` but over different parts of the batch, so its sums round
+    differently: a bf16/fp16 cross-entropy mean differs by up to 1.9 machine epsilons
+    (``loss_rel``: 4 eps), LayerNorm weight and bias gradients, sums over every token, by up
+    to 7 eps of their largest element (``grad_rel``: 10 eps); measured on the tiny GPT, GPT-2
+    and Llama, dp/fsdp/HSDP, 128 and 256 tokens. The optimizer runs in fp32 on both sides.
+
+    >>> mixed_precision_tolerances(torch.bfloat16)["grad_rel"]  # 10 x 2**-7
+    0.078125
+    """
+    eps = torch.finfo(dtype).eps
+    return {**TOLERANCES, "loss": 0.0, "loss_rel": 4 * eps, "grad_rel": 10 * eps}
+
+
+#: :func:`mixed_precision_tolerances` of bf16: loss 3.1%, gradients 1e-5 + 7.8% of max|grad|.
+MIXED_PRECISION_TOLERANCES = mixed_precision_tolerances(torch.bfloat16)
+_OPTIMIZERS = ("adamw", "sgd")
+#: Where a model's config states its number of positions: the reference GPT, then transformers.
+_POSITION_LIMITS = ("seq_len", "max_position_embeddings", "n_positions")
 
 
 @dataclass(frozen=True)
@@ -48,27 +71,32 @@ class StepDiff:
 
 @dataclass(frozen=True)
 class VerifyResult:
-    """Per-step differences and whether every one is within ``tolerances``."""
+    """Per-step differences and whether every one is within ``tolerances``.
+
+    ``losses`` are the single process's; ``float32_gap`` (mixed precision only) is the largest
+    difference of the sharded run's first gradients from float32 ones: what the policy costs,
+    and the proof that it was applied.
+    """
 
     ok: bool
     steps: list[StepDiff]
     tolerances: dict[str, float]
     losses: list[float] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    float32_gap: float | None = None
 
     def __str__(self) -> str:
         head = f"verify {'OK' if self.ok else 'FAILED'} (tolerances: {self.tolerances})"
         rows = [f"  step {s.step}: loss {s.loss:.2e}  grad {s.grad:.2e} ({s.worst_grad})  "
                 f"weight {s.weight:.2e} ({s.worst_weight})" for s in self.steps]
+        if self.float32_gap is not None:
+            rows.append(f"  mixed precision: first gradients differ from float32 by up to {self.float32_gap:.2e}")
         return "\n".join([head, *rows, *[f"  ! {p}" for p in self.problems]])
 
 
-def _make_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
-    if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr)
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=lr)
-    raise PlanError(f"verify(optimizer={name!r}); valid: 'adamw', 'sgd'")
+# -- arguments, checked before any process starts -----------------------------------------------
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _check_picklable(**objects: Any) -> None:
@@ -76,25 +104,166 @@ def _check_picklable(**objects: Any) -> None:
         try:
             pickle.dumps(obj)
         except Exception as exc:
-            raise PlanError(f"{name} cannot be pickled ({exc}); it is sent to every process, so define it as a "
-                            f"top-level function in an importable module (not a lambda or a local function)") from None
+            raise UsageError(f"verify({name}=...): {name} cannot be pickled ({exc}); it is sent to every process, so "
+                             f"define it as a top-level function in an importable module (not a lambda or a local "
+                             f"function)") from None
 
 
-def _reference(build_model, batch, loss_fn, steps, optimizer, lr) -> list[dict]:
-    model = build_model()
-    opt = _make_optimizer(optimizer, model.parameters(), lr)
+def _check_steps(steps: Any) -> None:
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+        raise UsageError(f"verify(steps={steps!r}): steps is the number of optimizer steps to compare, an int >= 1")
+
+
+def _check_optimizer(optimizer: Any) -> None:
+    if optimizer not in _OPTIMIZERS:
+        raise UsageError(f"verify(optimizer={optimizer!r}): unknown optimizer; valid: {', '.join(map(repr, _OPTIMIZERS))}")
+
+
+def _check_lr(lr: Any) -> None:
+    if not _is_number(lr) or lr <= 0:
+        raise UsageError(f"verify(lr={lr!r}): the learning rate must be a finite number > 0")
+
+
+def _tolerances(plan: Plan, overrides: Any) -> dict[str, float]:
+    """The tolerance table for ``plan`` (mixed precision or not), with the caller's ``overrides`` checked."""
+    overrides = {} if overrides is None else overrides
+    if not isinstance(overrides, Mapping):
+        raise UsageError(f"verify(tolerances={overrides!r}): tolerances must be a dict such as {{'grad': 1e-4}}")
+    unknown = sorted(map(str, set(overrides) - set(TOLERANCES)))
+    if unknown:
+        raise UsageError(f"verify(tolerances=...): unknown keys {unknown}; valid: {sorted(TOLERANCES)}")
+    for key, value in overrides.items():
+        if not _is_number(value) or value < 0:
+            raise UsageError(f"verify(tolerances=...): {key!r} is {value!r}; a tolerance is a finite number >= 0")
+    return {**_plan_tolerances(plan), **overrides}
+
+
+def _plan_tolerances(plan: Plan) -> dict[str, float]:
+    """fp32 :data:`TOLERANCES`, or with mixed precision in force those of its least precise dtype."""
+    if not plan.fsdp.mixed_precision:
+        return dict(TOLERANCES)
+    dtypes = {DTYPES[d] for d in (plan.fsdp.param_dtype, plan.fsdp.reduce_dtype) if d is not None}
+    return mixed_precision_tolerances(max(dtypes, key=lambda d: torch.finfo(d).eps))
+
+
+def _batch_pair(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """``batch`` as ``(inputs, targets)``: two tensors with the same number of samples (dim 0)."""
+    if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+        got = f"{type(batch).__name__} of {len(batch)}" if isinstance(batch, (tuple, list)) else type(batch).__name__
+        raise UsageError(f"verify(batch=...): batch must be a pair (inputs, targets), got {got}")
     inputs, targets = batch
-    records = []
-    for _ in range(steps):
-        opt.zero_grad()
-        loss = loss_fn(model(inputs), targets)
-        loss.backward()
-        grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone()
-                 for n, p in model.named_parameters()}
-        opt.step()
-        weights = {n: p.detach().clone() for n, p in model.named_parameters()}
-        records.append({"loss": loss.item(), "grads": grads, "weights": weights})
-    return records
+    for name, value in (("inputs", inputs), ("targets", targets)):
+        if not isinstance(value, torch.Tensor) or value.dim() == 0:
+            got = "a 0-d tensor" if isinstance(value, torch.Tensor) else type(value).__name__
+            raise UsageError(f"verify(batch=...): {name} must be a tensor whose dim 0 is the batch, got {got}")
+    if len(inputs) != len(targets):
+        raise UsageError(f"verify(batch=...): inputs hold {len(inputs)} samples (shape {list(inputs.shape)}) but "
+                         f"targets {len(targets)} (shape {list(targets.shape)}); both are the whole batch")
+    return inputs, targets
+
+
+def _input_embedding(model: nn.Module) -> tuple[str, nn.Embedding] | None:
+    """The model's first module with parameters, if it is an ``nn.Embedding`` (then the model takes token ids)."""
+    for name, module in model.named_modules():
+        if next(module.children(), None) is None and next(module.parameters(recurse=False), None) is not None:
+            return (name, module) if isinstance(module, nn.Embedding) else None
+    return None
+
+
+def _check_token_ids(model: nn.Module, inputs: torch.Tensor) -> None:
+    """Token ids for a model that starts with an embedding: an integer dtype, in the vocabulary and positions."""
+    found = _input_embedding(model)
+    if found is None:
+        return
+    name, embedding = found
+    if inputs.dtype.is_floating_point or inputs.dtype.is_complex or inputs.dtype == torch.bool:
+        raise UsageError(f"verify(batch=...): inputs have dtype {inputs.dtype}, but the model starts with an "
+                         f"nn.Embedding ({name!r}) and takes token ids: pass an integer tensor (torch.long)")
+    low, high = int(inputs.min()), int(inputs.max())
+    if low < 0 or high >= embedding.num_embeddings:
+        raise UsageError(f"verify(batch=...): token ids range from {low} to {high}, but the embedding {name!r} has "
+                         f"{embedding.num_embeddings} rows; valid ids: 0 to {embedding.num_embeddings - 1}")
+    limit = _position_limit(model)
+    if limit is not None and inputs.dim() >= 2 and inputs.shape[1] > limit[1]:
+        raise UsageError(f"verify(batch=...): inputs hold sequences of {inputs.shape[1]} tokens, but the model has "
+                         f"{limit[1]} positions (config.{limit[0]}); use sequences of at most {limit[1]} tokens")
+
+
+def _position_limit(model: nn.Module) -> tuple[str, int] | None:
+    """(config attribute, number of positions) of the reference GPT or a transformers model, else None."""
+    config = getattr(model, "config", None)
+    for attribute in _POSITION_LIMITS:
+        value = getattr(config, attribute, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return attribute, value
+    return None
+
+
+def _checked_loss(loss_fn: Callable) -> Callable:
+    """``loss_fn``, checking that it returns a scalar that depends on the model (in this process only)."""
+    def loss(output: Any, targets: Any) -> torch.Tensor:
+        value = loss_fn(output, targets)
+        name = getattr(loss_fn, "__name__", repr(loss_fn))
+        if not isinstance(value, torch.Tensor) or value.numel() != 1 or not value.is_floating_point():
+            got = f"a {value.dtype} tensor of shape {list(value.shape)}" if isinstance(value, torch.Tensor) \
+                else type(value).__name__
+            raise UsageError(f"verify(loss_fn={name}): loss_fn returned {got}; it must return a floating-point "
+                             f"scalar tensor, the mean loss over the batch")
+        if not value.requires_grad:
+            raise UsageError(f"verify(loss_fn={name}): the loss does not depend on the model's parameters (it has "
+                             f"no gradient); compute it from the model's output")
+        return value
+    return loss
+
+
+def _world_size(plan: Plan, world: LocalWorld | None) -> int:
+    if world is not None:
+        return world.size
+    if not plan.mesh.is_resolved:
+        raise PlanError("verify needs world= (or a mesh without -1) to know the world size")
+    return plan.mesh.size
+
+
+def _make_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=lr) if name == "adamw" else torch.optim.SGD(params, lr=lr)
+
+
+# -- the two sides ---------------------------------------------------------------------------------
+def _aliases(model: nn.Module) -> dict[str, str]:
+    """``{every name of a parameter: the name named_parameters() lists it under}``: tied weights have several."""
+    first: dict[int, str] = {}
+    return {name: first.setdefault(id(p), name) for name, p in model.named_parameters(remove_duplicate=False)}
+
+
+class _SingleProcess:
+    """The single-device side: the model, batch, loss and optimizer in this process, in the plan's precision."""
+
+    def __init__(self, build_model: Callable[[], nn.Module], batch: tuple[torch.Tensor, torch.Tensor],
+                 loss_fn: Callable, optimizer: str, lr: float, precision: Precision):
+        self.model = build_model()
+        self.params = dict(self.model.named_parameters())
+        self.aliases = _aliases(self.model)
+        self.batch, self.loss_fn, self.lr, self.precision = batch, loss_fn, lr, precision
+        self.optimizer = _make_optimizer(optimizer, self.params.values(), lr)
+
+    def backward(self, precision: Precision | None = None) -> tuple[float, dict[str, torch.Tensor]]:
+        """(loss, gradients) at the current weights, in ``precision`` (default: the plan's)."""
+        self.optimizer.zero_grad()
+        loss = mixed_precision_backward(self.model, *self.batch, self.loss_fn, precision or self.precision)
+        return loss.item(), {n: torch.zeros_like(p) if p.grad is None else p.grad.clone()
+                             for n, p in self.params.items()}
+
+    def load(self, weights: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for name, value in weights.items():
+                self.params[name].copy_(value)
+
+    def update(self, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """One optimizer step from the current weights with ``grads``; returns the new weights."""
+        for name, p in self.params.items():
+            p.grad = grads[name].to(p.dtype).clone() if name in grads else None
+        self.optimizer.step()
+        return {n: p.detach().clone() for n, p in self.params.items()}
 
 
 def _sharded_job(ctx: Context, build_model, batch, loss_fn, steps, optimizer, lr) -> list[dict]:
@@ -113,77 +282,159 @@ def _sharded_job(ctx: Context, build_model, batch, loss_fn, steps, optimizer, lr
     return records
 
 
-def _max_diff(ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor], rel: float = 0.0,
-              atol: float = 1.0) -> tuple[float, str, bool]:
-    """(max |diff|, where, all within atol + rel * max|ref|) over the parameters in ``got``."""
-    worst, where, within = 0.0, "-", True
+# -- comparison ------------------------------------------------------------------------------------
+def _match_names(per_rank: list[list[dict]], aliases: dict[str, str]) -> tuple[dict[str, str], list[str]]:
+    """``{sharded name: reference name}`` over every rank, and the problems: parameters on one side only, split ties."""
+    rank_of: dict[str, int] = {}
+    for rank, records in enumerate(per_rank):
+        for name in records[0]["grads"] if records else ():
+            rank_of.setdefault(name, rank)
+    names = {name: aliases[name] for name in rank_of if name in aliases}
+    problems = [f"parameter {name!r} (rank {rank}) is not a parameter of build_model()'s model"
+                for name, rank in rank_of.items() if name not in aliases]
+    missing = sorted(set(aliases.values()) - set(names.values()))
+    if missing:
+        problems.append(f"parameters held by no rank: {missing}")
+    by_reference: dict[str, list[str]] = {}
+    for name, reference in names.items():
+        by_reference.setdefault(reference, []).append(name)
+    problems += [f"parameters {sorted(split)} are one tied parameter in build_model()'s model but separate ones after "
+                 f"sharding: the plan splits a tie" for split in by_reference.values() if len(split) > 1]
+    return names, problems
+
+
+def _gather(per_rank: list[list[dict]], step: int, key: str) -> dict[str, torch.Tensor]:
+    """``{sharded name: tensor}`` of ``key`` ("grads" or "weights") at ``step``, merged over the ranks."""
+    merged: dict[str, torch.Tensor] = {}
+    for records in per_rank:
+        if step < len(records):
+            merged.update(records[step][key])
+    return merged
+
+
+def _by_reference(values: dict[str, torch.Tensor], names: dict[str, str]) -> dict[str, torch.Tensor]:
+    """``values`` under the reference's names (of a split tie, the first sharded parameter's)."""
+    renamed: dict[str, torch.Tensor] = {}
+    for name, value in values.items():
+        if name in names:
+            renamed.setdefault(names[name], value)
+    return renamed
+
+
+def _max_diff(expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor], names: dict[str, str], atol: float,
+              rel: float = 0.0) -> tuple[float, str, bool, int]:
+    """(max |diff|, where, all within ``atol + rel * max|expected|``, parameters compared) over ``got``'s matched names."""
+    worst, where, within, compared = 0.0, "-", True, 0
     for name, value in got.items():
-        if not value.numel():
+        if name not in names or not value.numel():
             continue
-        expected = ref[name].float()
-        diff = (value.float() - expected).abs().max().item()
-        if not diff <= atol + rel * expected.abs().max().item():  # NaN fails too
+        reference = expected[names[name]].float()
+        diff = (value.float() - reference).abs().max().item()
+        compared += 1
+        if not diff <= atol + rel * reference.abs().max().item():  # NaN fails too
             within = False
         if diff > worst or diff != diff:
             worst, where = diff, name
-    return worst, where, within
+    return worst, where, within, compared
+
+
+def _compare_step(step: int, reference: _SingleProcess, first: tuple[float, dict[str, torch.Tensor]],
+                  per_rank: list[list[dict]], names: dict[str, str], tol: dict[str, float]) -> tuple[StepDiff, list[str]]:
+    """One step: the sharded loss and gradients against ``first`` (the reference's at the same weights), then the
+    sharded optimizer's weights against the reference's optimizer step with the sharded gradients."""
+    ref_loss, ref_grads = first
+    grads, weights = _gather(per_rank, step, "grads"), _gather(per_rank, step, "weights")
+    expected = reference.update(_by_reference(grads, names))
+    loss = max((abs(r[step]["loss"] - ref_loss) for r in per_rank if step < len(r)), default=math.nan)
+    loss_ok = loss <= tol["loss"] + tol["loss_rel"] * abs(ref_loss)
+    g, worst_grad, grad_ok, compared = _max_diff(ref_grads, grads, names, tol["grad"], tol["grad_rel"])
+    w, worst_weight, weight_ok, _ = _max_diff(expected, weights, names, tol["weight"] * reference.lr)
+    bad = [what for what, good in (("loss", loss_ok), (f"gradient of {worst_grad}", grad_ok),
+                                   (f"weight {worst_weight}", weight_ok)) if not good]
+    problems = [f"step {step}: {', '.join(bad)} out of tolerance"] if bad else []
+    if not compared:
+        problems.append(f"step {step}: no parameter was compared (the sharded run reported none that the model has)")
+    return StepDiff(step, loss, g, w, worst_grad, worst_weight), problems
+
+
+def _compare(reference: _SingleProcess, first: tuple[float, dict[str, torch.Tensor]], per_rank: list[list[dict]],
+             steps: int, tol: dict[str, float]) -> VerifyResult:
+    """Every step of the sharded run, replayed by ``reference`` from the sharded weights (``first``: step 0's loss
+    and gradients, computed before the world ran)."""
+    problems = [f"rank {rank} returned {len(records or [])} of {steps} steps"
+                for rank, records in enumerate(per_rank) if len(records or []) != steps]
+    names, name_problems = _match_names(per_rank, reference.aliases)
+    problems += name_problems
+    diffs, losses = [], []
+    for step in range(steps):
+        if step:
+            reference.load(_by_reference(_gather(per_rank, step - 1, "weights"), names))
+            first = reference.backward()
+        diff, step_problems = _compare_step(step, reference, first, per_rank, names, tol)
+        diffs.append(diff)
+        losses.append(first[0])
+        problems += step_problems
+    return VerifyResult(not problems, diffs, tol, losses, problems)
+
+
+def _check_precision_applied(result: VerifyResult, plan: Plan, float32_grads: dict[str, torch.Tensor],
+                             per_rank: list[list[dict]], aliases: dict[str, str]) -> VerifyResult:
+    """``result`` with ``float32_gap``, and a problem if the sharded first gradients are float32 ones (within the
+    fp32 tolerances): the plan's mixed precision was not applied."""
+    names, _ = _match_names(per_rank, aliases)
+    gap, _, as_float32, _ = _max_diff(float32_grads, _gather(per_rank, 0, "grads"), names, TOLERANCES["grad"],
+                                      TOLERANCES["grad_rel"])
+    problems = [f"the plan asks for mixed precision (param_dtype={plan.fsdp.param_dtype!r}, reduce_dtype="
+                f"{plan.fsdp.reduce_dtype!r}) but the sharded run's gradients equal float32 ones: the policy was not "
+                f"applied"] if as_float32 else []
+    return replace(result, ok=result.ok and not problems, problems=result.problems + problems, float32_gap=gap)
 
 
 def verify(build_model: Callable[[], nn.Module], plan: Plan, batch: tuple[Any, Any], *, loss_fn: Callable,
            steps: int = 3, optimizer: str = "adamw", lr: float = 1e-3, world: LocalWorld | None = None,
            tolerances: dict[str, float] | None = None) -> VerifyResult:
-    """Run ``steps`` optimizer steps single-process and sharded; compare loss, grads, weights.
+    """Take ``steps`` optimizer steps sharded, replay each in one process; compare loss, gradients, weights.
 
     ``build_model()`` must return a fresh module with deterministic weights; ``batch`` is the
     global ``(inputs, targets)``, split over data ranks as training would; ``loss_fn(output,
-    targets)`` returns a mean scalar. Tolerances (fp32, see :data:`TOLERANCES`): loss 1e-5;
-    gradients 1e-5 + 1e-4 x max|grad| per parameter; weights 0.1 x lr per step taken.
-    Mixed precision: :data:`MIXED_PRECISION_TOLERANCES`.
+    targets)`` returns a mean scalar. Every argument is checked before any process starts
+    (:class:`~shardkit.plan.UsageError`, :class:`~shardkit.plan.PlanError`). Each step is
+    recomputed from the weights the sharded run started it with, in the plan's precision.
+    Tolerances: fp32 :data:`TOLERANCES` (loss 1e-5; gradients 1e-5 + 1e-4 x max|grad| per
+    parameter; weights 0.01 x lr); with mixed precision :func:`mixed_precision_tolerances`
+    (bf16: loss 3.1%; gradients 1e-5 + 7.8% x max|grad|; weights 0.01 x lr), and a check that
+    the policy was applied. ``tolerances={"grad": ...}`` overrides any of them.
 
     >>> result = verify(build_tiny_gpt, Plan(mesh=Mesh(fsdp=2)), (x, y), loss_fn=gpt_loss)  # doctest: +SKIP
-    >>> result.ok
+    >>> result.ok  # doctest: +SKIP
     True
     """
     _check_picklable(build_model=build_model, loss_fn=loss_fn)
-    _make_optimizer(optimizer, [torch.zeros(1, requires_grad=True)], lr)
-    world_size = world.size if world is not None else None
-    if world_size is None:
-        if not plan.mesh.is_resolved:
-            raise PlanError("verify needs world= (or a mesh without -1) to know the world size")
-        world_size = plan.mesh.size
+    if not isinstance(plan, Plan):
+        raise UsageError(f"verify(plan=...): plan must be a shardkit Plan, got {type(plan).__name__}")
+    _check_steps(steps)
+    _check_optimizer(optimizer)
+    _check_lr(lr)
+    tol = _tolerances(plan, tolerances)
+    inputs, targets = _batch_pair(batch)
+    world_size = _world_size(plan, world)
     from ..planner.meta import meta_model
     from ..planner.validate import validate
 
-    validate(plan, meta_model(build_model), world_size=world_size)
-    inputs = batch[0]
-    if isinstance(inputs, torch.Tensor):
-        seq_len = int(inputs.shape[1]) if inputs.dim() >= 2 else None
-        problems = plan.resolved(world_size).batch_problems(len(inputs), seq_len)
-        if problems:
-            raise PlanError(problems)
-    mixed = {plan.fsdp.param_dtype, plan.fsdp.reduce_dtype} - {None, "float32"}
-    tol = {**(MIXED_PRECISION_TOLERANCES if mixed else TOLERANCES), **(tolerances or {})}
-    reference = _reference(build_model, batch, loss_fn, steps, optimizer, lr)
-    per_rank = launch(_sharded_job, plan, build_model, batch, loss_fn, steps, optimizer, lr,
+    model = meta_model(build_model)
+    validate(plan, model, world_size=world_size)
+    _check_token_ids(model, inputs)
+    problems = plan.resolved(world_size).batch_problems(len(inputs), int(inputs.shape[1]) if inputs.dim() >= 2 else None)
+    if problems:
+        raise PlanError(problems)
+    # The single process runs step 0 before any process starts, so a wrong loss_fn is reported here.
+    reference = _SingleProcess(build_model, (inputs, targets), _checked_loss(loss_fn), optimizer, lr,
+                               Precision.of(plan.fsdp))
+    float32_grads = reference.backward(Precision())[1] if plan.fsdp.mixed_precision else None
+    first = reference.backward()
+    per_rank = launch(_sharded_job, plan, build_model, (inputs, targets), loss_fn, steps, optimizer, lr,
                       world=world, world_size=world_size)
-    diffs, problems = [], []
-    for step, ref in enumerate(reference):
-        grads: dict[str, torch.Tensor] = {}
-        weights: dict[str, torch.Tensor] = {}
-        for records in per_rank:
-            grads.update(records[step]["grads"])
-            weights.update(records[step]["weights"])
-        missing = sorted(set(ref["grads"]) - set(grads))
-        if missing and step == 0:
-            problems.append(f"parameters held by no rank: {missing}")
-        loss = max(abs(r[step]["loss"] - ref["loss"]) for r in per_rank)
-        loss_ok = loss <= tol["loss"] + tol["loss_rel"] * abs(ref["loss"])
-        g, gw, g_ok = _max_diff(ref["grads"], grads, tol["grad_rel"], tol["grad"])
-        w, ww, w_ok = _max_diff(ref["weights"], weights, 0.0, tol["weight"] * lr * (step + 1))
-        diffs.append(StepDiff(step, loss, g, w, gw, ww))
-        if not (loss_ok and g_ok and w_ok):
-            problems.append(f"step {step}: " + ", ".join(
-                what for what, good in (("loss", loss_ok), (f"gradient of {gw}", g_ok),
-                                        (f"weight {ww}", w_ok)) if not good) + " out of tolerance")
-    ok = not problems
-    return VerifyResult(ok, diffs, tol, [r["loss"] for r in reference], problems)
+    result = _compare(reference, first, per_rank, steps, tol)
+    if float32_grads is not None:
+        result = _check_precision_applied(result, plan, float32_grads, per_rank, reference.aliases)
+    return result
