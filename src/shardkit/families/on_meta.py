@@ -1,4 +1,4 @@
-"""Running a model on the meta device: stand-in tensors for its parameters and buffers.
+"""Running a model on stand-in tensors (meta, or copies in another dtype) for its parameters and buffers.
 
 Shapes, dtypes and autograd work on meta tensors; no memory is allocated and nothing is
 computed. Used to find a chain's execution order, to trace dataflow and to measure costs.

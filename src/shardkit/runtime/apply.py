@@ -36,10 +36,9 @@ from ..plan.layout import ParamLayout
 from ..planner.model_checks import ModelFacts
 from ..planner.validate import validate
 from .meshes import DataMesh, meshes_for
+from .precision import Precision
 from .tensor_parallel import apply_tensor_parallel
 from .world import Context, current_context
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class ShardedModule:
@@ -178,8 +177,8 @@ def _apply_data_parallel(module: nn.Module, plan: Plan, data: DataMesh, layouts:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     opts = plan.fsdp
-    mp = MixedPrecisionPolicy(param_dtype=_DTYPES.get(opts.param_dtype or ""),
-                              reduce_dtype=_DTYPES.get(opts.reduce_dtype or ""))
+    precision = Precision.of(opts)
+    mp = MixedPrecisionPolicy(param_dtype=precision.param_dtype, reduce_dtype=precision.reduce_dtype)
     if not data.shards:
         all_used = facts.unused_parameters is not None and not facts.unused_parameters
         if (plan.pipeline is not None or opts.mixed_precision or not all_used

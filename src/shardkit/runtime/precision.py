@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.func import functional_call
 
+from ..families.on_meta import swapped
 from ..plan import FSDPOptions
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -69,7 +69,8 @@ def mixed_precision_backward(model: nn.Module, inputs: Any, targets: Any, loss_f
     params = dict(model.named_parameters())
     compute = {name: p.detach().to(precision.compute_dtype(p)).requires_grad_(p.requires_grad)
                for name, p in params.items()}
-    loss = loss_fn(functional_call(model, compute, (_cast_input(inputs, precision.param_dtype),)), targets)
+    with swapped(model, compute):  # by identity: torch's functional_call mishandles a module used twice
+        loss = loss_fn(model(_cast_input(inputs, precision.param_dtype)), targets)
     loss.backward()
     for name, param in params.items():
         grad = compute[name].grad
