@@ -15,7 +15,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	.venv/bin/ruff check src tests benchmarks examples
-	$(PY) -m pytest tests
+	$(PY) -m pytest
 
 lint: $(STAMP)
 	.venv/bin/ruff check src tests benchmarks examples

@@ -22,8 +22,8 @@ import torch.distributed as dist
 
 import shardkit as sk
 from shardkit.models.gpt import GPT, GPTConfig, gpt_loss
-from shardkit.observe import timeline
 from shardkit.plan.pipeline import theoretical_bubble
+from shardkit.runtime import spans as timeline
 from shardkit.runtime.world import LocalWorld
 
 SCHEDULES = [("sequential", 1), ("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2)]

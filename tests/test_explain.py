@@ -45,7 +45,7 @@ def test_70b_on_meta_explains_bytes_per_device():
     assert f"total / 64 devices = {70_553_706_496 * 4 / 64:,.0f} B" in text
     assert "fsdp   8" in text and "tp     8" in text and "FSDP2" in text  # mesh header with roles
     q_row = next(line for line in text.splitlines() if line.startswith("model.layers.{0..79}.self_attn.q_proj.weight"))
-    assert re.search(r"x80\s+\[8192, 8192\]\s+#0\s+\(tp, None\)\s+colwise\s+\[1024, 8192\]\s+\[128, 8192\]\s+4,194,304", q_row)
+    assert re.search(r"x80\s+\[8192, 8192\]\s+#7\s+\(tp, None\)\s+colwise\s+\[1024, 8192\]\s+\[128, 8192\]\s+4,194,304", q_row)  # rule #7: LLAMA_RULES are transformers' plan, sorted (LayoutMap.from_hf)
     assert re.search(r"^model\.embed_tokens\.weight .* vocab-parallel ", text, re.M)
     assert re.search(r"o_proj\.weight .* rowwise ", text)
     assert len(text.splitlines()) < 50  # 723 tensors grouped into one row per distinct layer parameter

@@ -9,9 +9,7 @@ import torch
 
 import shardkit as sk
 from shardkit.models.gpt import GPT, GPTConfig, gpt_loss
-from shardkit.observe import timeline
 from shardkit.observe.timeline import (
-    Span,
     bubble_fraction,
     peak_activations,
     to_chrome_trace,
@@ -19,6 +17,8 @@ from shardkit.observe.timeline import (
 )
 from shardkit.plan import Mesh, Pipeline, Plan
 from shardkit.plan.pipeline import theoretical_bubble
+from shardkit.runtime import spans as timeline
+from shardkit.runtime.spans import Span
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -30,7 +30,7 @@ _EXPORTS = {
     "LocalWorld": "shardkit.runtime.world",
     "WorldError": "shardkit.runtime.world",
     "WorldTimeout": "shardkit.runtime.world",
-    "Context": "shardkit.runtime.world",
+    "Context": "shardkit.runtime.context",
     "shard": "shardkit.runtime.apply",
     "full_state_dict": "shardkit.runtime.apply",
     "verify": "shardkit.runtime.verify",

@@ -19,11 +19,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import NoReturn, TypeVar
 
-import yaml
 from torch import nn
 
 from ..models.registry import BUILDER_PATH_FORM, MODELS, ModelEntry, is_builder_path, model_entry
 from ..plan import LayoutMap, Mesh, Plan, PlanError, UsageError
+from ..plan.files import read_file
 from ..plan.pipeline import SCHEDULES, SPLITS, pipeline_from_args
 
 DEFAULT_MESH = "fsdp=2,tp=2"
@@ -195,14 +195,10 @@ def _parse_mesh_flag(text: str) -> Mesh:
 
 
 def load_rules(file: Path) -> LayoutMap:
-    """A layout rule file: a JSON or YAML list of ``[regex, layout]`` pairs, first match wins."""
+    """A layout rule file: a JSON or YAML list of ``[regex, layout]`` pairs, first match wins (read
+    strictly, as plan files are: a key given twice is an error)."""
     example = '[["lm_head\\\\.weight", ["tp", null]], [".*", null]]'
-    try:
-        data = yaml.safe_load(file.read_text())  # YAML reads JSON too
-    except OSError as exc:
-        raise PlanError(f"cannot read rules file {str(file)!r}: {exc.strerror}") from None
-    except yaml.YAMLError as exc:
-        raise PlanError(f"rules file {str(file)!r} is neither JSON nor YAML: {exc}") from None
+    data = read_file(file, "rules")
     if not isinstance(data, list) or not data:
         raise PlanError(f"rules file {str(file)!r} must hold a non-empty list of [regex, layout] pairs, "
                         f"e.g. {example}; got {type(data).__name__}")

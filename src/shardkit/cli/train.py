@@ -25,13 +25,16 @@ from pathlib import Path
 from rich.console import Console
 from torch import nn
 
+from ..families import token_sizes
 from ..io.data import DEFAULT_MAX_BYTES, TextShards
-from ..models.registry import MODELS, ModelEntry, infer_token_sizes, model_entry
+from ..models.registry import MODELS, ModelEntry, model_entry
 from ..observe.report import RankStats, print_summary
 from ..plan import Plan, PlanError, UsageError
 from ..plan.text import format_bytes
 from ..planner.validate import validate
-from ..runtime.world import DEFAULT_TIMEOUT_S, Context, LocalWorld, WorldError, in_torchrun, launch
+from ..runtime.context import Context
+from ..runtime.torchrun import in_torchrun
+from ..runtime.world import DEFAULT_TIMEOUT_S, LocalWorld, WorldError, launch
 from .options import (
     add_model_option,
     add_plan_options,
@@ -133,7 +136,7 @@ def check_job(args: argparse.Namespace, plan: Plan, world_size: int) -> TrainJob
 
 def _check_token_sizes(args: argparse.Namespace, entry: ModelEntry, model: nn.Module) -> int | None:
     """The model's positions (``None``: unknown, so ``--seq-len`` was given); it must read byte ids."""
-    vocab, positions = infer_token_sizes(model) if entry.vocab is None else (entry.vocab, entry.seq_len)
+    vocab, positions = token_sizes(model) if entry.vocab is None else (entry.vocab, entry.seq_len)
     flag = f"--model {args.model!r}"
     if vocab is None:
         raise UsageError(f"{flag}: cannot tell its vocabulary (no config.vocab_size, no nn.Embedding); the "
@@ -155,9 +158,9 @@ def train_job(ctx: Context, job: TrainJob) -> tuple[RankStats, list]:
     """
     import torch
 
-    from ..observe import timeline
     from ..observe.comm import CommCounter
     from ..observe.memory import PeakMemory, state_bytes
+    from ..runtime import spans as timeline
     from ..runtime.apply import shard
 
     memory = PeakMemory(ctx.device).start()

@@ -30,6 +30,17 @@ def family_of(model: nn.Module) -> Family:
     return next(f for f in FAMILIES if f.matches(model))
 
 
+def token_sizes(model: nn.Module) -> tuple[int | None, int | None]:
+    """``(vocabulary, positions)`` of a model taking token ids, by its family; ``None`` where unknown.
+
+    >>> from shardkit.models.gpt import build_tiny_gpt
+    >>> token_sizes(build_tiny_gpt())
+    (256, 32)
+    """
+    family = family_of(model)
+    return family.vocab_size(model), family.max_positions(model)
+
+
 def model_layout(model: nn.Module, example_inputs: tuple | None = None) -> ModelLayout:
     """``model`` cut into pipeline units in execution order: by its family, else as a chain.
 
@@ -42,4 +53,4 @@ def model_layout(model: nn.Module, example_inputs: tuple | None = None) -> Model
 
 
 __all__ = ["FAMILIES", "Attention", "AttentionFn", "AttributeChange", "Family", "ModelLayout", "Unit", "family_of",
-           "model_layout"]
+           "model_layout", "token_sizes"]

@@ -11,6 +11,7 @@ and how its attention becomes ring attention. The base class answers for "any mo
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +21,7 @@ from torch import nn
 
 from ..plan import PlanError
 
+_POSITION_EMBEDDING = re.compile(r"pos|wpe", re.IGNORECASE)
 #: A causal attention kernel ``fn(q, k, v, scale=None) -> out`` over ``[batch, heads, seq, head_dim]``
 #: tensors (k/v may have fewer heads: grouped-query attention); context parallel passes ring attention.
 AttentionFn = Callable[..., torch.Tensor]
@@ -95,15 +97,20 @@ class Family:
         return None
 
     def takes_token_ids(self, model: nn.Module) -> bool:
-        """Whether the first input holds token ids (an integer tensor ``[batch, seq]``)."""
-        return False
+        """Whether the first input holds token ids (an integer tensor ``[batch, seq]``): the model's
+        first parameterised module is an ``nn.Embedding``."""
+        first = next((m for m in model.modules() if next(m.parameters(recurse=False), None) is not None), None)
+        return isinstance(first, nn.Embedding)
 
     def max_positions(self, model: nn.Module) -> int | None:
-        """The longest sequence the model accepts, or ``None`` when it has no such limit or it is unknown."""
-        return None
+        """The longest sequence the model accepts (the rows of an embedding named like a position
+        embedding: ``pos_embed``, ``position_embeddings``, GPT-2's ``wpe``), or ``None`` when unknown."""
+        return next((m.num_embeddings for name, m in model.named_modules() if isinstance(m, nn.Embedding)
+                     and _POSITION_EMBEDDING.search(name.rpartition(".")[2])), None)
 
     def vocab_size(self, model: nn.Module) -> int | None:
-        return None
+        """The vocabulary of a model taking token ids: the rows of its first ``nn.Embedding``."""
+        return next((m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)), None)
 
     # -- pipelines --------------------------------------------------------------------------------
     def pipeline_layout(self, model: nn.Module, example_inputs: tuple | None = None) -> ModelLayout | None:

@@ -36,10 +36,11 @@ def is_hf_model(model: nn.Module) -> bool:
 
 
 def _config_value(model: nn.Module, *fields: str) -> Any:
+    """The first of ``fields`` the model's config sets (positive integers for sizes; any other value as is)."""
     config = getattr(model, "config", None)
     for name in fields:
         value = getattr(config, name, None)
-        if value is not None:
+        if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value <= 0):
             return value
     return None
 
@@ -53,13 +54,13 @@ class HFFamily(Family):
         return is_hf_model(model)
 
     def max_positions(self, model: nn.Module) -> int | None:
-        return _config_value(model, *POSITION_FIELDS)
+        return _config_value(model, *POSITION_FIELDS) or super().max_positions(model)
 
     def vocab_size(self, model: nn.Module) -> int | None:
-        return _config_value(model, "vocab_size")
+        return _config_value(model, "vocab_size") or super().vocab_size(model)
 
     def takes_token_ids(self, model: nn.Module) -> bool:
-        return self.vocab_size(model) is not None
+        return _config_value(model, "vocab_size") is not None or super().takes_token_ids(model)
 
     def example_inputs(self, model: nn.Module, seq_len: int | None = None) -> tuple | None:
         if not self.takes_token_ids(model):

@@ -35,12 +35,16 @@ from ..plan import LayoutMap
 #: attention-probability tensor materialised.
 ATTN_IMPLEMENTATION = "sdpa"
 
-LLAMA_RULES = LayoutMap([
-    (r"model\.layers\.\d+\.self_attn\.[qkv]_proj\.weight", ("tp", None)),
-    (r"model\.layers\.\d+\.mlp\.(gate|up)_proj\.weight", ("tp", None)),
-    (r"model\.layers\.\d+\.(self_attn\.o_proj|mlp\.down_proj)\.weight", (None, "tp")),
-    (r"model\.embed_tokens\.weight", ("tp", None)),
+LLAMA_RULES = LayoutMap([  # exactly LayoutMap.from_hf(a Llama model): transformers' own plan, sorted
     (r"lm_head\.weight", ("tp", None)),
+    (r"model\.embed_tokens\.weight", ("tp", None)),
+    (r"model\.layers\.\d+\.mlp\.down_proj\.weight", (None, "tp")),
+    (r"model\.layers\.\d+\.mlp\.gate_proj\.weight", ("tp", None)),
+    (r"model\.layers\.\d+\.mlp\.up_proj\.weight", ("tp", None)),
+    (r"model\.layers\.\d+\.self_attn\.k_proj\.weight", ("tp", None)),
+    (r"model\.layers\.\d+\.self_attn\.o_proj\.weight", (None, "tp")),
+    (r"model\.layers\.\d+\.self_attn\.q_proj\.weight", ("tp", None)),
+    (r"model\.layers\.\d+\.self_attn\.v_proj\.weight", ("tp", None)),
     (r".*", None),
 ])
 

@@ -8,16 +8,14 @@ or an object with ``.logits``); its vocabulary and positions are read from the m
 >>> inputs, targets = entry.sample_batch(batch_size=2)
 >>> inputs.shape, entry.meta_only
 (torch.Size([2, 32]), False)
->>> custom = model_entry("shardkit.models.gpt:build_tiny_gpt")
->>> infer_token_sizes(custom.on_meta())   # (vocabulary, positions)
-(256, 32)
+>>> model_entry("shardkit.models.gpt:build_tiny_gpt").on_meta().embed.num_embeddings
+256
 """
 
 from __future__ import annotations
 
 import importlib
 import inspect
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +24,7 @@ import torch
 from torch import nn
 
 from ..plan import LayoutMap, PlanError, UsageError
-from ..planner.meta import meta_model
+from ..plan.hf_plan import hf_tp_plan
 from . import gpt, hf
 
 #: How a model is named by its builder rather than by a registered name.
@@ -38,7 +36,7 @@ class ModelEntry:
     """One model: ``build()`` makes it (seeded), ``rules`` split it over ``tp``.
 
     A model given by its builder path has no rules, and ``vocab`` / ``seq_len`` are ``None``:
-    :func:`infer_token_sizes` reads them from the model.
+    :func:`shardkit.families.token_sizes` reads them from the model.
     """
 
     build: Callable[[], nn.Module]
@@ -51,13 +49,20 @@ class ModelEntry:
 
     def rules_for(self, mesh) -> LayoutMap | None:
         """The built-in rules, or ``None`` (nothing split by layout) when ``mesh`` has none of their axes:
-        ``--mesh fsdp=2`` then means plain FSDP rather than an error about a missing ``tp`` axis."""
-        return self.rules if self.rules is not None and self.rules.axes() & set(mesh.names) else None
+        ``--mesh fsdp=2`` then means plain FSDP rather than an error about a missing ``tp`` axis. A model
+        given by its builder path has the rules of transformers' own tensor-parallel plan when it is a
+        transformers model that has one (:meth:`LayoutMap.from_hf`), else none."""
+        rules = self.rules
+        if rules is None and "tp" in mesh:
+            model = self.on_meta()
+            rules = LayoutMap.from_hf(model) if hf_tp_plan(model) else None
+        return rules if rules is not None and rules.axes() & set(mesh.names) else None
 
     def on_meta(self) -> nn.Module:
         """``build()`` on the meta device (no memory); :class:`UsageError` saying why when it cannot be."""
         try:
-            model = meta_model(self.build)
+            with torch.device("meta"):
+                model = self.build()
         except Exception as exc:  # the builder is user code: any failure is reported, not a traceback
             raise UsageError(f"cannot be built on the meta device, where shardkit checks plans without memory: "
                              f"{type(exc).__name__}: {exc}; the builder must create the module without "
@@ -141,30 +146,3 @@ def _required_parameters(function: Callable) -> list[str]:
             if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
 
 
-_POSITION_EMBEDDING = re.compile(r"pos|wpe", re.IGNORECASE)  # pos_embed, position_embeddings, GPT-2's wpe
-
-
-def infer_token_sizes(model: nn.Module) -> tuple[int | None, int | None]:
-    """``(vocabulary, positions)`` of a causal LM (works on the meta device); ``None`` where unknown.
-
-    Vocabulary: ``config.vocab_size``, else the rows of the first ``nn.Embedding``. Positions:
-    ``config.max_position_embeddings`` or ``config.n_positions`` (transformers), the reference
-    GPT's ``config.seq_len``, else the rows of an embedding named like a position embedding.
-    """
-    config = getattr(model, "config", None)
-    embeddings = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Embedding)]
-    vocab = _config_size(config, "vocab_size")
-    if vocab is None and embeddings:
-        vocab = embeddings[0][1].num_embeddings
-    positions = _config_size(config, "max_position_embeddings", "n_positions")
-    if positions is None and isinstance(config, gpt.GPTConfig):
-        positions = config.seq_len
-    if positions is None:
-        positions = next((m.num_embeddings for name, m in embeddings
-                          if _POSITION_EMBEDDING.search(name.rpartition(".")[2])), None)
-    return vocab, positions
-
-
-def _config_size(config: Any, *names: str) -> int | None:
-    values = (getattr(config, name, None) for name in names)
-    return next((v for v in values if isinstance(v, int) and not isinstance(v, bool) and v > 0), None)

@@ -1,118 +1,24 @@
-"""Per-device timeline: spans of forward/backward per micro-batch and stage, and communication waits.
-
-Each process records its own spans while :func:`recording` is open (the pipeline runtime
-records ``F`` forward, ``B`` full backward, ``I``/``W`` input/weight backward of zero-bubble
-schedules, ``wait`` for blocking P2P waits, ``sync`` for the loss broadcast, and one
-``step`` span per step). :func:`collect` returns them; gather them from every rank and call
-:func:`write_profile` for a Chrome/Perfetto trace, a PNG Gantt chart (one row per device)
-and the measured bubble fraction beside the theoretical ``(p-1)/(v*m+p-1)``.
-
-Timestamps are ``time.time_ns()`` so spans from processes of one machine (and NTP-synced
-machines) share a clock.
-
->>> with recording():
-...     with span("F", stage=0, microbatch=0):
-...         pass
->>> [s.kind for s in collect()]
-['F']
+"""Per-device timeline: every rank's spans (:mod:`shardkit.runtime.spans`) as a Chrome/Perfetto
+trace, a PNG Gantt chart (one row per device) and the measured bubble fraction beside the
+theoretical ``(p-1)/(v*m+p-1)``; :func:`profile` records a few pipeline steps and writes them.
 """
 
 from __future__ import annotations
 
 import json
-import time
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from ..plan.pipeline import theoretical_bubble
+from ..runtime.spans import Span, collect, recording
 
 #: Kinds of span that count as a device being busy.
 COMPUTE_KINDS = ("F", "B", "I", "W")
 COLORS = {"F": "#4C8BF5", "B": "#F28C28", "I": "#F2B628", "W": "#3AAA5C", "wait": "#BBBBBB", "sync": "#888888"}
 LABELS = {"F": "forward", "B": "backward", "I": "backward (input)", "W": "backward (weight)",
           "wait": "P2P wait", "sync": "loss sync"}
-
-
-@dataclass
-class Span:
-    """One interval on one rank. ``bytes``: activation bytes a forward saved for its backward."""
-
-    rank: int
-    kind: str
-    start_ns: int
-    end_ns: int = 0
-    stage: int | None = None
-    microbatch: int | None = None
-    step: int = 0
-    bytes: int = 0
-
-    @property
-    def duration_ns(self) -> int:
-        return self.end_ns - self.start_ns
-
-
-class _Recorder:
-    def __init__(self) -> None:
-        self.active = False
-        self.rank = 0
-        self.step = -1
-        self.spans: list[Span] = []
-
-
-_REC = _Recorder()
-
-
-def is_recording() -> bool:
-    """Whether :func:`recording` is open in this process."""
-    return _REC.active
-
-
-@contextmanager
-def recording(rank: int | None = None) -> Iterator[None]:
-    """Record spans in this process (previous ones are dropped); ``rank`` defaults to the job's rank."""
-    if rank is None:
-        try:
-            import torch.distributed as dist
-
-            rank = dist.get_rank() if dist.is_initialized() else 0
-        except (ImportError, RuntimeError):
-            rank = 0
-    _REC.active, _REC.rank, _REC.step, _REC.spans = True, rank, -1, []
-    try:
-        yield
-    finally:
-        _REC.active = False
-
-
-class _NoSpan:
-    bytes = 0
-
-
-@contextmanager
-def span(kind: str, stage: int | None = None, microbatch: int | None = None) -> Iterator[Any]:
-    """Time the block as one span (a no-op unless recording). A ``step`` span starts a new step."""
-    if not _REC.active:
-        yield _NoSpan()
-        return
-    if kind == "step":
-        _REC.step += 1
-    record = Span(_REC.rank, kind, time.time_ns(), stage=stage, microbatch=microbatch, step=max(_REC.step, 0))
-    try:
-        yield record
-    finally:
-        record.end_ns = time.time_ns()
-        _REC.spans.append(record)
-
-
-def collect(clear: bool = True) -> list[Span]:
-    """This process's recorded spans (in end order)."""
-    spans = list(_REC.spans)
-    if clear:
-        _REC.spans = []
-    return spans
 
 
 # -- analysis -----------------------------------------------------------------------------------
@@ -314,5 +220,5 @@ def profile(build_model: Any, plan: Any, batch: tuple, loss_fn: Any, out_dir: st
                          pipeline.microbatches, pipeline.virtual_stages)
 
 
-__all__ = ["Span", "bubble_fraction", "collect", "is_recording", "peak_activations", "plot_gantt", "profile",
-           "recording", "span", "to_chrome_trace", "write_profile"]
+__all__ = ["bubble_fraction", "peak_activations", "plot_gantt", "profile",
+           "to_chrome_trace", "write_profile"]

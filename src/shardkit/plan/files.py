@@ -69,7 +69,7 @@ def read_text(text: str, what: str, *, yaml: bool = False) -> Any:
             finally:
                 stream.dispose()
         except pyyaml.YAMLError as exc:
-            raise PlanError(f"{what} is not valid YAML: {exc}") from None
+            raise PlanError(f"{what} is neither JSON nor YAML: {exc}") from None
     try:
         return json.loads(text, object_pairs_hook=_json_object(what))
     except json.JSONDecodeError as exc:

@@ -134,6 +134,21 @@ class LayoutMap(MutableMapping[str, Layout]):
                 for p, lay in self._rules.items()]
 
     @classmethod
+    def from_hf(cls, model: object, axis: str = "tp") -> LayoutMap:
+        """Rules from transformers' own tensor-parallel plan of ``model`` (its config's
+        ``base_model_tp_plan`` and the head's ``_tp_plan``), over ``axis``; packed and
+        gather-output entries included. A model with no plan is a :class:`PlanError` saying to
+        write rules. See :mod:`shardkit.plan.hf_plan` for the style -> layout table.
+
+        >>> from shardkit.models.hf import LLAMA_RULES, build_tiny_llama
+        >>> LayoutMap.from_hf(build_tiny_llama()) == LLAMA_RULES
+        True
+        """
+        from .hf_plan import rules_from_hf
+
+        return cls(rules_from_hf(model, axis))
+
+    @classmethod
     def from_list(cls, data: Iterable[Iterable[object]], strict: bool = True) -> LayoutMap:
         return cls(data, strict=strict)  # type: ignore[arg-type]
 

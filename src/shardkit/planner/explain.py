@@ -5,7 +5,7 @@ rule that matched, its layout, the torch mechanism it becomes (inferred from the
 type), the local shape after the layout's model axes (``tp`` ...) and after FSDP, and the
 bytes one device holds. FSDP2 (``fully_shard``) shards dim 0 of the tensor-parallel-local
 tensor (or the dim a layout gives to ``fsdp``) over the ``fsdp`` axis (times ``sp`` when
-both are used, as ``runtime.apply`` does), padding an uneven dim: a device holds
+both are used, as ``runtime.parallelize`` does), padding an uneven dim: a device holds
 ``ceil(dim0 / fsdp)`` rows.
 
 >>> from shardkit.models.gpt import GPT_RULES, build_tiny_gpt
@@ -137,7 +137,7 @@ def _analyse(plan: Plan, model: Any, world_size: int | None) -> tuple[Mesh, list
 
 
 def _fsdp_shards(mesh: Mesh) -> int:
-    """Ways FSDP2 shards a parameter: ``fsdp``, times ``sp`` when both are used (runtime.apply joins them)."""
+    """Ways FSDP2 shards a parameter: ``fsdp``, times ``sp`` when both are used (runtime.parallelize joins them)."""
     fsdp = mesh.size_of(FSDP_AXIS)
     return fsdp * mesh.size_of("sp") if fsdp > 1 else 1
 

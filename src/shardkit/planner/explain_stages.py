@@ -50,7 +50,7 @@ def explain_stages(plan: Any, model: nn.Module, example_inputs: tuple | None = N
     Costs are for one sample of the model's example input on :class:`DeviceModel` (a nominal
     device); memory counts 4x parameter bytes plus the activations of the micro-batches held.
 
-    >>> from shardkit.plan import Plan
+    >>> from shardkit.plan import Mesh, Pipeline, Plan
     >>> seq = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])
     >>> print(explain_stages(Plan(mesh=Mesh(pp=2), pipeline=Pipeline(schedule="gpipe")), seq))  # doctest: +ELLIPSIS
     pipeline: 2 stages on pp=2, schedule gpipe, 1 micro-batches, stages by even split

@@ -18,8 +18,8 @@ from functools import lru_cache
 from typing import Any
 
 from ..plan import PlanError, ReplicaGrouping
+from .context import Context, current_context
 from .meshes import process_group
-from .world import Context, current_context
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@
    (:mod:`shardkit.families`): the reference GPT, a HuggingFace causal LM (position embeddings
    and the causal mask are recomputed on every stage; only hidden states cross stage
    boundaries) or a chain model;
-4. apply tp/fsdp/dp with :func:`shardkit.runtime.apply.parallelize`, as ``sk.validate`` planned
+4. apply tp/fsdp/dp with :func:`shardkit.runtime.parallelize.parallelize`, as ``sk.validate`` planned
    them for the whole model (parameter names are unchanged by pruning);
 5. wrap each local stage in a ``PipelineStage`` on ``mesh["pp"]``'s group and build the
    torch schedule. ``sequential`` is torch's GPipe with one micro-batch: the whole batch goes
@@ -33,13 +33,14 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
 
-from ..observe import timeline
 from ..plan import DATA_AXES, Plan, PlanError
 from ..plan.layout import ParamLayout
 from ..plan.pipeline import SCHEDULES, SINGLE_STAGE_SCHEDULES
 from ..planner.model_checks import ModelFacts
 from ..planner.stages import StageAssignment, assign_stages
-from .world import Context
+from . import spans as timeline
+from .context import Context
+from .parallelize import parallelize, with_mixin
 
 
 # -- the pipelined model -------------------------------------------------------------------------
@@ -149,7 +150,7 @@ class _Runtime:
                             f"or FSDP2's replicate) to accumulate gradients over micro-batches and reduce them once, "
                             f"but the model is no FSDPModule after parallelize(): DDP's replicate, whose reducer "
                             f"expects one forward per backward, gives wrong gradients over micro-batches. "
-                            f"runtime/apply.py must use FSDP2's replicate for plans with a pipeline")
+                            f"runtime/parallelize.py must use FSDP2's replicate for plans with a pipeline")
         for s in self.local:
             modules = [model.get_submodule(m) for u in self.units[s] for m in u.modules]
             stage = PipelineStage(_StageModule(model, s, modules), s, self.assignment.num_stages, self.ctx.device,
@@ -285,7 +286,6 @@ def build_pipeline(model: nn.Module, plan: Plan, ctx: Context, layouts: dict[str
     Returns the pruned model (original parameter names) with ``step(inputs, targets, loss_fn)``,
     ``plan``, ``local_stages`` and ``forward(x, stage=s)``.
     """
-    from .apply import parallelize, with_mixin
 
     plan = plan.resolved(ctx.world_size)
     pipeline = plan.pipeline

@@ -23,8 +23,8 @@ from torch import nn
 
 from ..plan import PlanError, ReplicaGrouping
 from .collectives import average_gradients, broadcast, check_same_layout
+from .context import Context, current_context
 from .groups import replicas_of
-from .world import Context, current_context
 
 RETRIEVAL_MODES = ("one_per_group", "all_replicas")
 

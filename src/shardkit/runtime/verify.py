@@ -13,8 +13,7 @@ example FSDP2 summing gradients on gloo where it should average) are caught.
 from __future__ import annotations
 
 import math
-import pickle
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -22,8 +21,21 @@ import torch
 from torch import nn
 
 from ..plan import Plan, PlanError, UsageError
+from ..planner.tensor_parallel import aliases
+from .context import Context
 from .precision import DTYPES, Precision, mixed_precision_backward
-from .world import Context, LocalWorld, launch
+from .verify_inputs import (
+    batch_pair,
+    check_lr,
+    check_optimizer,
+    check_picklable,
+    check_steps,
+    check_token_ids,
+    checked_loss,
+    checked_tolerances,
+    world_size_of,
+)
+from .world import LocalWorld, launch
 
 #: fp32 tolerances. Sharded reductions run in another order, so results differ in the last
 #: bits. ``loss``: ``|diff| <= loss + loss_rel * |reference loss|``. ``grad``: per parameter,
@@ -53,8 +65,6 @@ def mixed_precision_tolerances(dtype: torch.dtype) -> dict[str, float]:
 #: :func:`mixed_precision_tolerances` of bf16: loss 3.1%, gradients 1e-5 + 7.8% of max|grad|.
 MIXED_PRECISION_TOLERANCES = mixed_precision_tolerances(torch.bfloat16)
 _OPTIMIZERS = ("adamw", "sgd")
-#: Where a model's config states its number of positions: the reference GPT, then transformers.
-_POSITION_LIMITS = ("seq_len", "max_position_embeddings", "n_positions")
 
 
 @dataclass(frozen=True)
@@ -94,48 +104,13 @@ class VerifyResult:
         return "\n".join([head, *rows, *[f"  ! {p}" for p in self.problems]])
 
 
-# -- arguments, checked before any process starts -----------------------------------------------
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _check_picklable(**objects: Any) -> None:
-    for name, obj in objects.items():
-        try:
-            pickle.dumps(obj)
-        except Exception as exc:
-            raise UsageError(f"verify({name}=...): {name} cannot be pickled ({exc}); it is sent to every process, so "
-                             f"define it as a top-level function in an importable module (not a lambda or a local "
-                             f"function)") from None
-
-
-def _check_steps(steps: Any) -> None:
-    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
-        raise UsageError(f"verify(steps={steps!r}): steps is the number of optimizer steps to compare, an int >= 1")
-
-
-def _check_optimizer(optimizer: Any) -> None:
-    if optimizer not in _OPTIMIZERS:
-        raise UsageError(f"verify(optimizer={optimizer!r}): unknown optimizer; valid: {', '.join(map(repr, _OPTIMIZERS))}")
-
-
-def _check_lr(lr: Any) -> None:
-    if not _is_number(lr) or lr <= 0:
-        raise UsageError(f"verify(lr={lr!r}): the learning rate must be a finite number > 0")
+def _make_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=lr) if name == "adamw" else torch.optim.SGD(params, lr=lr)
 
 
 def _tolerances(plan: Plan, overrides: Any) -> dict[str, float]:
     """The tolerance table for ``plan`` (mixed precision or not), with the caller's ``overrides`` checked."""
-    overrides = {} if overrides is None else overrides
-    if not isinstance(overrides, Mapping):
-        raise UsageError(f"verify(tolerances={overrides!r}): tolerances must be a dict such as {{'grad': 1e-4}}")
-    unknown = sorted(map(str, set(overrides) - set(TOLERANCES)))
-    if unknown:
-        raise UsageError(f"verify(tolerances=...): unknown keys {unknown}; valid: {sorted(TOLERANCES)}")
-    for key, value in overrides.items():
-        if not _is_number(value) or value < 0:
-            raise UsageError(f"verify(tolerances=...): {key!r} is {value!r}; a tolerance is a finite number >= 0")
-    return {**_plan_tolerances(plan), **overrides}
+    return {**_plan_tolerances(plan), **checked_tolerances(overrides, TOLERANCES)}
 
 
 def _plan_tolerances(plan: Plan) -> dict[str, float]:
@@ -146,95 +121,7 @@ def _plan_tolerances(plan: Plan) -> dict[str, float]:
     return mixed_precision_tolerances(max(dtypes, key=lambda d: torch.finfo(d).eps))
 
 
-def _batch_pair(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """``batch`` as ``(inputs, targets)``: two tensors with the same number of samples (dim 0)."""
-    if not isinstance(batch, (tuple, list)) or len(batch) != 2:
-        got = f"{type(batch).__name__} of {len(batch)}" if isinstance(batch, (tuple, list)) else type(batch).__name__
-        raise UsageError(f"verify(batch=...): batch must be a pair (inputs, targets), got {got}")
-    inputs, targets = batch
-    for name, value in (("inputs", inputs), ("targets", targets)):
-        if not isinstance(value, torch.Tensor) or value.dim() == 0:
-            got = "a 0-d tensor" if isinstance(value, torch.Tensor) else type(value).__name__
-            raise UsageError(f"verify(batch=...): {name} must be a tensor whose dim 0 is the batch, got {got}")
-    if len(inputs) != len(targets):
-        raise UsageError(f"verify(batch=...): inputs hold {len(inputs)} samples (shape {list(inputs.shape)}) but "
-                         f"targets {len(targets)} (shape {list(targets.shape)}); both are the whole batch")
-    return inputs, targets
-
-
-def _input_embedding(model: nn.Module) -> tuple[str, nn.Embedding] | None:
-    """The model's first module with parameters, if it is an ``nn.Embedding`` (then the model takes token ids)."""
-    for name, module in model.named_modules():
-        if next(module.children(), None) is None and next(module.parameters(recurse=False), None) is not None:
-            return (name, module) if isinstance(module, nn.Embedding) else None
-    return None
-
-
-def _check_token_ids(model: nn.Module, inputs: torch.Tensor) -> None:
-    """Token ids for a model that starts with an embedding: an integer dtype, in the vocabulary and positions."""
-    found = _input_embedding(model)
-    if found is None:
-        return
-    name, embedding = found
-    if inputs.dtype.is_floating_point or inputs.dtype.is_complex or inputs.dtype == torch.bool:
-        raise UsageError(f"verify(batch=...): inputs have dtype {inputs.dtype}, but the model starts with an "
-                         f"nn.Embedding ({name!r}) and takes token ids: pass an integer tensor (torch.long)")
-    low, high = int(inputs.min()), int(inputs.max())
-    if low < 0 or high >= embedding.num_embeddings:
-        raise UsageError(f"verify(batch=...): token ids range from {low} to {high}, but the embedding {name!r} has "
-                         f"{embedding.num_embeddings} rows; valid ids: 0 to {embedding.num_embeddings - 1}")
-    limit = _position_limit(model)
-    if limit is not None and inputs.dim() >= 2 and inputs.shape[1] > limit[1]:
-        raise UsageError(f"verify(batch=...): inputs hold sequences of {inputs.shape[1]} tokens, but the model has "
-                         f"{limit[1]} positions (config.{limit[0]}); use sequences of at most {limit[1]} tokens")
-
-
-def _position_limit(model: nn.Module) -> tuple[str, int] | None:
-    """(config attribute, number of positions) of the reference GPT or a transformers model, else None."""
-    config = getattr(model, "config", None)
-    for attribute in _POSITION_LIMITS:
-        value = getattr(config, attribute, None)
-        if isinstance(value, int) and not isinstance(value, bool):
-            return attribute, value
-    return None
-
-
-def _checked_loss(loss_fn: Callable) -> Callable:
-    """``loss_fn``, checking that it returns a scalar that depends on the model (in this process only)."""
-    def loss(output: Any, targets: Any) -> torch.Tensor:
-        value = loss_fn(output, targets)
-        name = getattr(loss_fn, "__name__", repr(loss_fn))
-        if not isinstance(value, torch.Tensor) or value.numel() != 1 or not value.is_floating_point():
-            got = f"a {value.dtype} tensor of shape {list(value.shape)}" if isinstance(value, torch.Tensor) \
-                else type(value).__name__
-            raise UsageError(f"verify(loss_fn={name}): loss_fn returned {got}; it must return a floating-point "
-                             f"scalar tensor, the mean loss over the batch")
-        if not value.requires_grad:
-            raise UsageError(f"verify(loss_fn={name}): the loss does not depend on the model's parameters (it has "
-                             f"no gradient); compute it from the model's output")
-        return value
-    return loss
-
-
-def _world_size(plan: Plan, world: LocalWorld | None) -> int:
-    if world is not None:
-        return world.size
-    if not plan.mesh.is_resolved:
-        raise PlanError("verify needs world= (or a mesh without -1) to know the world size")
-    return plan.mesh.size
-
-
-def _make_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=lr) if name == "adamw" else torch.optim.SGD(params, lr=lr)
-
-
 # -- the two sides ---------------------------------------------------------------------------------
-def _aliases(model: nn.Module) -> dict[str, str]:
-    """``{every name of a parameter: the name named_parameters() lists it under}``: tied weights have several."""
-    first: dict[int, str] = {}
-    return {name: first.setdefault(id(p), name) for name, p in model.named_parameters(remove_duplicate=False)}
-
-
 class _SingleProcess:
     """The single-device side: the model, batch, loss and optimizer in this process, in the plan's precision."""
 
@@ -242,7 +129,7 @@ class _SingleProcess:
                  loss_fn: Callable, optimizer: str, lr: float, precision: Precision):
         self.model = build_model()
         self.params = dict(self.model.named_parameters())
-        self.aliases = _aliases(self.model)
+        self.aliases = aliases(self.model)
         self.batch, self.loss_fn, self.lr, self.precision = batch, loss_fn, lr, precision
         self.optimizer = _make_optimizer(optimizer, self.params.values(), lr)
 
@@ -409,26 +296,26 @@ def verify(build_model: Callable[[], nn.Module], plan: Plan, batch: tuple[Any, A
     >>> result.ok  # doctest: +SKIP
     True
     """
-    _check_picklable(build_model=build_model, loss_fn=loss_fn)
+    check_picklable(build_model=build_model, loss_fn=loss_fn)
     if not isinstance(plan, Plan):
         raise UsageError(f"verify(plan=...): plan must be a shardkit Plan, got {type(plan).__name__}")
-    _check_steps(steps)
-    _check_optimizer(optimizer)
-    _check_lr(lr)
+    check_steps(steps)
+    check_optimizer(optimizer, _OPTIMIZERS)
+    check_lr(lr)
     tol = _tolerances(plan, tolerances)
-    inputs, targets = _batch_pair(batch)
-    world_size = _world_size(plan, world)
+    inputs, targets = batch_pair(batch)
+    world_size = world_size_of(plan, world)
     from ..planner.meta import meta_model
     from ..planner.validate import validate
 
     model = meta_model(build_model)
     validate(plan, model, world_size=world_size)
-    _check_token_ids(model, inputs)
+    check_token_ids(model, inputs)
     problems = plan.resolved(world_size).batch_problems(len(inputs), int(inputs.shape[1]) if inputs.dim() >= 2 else None)
     if problems:
         raise PlanError(problems)
     # The single process runs step 0 before any process starts, so a wrong loss_fn is reported here.
-    reference = _SingleProcess(build_model, (inputs, targets), _checked_loss(loss_fn), optimizer, lr,
+    reference = _SingleProcess(build_model, (inputs, targets), checked_loss(loss_fn), optimizer, lr,
                                Precision.of(plan.fsdp))
     float32_grads = reference.backward(Precision())[1] if plan.fsdp.mixed_precision else None
     first = reference.backward()

@@ -13,9 +13,7 @@ their parent, however it ends.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import ctypes
 import faulthandler
 import io
 import logging
@@ -26,7 +24,6 @@ import pickle
 import queue
 import shutil
 import signal
-import sys
 import tempfile
 import textwrap
 import threading
@@ -34,9 +31,7 @@ import time
 import traceback
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from datetime import timedelta
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,20 +39,18 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ..plan import Plan, PlanError
+from ..plan import Plan
 from ..plan.errors import ShardkitError, UsageError
+from .context import Context, default_backend, device_for, run_job
+from .processes import end_with_parent, exit_reason, last_line, lost_connection
+from .torchrun import in_torchrun, run_in_torchrun
 
 DEFAULT_TIMEOUT_S = 30 * 60.0  # a job still running after this is stopped, with every unfinished rank's stack
 STOP_GRACE_S = 10.0  # how long a stopping world waits before killing processes
 DEATH_GRACE_S = 2.0  # how long a rank that lost its connection waits for its dead peer to be seen
 STACK_WAIT_S = 5.0  # how long a timed-out job waits for the unfinished ranks to write their stacks
 POLL_S = 0.05  # the step of the waits above
-MIN_GROUP_TIMEOUT_S = 60.0  # a joined torchrun world's collectives time out no sooner (see _process_group_timeout)
-PARENT_POLL_S = 1.0  # how often a worker without prctl checks that its parent is alive
 STACK_SIGNAL = signal.SIGUSR1  # asks a worker to write its Python stack (faulthandler)
-PR_SET_PDEATHSIG = 1  # linux/prctl.h: signal this process when its parent thread ends
-# what gloo reports on a rank whose peer died under a collective
-LOST_CONNECTION = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 
 
 class WorldError(ShardkitError, RuntimeError):
@@ -91,92 +84,6 @@ class WorldTimeout(WorldError):
                    f"timeout= (seconds) or timeout=None for no limit. Where each unfinished rank was")
         details = "\n".join(f"rank {rank}:\n{textwrap.indent(stack, '  ')}" for rank, stack in sorted(stacks.items()))
         super().__init__(min(stacks), details, summary)
-
-
-@dataclass
-class Context:
-    """What a job sees in every process: its rank, device, plan and (lazily) the DeviceMesh.
-
-    ``data_rank`` / ``data_world`` place this process among the data-parallel replicas (the
-    ``dp`` x ``fsdp`` coordinates); ranks that differ only on model axes (and ``sp``) share a
-    data rank.
-    """
-
-    rank: int
-    world_size: int
-    local_rank: int
-    device: torch.device
-    plan: Plan | None = None
-
-    @property
-    def mesh(self):
-        """The plan's mesh as a torch ``DeviceMesh`` (created once per shape in a process)."""
-        if self.plan is None:
-            raise PlanError("this job was started without a plan, so it has no mesh; pass a Plan to launch/run")
-        from .meshes import meshes_for
-
-        return meshes_for(self.plan, self.device.type).device_mesh
-
-    def coordinates(self) -> dict[str, int]:
-        return {} if self.plan is None else self.plan.mesh.coordinates(self.rank)
-
-    @property
-    def data_rank(self) -> int:
-        return self.rank if self.plan is None else self.plan.mesh.data_index(self.rank)
-
-    @property
-    def data_world(self) -> int:
-        return self.world_size if self.plan is None else self.plan.mesh.data_size
-
-    def shard_batch(self, *tensors: torch.Tensor, dim: int = 0) -> tuple[torch.Tensor, ...] | torch.Tensor:
-        """This rank's part of each tensor: an equal slice of the batch (``dim``) per data rank,
-        and, on a mesh with ``sp`` > 1, this sp rank's load-balanced chunks of the sequence
-        (``dim + 1``) — inputs and targets are split identically."""
-        sp = 1 if self.plan is None else self.plan.mesh.size_of("sp")
-        out = []
-        for t in tensors:
-            if t.shape[dim] % self.data_world:
-                raise PlanError(self.plan.batch_problems(t.shape[dim]) if self.plan else
-                                f"batch of {t.shape[dim]} samples does not split over {self.data_world} ranks")
-            part = t.chunk(self.data_world, dim=dim)[self.data_rank]
-            if sp > 1:
-                from .ring_attention import shard_sequence
-
-                part = shard_sequence(part, self.coordinates()["sp"], sp, dim=dim + 1)
-            out.append(part.to(self.device))
-        return out[0] if len(out) == 1 else tuple(out)
-
-
-_CURRENT: list[Context] = []
-
-
-def current_context() -> Context:
-    """The Context of the job running in this process (inside ``launch`` / ``LocalWorld.run``)."""
-    if not _CURRENT:
-        raise RuntimeError("no shardkit job is running in this process; call this inside a function passed to "
-                           "sk.launch(...) or LocalWorld.run(...)")
-    return _CURRENT[-1]
-
-
-def _run_job(ctx: Context, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-    _CURRENT.append(ctx)
-    try:
-        return fn(ctx, *args, **kwargs)
-    finally:
-        _CURRENT.pop()
-
-
-def _default_backend(world_size: int) -> str:
-    if torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
-        return "nccl"
-    return "gloo"
-
-
-def _device_for(backend: str, local_rank: int) -> torch.device:
-    if backend == "nccl":
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
 
 
 def _dumps(value: Any) -> bytes:
@@ -229,53 +136,9 @@ def _unpicklable_part(fn: Callable[..., Any], args: tuple, kwargs: dict, plan: P
     return "the job", (fn, args, kwargs), error
 
 
-def _exit_reason(code: int) -> str:
-    """``exited with code 3`` or, for a negative code, ``was killed by SIGKILL``."""
-    if code >= 0:
-        return f"exited with code {code}"
-    try:
-        return f"was killed by {signal.Signals(-code).name}"
-    except ValueError:
-        return f"was killed by signal {-code}"
-
-
-def _lost_connection(details: str) -> bool:
-    return any(text in details for text in LOST_CONNECTION)
-
-
-def _last_line(text: str) -> str:
-    return text.strip().splitlines()[-1]
-
-
-def _end_with_parent(parent_pid: int, spawned_by_main_thread: bool) -> None:
-    """End this worker as soon as its parent process ends, by any signal (SIGKILL included).
-
-    Linux sends SIGKILL when the parent *thread* that spawned us ends, so prctl is used only for
-    worlds started by the main thread; otherwise (and off Linux) a daemon thread polls the parent.
-    The last check closes the race of a parent that ended before either was in place."""
-    if not (spawned_by_main_thread and _kill_with_parent()):
-        threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True,
-                         name="shardkit-parent-watch").start()
-    if os.getppid() != parent_pid:
-        os._exit(1)
-
-
-def _kill_with_parent() -> bool:
-    """Ask Linux to SIGKILL this process when its parent ends; False where prctl is missing."""
-    if not sys.platform.startswith("linux"):
-        return False
-    return ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL) == 0
-
-
-def _exit_when_orphaned(parent_pid: int) -> None:
-    while os.getppid() == parent_pid:  # an orphan is adopted by another process
-        time.sleep(PARENT_POLL_S)
-    os._exit(1)
-
-
 def _worker(rank: int, world_size: int, port: int, backend: str, threads: int, parent: tuple[int, bool],
             stack_file: str, jobs, results) -> None:
-    _end_with_parent(*parent)
+    end_with_parent(*parent)
     # faulthandler keeps the file open; the parent reads it when a job times out
     faulthandler.register(STACK_SIGNAL, file=open(stack_file, "w"), all_threads=True)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -288,7 +151,7 @@ def _worker(rank: int, world_size: int, port: int, backend: str, threads: int, p
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
-    device = _device_for(backend, rank)
+    device = device_for(backend, rank)
     while True:
         job = jobs.get()
         if job is None:
@@ -297,7 +160,7 @@ def _worker(rank: int, world_size: int, port: int, backend: str, threads: int, p
         try:
             fn, args, kwargs, plan = pickle.loads(payload)
             ctx = Context(rank, world_size, rank, device, plan)
-            results.put((job_id, rank, True, _dumps(_run_job(ctx, fn, args, kwargs))))
+            results.put((job_id, rank, True, _dumps(run_job(ctx, fn, args, kwargs))))
         except BaseException:  # report everything, including KeyboardInterrupt, then keep serving
             results.put((job_id, rank, False, traceback.format_exc()))
     dist.barrier()  # leave together: see _close_joined_world
@@ -319,7 +182,7 @@ class LocalWorld:
     def __init__(self, size: int, backend: str | None = None, threads: int | None = None):
         _check_world_size(size, "LocalWorld(size)")
         self.size = int(size)
-        self.backend = backend or _default_backend(size)
+        self.backend = backend or default_backend(size)
         self.threads = threads or max(1, (os.cpu_count() or 1) // size)
         self._procs: list = []
         self._jobs: list = []
@@ -405,16 +268,16 @@ class LocalWorld:
             time.sleep(POLL_S)
 
     def _death(self, rank: int, context: str = "") -> WorldError:
-        reason = _exit_reason(self._procs[rank].exitcode)
+        reason = exit_reason(self._procs[rank].exitcode)
         return WorldError(rank, f"its process {reason} before finishing the job{context}", f"rank {rank} died")
 
     def _failure(self, rank: int, details: str) -> WorldError:
         """The error for a rank's failure report. A rank that lost its connection is most likely
         the survivor of a peer that died: the dead peer is named instead, once it is seen."""
-        if _lost_connection(details):
+        if lost_connection(details):
             dead = self._dead_ranks(wait=DEATH_GRACE_S)
             if dead:
-                return self._death(dead[0], f"\n(rank {rank} then lost its connection: {_last_line(details)})")
+                return self._death(dead[0], f"\n(rank {rank} then lost its connection: {last_line(details)})")
         return WorldError(rank, details)
 
     def _timeout(self, timeout: float, finished: list[int]) -> WorldTimeout:
@@ -463,77 +326,6 @@ class LocalWorld:
         self.close(force=exc[0] is not None)
 
 
-def in_torchrun() -> bool:
-    """True inside a world started by ``torchrun`` (or any launcher that sets RANK and WORLD_SIZE)."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
-
-
-_LEAVING_ON_ERROR: list[BaseException] = []
-
-
-def _watch_uncaught_exceptions() -> None:
-    """Note an uncaught exception (then report it as before), for _close_joined_world."""
-    previous = sys.excepthook
-
-    def note_then_report(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
-        _LEAVING_ON_ERROR.append(exc)
-        previous(exc_type, exc, tb)
-
-    sys.excepthook = note_then_report
-
-
-def _close_joined_world() -> None:
-    """Close the torchrun world we joined, all ranks together: one rank tearing gloo down while
-    its peer still holds the connection can abort the peer at exit ("terminate called without
-    an active exception"). A rank leaving on an uncaught exception skips the barrier (its peers
-    may never reach it); torchrun then stops the rest."""
-    if not dist.is_initialized():
-        return
-    if not _LEAVING_ON_ERROR:
-        dist.barrier()
-    dist.destroy_process_group()
-
-
-@contextlib.contextmanager
-def _stacks_when_stopped(timeout: float | None) -> Iterator[None]:
-    """While the block runs, print every thread's Python stack to stderr if this rank is still
-    running after ``timeout`` s (then exit with code 1, so torchrun stops the job) or is stopped
-    by SIGTERM (how torchrun stops the other ranks). faulthandler does both without the GIL."""
-    faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)  # then terminate as before
-    if timeout is not None:
-        faulthandler.dump_traceback_later(timeout, exit=True)
-    try:
-        yield
-    finally:
-        faulthandler.cancel_dump_traceback_later()
-        faulthandler.unregister(signal.SIGTERM)
-
-
-def _process_group_timeout(timeout: float | None) -> timedelta | None:
-    """How long a collective may wait before it raises on its rank: the job's timeout, but at
-    least MIN_GROUP_TIMEOUT_S, since the same limit bounds connecting the ranks at start."""
-    return None if timeout is None else timedelta(seconds=max(timeout, MIN_GROUP_TIMEOUT_S))
-
-
-def _run_in_torchrun(fn: Callable[..., Any], plan: Plan | None, args: tuple, kwargs: dict,
-                     timeout: float | None) -> list[Any]:
-    world_size = int(os.environ["WORLD_SIZE"])
-    rank = int(os.environ["RANK"])
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=_process_group_timeout(timeout))
-        _watch_uncaught_exceptions()
-        atexit.register(_close_joined_world)
-    device = _device_for(dist.get_backend(), local_rank)
-    ctx = Context(rank, world_size, local_rank, device, None if plan is None else plan.resolved(world_size))
-    with _stacks_when_stopped(timeout):  # stuck anywhere, in a collective or not: its stack, then exit 1
-        value = _run_job(ctx, fn, args, kwargs)
-        gathered: list[Any] = [None] * world_size
-        dist.all_gather_object(gathered, value)
-    return gathered
-
-
 def _launch_size(plan: Plan | None, world_size: int | None) -> int:
     if world_size is not None:
         _check_world_size(world_size, "launch(world_size=...)")
@@ -566,7 +358,7 @@ def launch(fn: Callable[..., Any], plan: Plan | None = None, *args: Any, world_s
         raise UsageError(f"launch(fn, plan): plan must be a shardkit Plan or None, got {type(plan).__name__}")
     _check_timeout(timeout, "launch")
     if in_torchrun():
-        return _run_in_torchrun(fn, plan, args, kwargs, timeout)
+        return run_in_torchrun(fn, plan, args, kwargs, timeout)
     if world is not None:
         return world.run(fn, *args, plan=plan, timeout=timeout, **kwargs)
     size = _launch_size(plan, world_size)

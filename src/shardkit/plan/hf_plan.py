@@ -1,0 +1,126 @@
+"""Layout rules from a transformers model's own tensor-parallel plan (``LayoutMap.from_hf``).
+
+transformers ships, per architecture, a plan of ``{module pattern: style}`` (the config's
+``base_model_tp_plan`` and the head's ``_tp_plan``, merged with prefixes on the model as
+``model.tp_plan``), e.g. ``"model.layers.*.self_attn.q_proj": "colwise"``. This module reads
+that plan as data (no transformers import) and writes the equivalent shardkit rules over
+parameter names. What a style means for the forward (an output gathered, a packed weight)
+shardkit finds by itself on the meta device, so styles that differ only there map to one layout:
+
+======================================================  =============================  ===========
+transformers style                                      weight                          bias
+======================================================  =============================  ===========
+colwise, colwise_rep, colwise_gather_output, packed_colwise   ``(axis, None)``         ``(axis,)``
+rowwise, rowwise_rep, rowwise_split_input, packed_rowwise     ``(None, axis)``         ``None``
+embedding_rowwise                                       ``(axis, None)`` (vocabulary)
+embedding_colwise                                       ``(None, axis)``
+sequence_parallel, replicate, replicated_with_grad_allreduce, local  ``None``
+======================================================  =============================  ===========
+
+(GPT-2's ``Conv1D`` stores weights ``[in, out]``: its dims are swapped.) Styles with no
+equivalent (experts, MLA projections, ...) are refused with the entry named.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from .errors import PlanError, UsageError
+
+COLWISE_STYLES = ("colwise", "colwise_rep", "colwise_gather_output", "packed_colwise", "local_colwise")
+ROWWISE_STYLES = ("rowwise", "rowwise_rep", "rowwise_split_input", "packed_rowwise", "local_rowwise")
+REPLICATED_STYLES = ("sequence_parallel", "replicate", "replicated_with_grad_allreduce", "local", "gather",
+                     "isolated")
+EMBEDDING_STYLES = {"embedding_rowwise": 0, "embedding_colwise": 1}
+
+
+def hf_tp_plan(model: Any) -> dict[str, str]:
+    """The model's merged transformers tensor-parallel plan (``{}`` when it has none)."""
+    plan = getattr(model, "tp_plan", None)
+    if isinstance(plan, Mapping):
+        return dict(plan)
+    config = getattr(model, "config", None)
+    base = dict(getattr(config, "base_model_tp_plan", None) or {})
+    prefix = getattr(model, "base_model_prefix", "")
+    merged = {f"{prefix}.{k}" if prefix and hasattr(model, prefix) else k: v for k, v in base.items()}
+    merged.update(getattr(type(model), "_tp_plan", None) or {})
+    return merged
+
+
+def _pattern(key: str) -> str:
+    """A transformers plan key (``*`` = one layer index) as a regex over dotted names."""
+    return r"\d+".join(re.escape(part) for part in key.split("*"))
+
+
+def _stored_transposed(model: Any, module_name: str) -> bool:
+    """transformers' ``Conv1D`` (GPT-2) stores ``[in, out]``: its layouts swap dims."""
+    try:
+        module = model.get_submodule(module_name)
+    except AttributeError:
+        return False
+    return type(module).__name__ == "Conv1D"
+
+
+def rules_from_hf(model: Any, axis: str = "tp") -> list[tuple[str, Any]]:
+    """``[(regex, layout), ...]`` for ``model``'s transformers plan, one rule per parameter kind,
+    sorted by pattern, then the catch-all ``(".*", None)``; see the module docstring.
+
+    >>> class Config:
+    ...     base_model_tp_plan = {"layers.*.proj": "colwise"}
+    >>> class Tiny:
+    ...     config, base_model_prefix = Config(), ""
+    ...     def named_parameters(self):
+    ...         return [("layers.0.proj.weight", None), ("layers.0.proj.bias", None)]
+    >>> rules_from_hf(Tiny())
+    [('layers\\\\.\\\\d+\\\\.proj\\\\.bias', ('tp',)), ('layers\\\\.\\\\d+\\\\.proj\\\\.weight', ('tp', None)), ('.*', None)]
+    """
+    if not hasattr(model, "named_parameters"):
+        raise UsageError(f"LayoutMap.from_hf(model): model must be a transformers model (an nn.Module with a "
+                         f"config), got {type(model).__name__}")
+    plan = hf_tp_plan(model)
+    if not plan:
+        raise PlanError(f"{type(model).__name__} has no tensor-parallel plan in transformers (config."
+                        f"base_model_tp_plan / _tp_plan are empty): write layout rules for it, see "
+                        f"docs/your-model.md")
+    names = [n for n, _ in model.named_parameters()]
+    rules: dict[str, Any] = {}
+    problems = []
+    for key, style in plan.items():
+        layouts = _layouts(style, axis)
+        if layouts is None:
+            problems.append(f"transformers plan entry {key!r}: style {style!r} has no shardkit equivalent; write a "
+                            f"rule for {key!r} yourself (or replicate it: layout None)")
+            continue
+        pattern = _pattern(key)
+        for name in names:
+            if re.fullmatch(pattern, name):  # the key names a parameter itself
+                rules[pattern] = layouts["weight"]
+                continue
+            match = re.fullmatch(pattern + r"\.([^.]+)", name)
+            if match is None:
+                continue
+            kind = match.group(1)
+            layout = layouts.get(kind)
+            if layout is not None and len(layout) == 2 and _stored_transposed(model, name.rpartition(".")[0]):
+                layout = layout[::-1]
+            rules[f"{pattern}\\.{re.escape(kind)}"] = layout
+    if problems:
+        raise PlanError(problems)
+    return [*sorted(rules.items()), (".*", None)]
+
+
+def _layouts(style: str, axis: str) -> dict[str, Any] | None:
+    if style in COLWISE_STYLES:
+        return {"weight": (axis, None), "bias": (axis,)}
+    if style in ROWWISE_STYLES:
+        return {"weight": (None, axis), "bias": None}
+    if style in EMBEDDING_STYLES:
+        return {"weight": (axis, None) if EMBEDDING_STYLES[style] == 0 else (None, axis)}
+    if style in REPLICATED_STYLES:
+        return {"weight": None, "bias": None}
+    return None
+
+
+__all__ = ["hf_tp_plan", "rules_from_hf"]
