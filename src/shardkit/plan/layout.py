@@ -125,6 +125,10 @@ class LayoutMap(MutableMapping[str, Layout]):
                 return index, self._rules[pattern]
         return None
 
+    def matches(self, index: int, name: str) -> bool:
+        """Whether rule ``index`` (whatever rules come before it) matches ``name``."""
+        return list(self._compiled.values())[index].fullmatch(name) is not None
+
     def axes(self) -> set[str]:
         """Every axis name some rule uses."""
         return {a for layout in self._rules.values() if layout for e in layout for a in axes_of(e)}

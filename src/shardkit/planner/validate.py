@@ -20,6 +20,7 @@ from ..plan import Mesh, Plan, PlanError, PlanWarning, UsageError, param_shapes,
 from ..plan.layout import LayoutResolution
 from .model_checks import ModelFacts, analyse_model
 from .stages import assign_stages
+from .tensor_parallel import aliases
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,8 @@ def validate(plan: Plan, model: Any, world_size: int | None = None, *,
             except PlanError as exc:
                 problems.extend(exc.problems)
         if layouts is not None:
+            layouts, found = _tied_names(plan, model, layouts)
+            problems.extend(found)
             facts, found = analyse_model(plan, model, layouts.params, example_inputs)
             problems.extend(found)
     if problems:
@@ -80,6 +83,33 @@ def validate(plan: Plan, model: Any, world_size: int | None = None, *,
     for text in found:
         warnings.warn(text, PlanWarning, stacklevel=2)
     return ValidationReport(mesh, layouts, found, facts)
+
+
+def _tied_names(plan: Plan, model: nn.Module, layouts: LayoutResolution) -> tuple[LayoutResolution, list[str]]:
+    """A tied parameter has one layout, its first name's. A rule written for one of its other
+    names (Llama's ``lm_head.weight`` is ``model.embed_tokens.weight`` when tied; a rule that does
+    not also match the first name, unlike a catch-all) counts as used, and must give the same
+    layout, else the plan is refused: the tie would break or be split two ways."""
+    if plan.rules is None:
+        return layouts, []
+    patterns = list(plan.rules)
+    used, problems = set(), []
+    for name, first in aliases(model).items():
+        hit = plan.rules.lookup(name)
+        if name == first or hit is None:
+            continue
+        index, layout = hit
+        if plan.rules.matches(index, first):
+            continue  # a rule for both names (a catch-all): the first name's rule decides
+        used.add(patterns[index])
+        canonical = layouts.params[first]
+        if layout != canonical.layout:
+            problems.append(f"parameter {name!r} is tied to {first!r} (one tensor), but rule #{index} "
+                            f"{patterns[index]!r} gives it layout {layout!r} while {first!r} has {canonical.layout!r} "
+                            f"from rule #{canonical.rule}; a tied parameter has one layout: give both names the same "
+                            f"layout, or untie them")
+    unused = [p for p in layouts.unused_rules if p not in used]
+    return LayoutResolution(layouts.params, unused), problems
 
 
 __all__ = ["ValidationReport", "validate"]

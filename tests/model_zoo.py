@@ -1,0 +1,166 @@
+"""Models nobody in shardkit wrote, built from small configs (transformers) or by hand, for the
+validate and verify tests. Top-level builders, so they pickle into worker processes."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ATTN = "sdpa"
+
+
+def _seeded(build):
+    torch.manual_seed(0)
+    return build()
+
+
+def build_llama_tied():
+    """Llama whose lm_head is the embedding (tie_word_embeddings=True)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return _seeded(lambda: LlamaForCausalLM(LlamaConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+        vocab_size=256, max_position_embeddings=64, tie_word_embeddings=True, attn_implementation=ATTN)))
+
+
+def build_phi3():
+    """Phi-3: packed qkv_proj (sliced with global offsets) and gate_up_proj (chunked in two)."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    return _seeded(lambda: Phi3ForCausalLM(Phi3Config(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+        vocab_size=256, max_position_embeddings=64, pad_token_id=0, attn_implementation=ATTN)))
+
+
+def build_qwen2():
+    """Qwen2: biases on q/k/v."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    return _seeded(lambda: Qwen2ForCausalLM(Qwen2Config(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+        vocab_size=256, max_position_embeddings=64, attn_implementation=ATTN)))
+
+
+def build_mistral():
+    from transformers import MistralConfig, MistralForCausalLM
+
+    return _seeded(lambda: MistralForCausalLM(MistralConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+        vocab_size=256, max_position_embeddings=64, attn_implementation=ATTN)))
+
+
+def build_gemma():
+    """Gemma: tied embeddings by default, explicit head_dim."""
+    from transformers import GemmaConfig, GemmaForCausalLM
+
+    return _seeded(lambda: GemmaForCausalLM(GemmaConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+        head_dim=16, vocab_size=256, max_position_embeddings=64, attn_implementation=ATTN)))
+
+
+def build_opt():
+    """OPT: attention reshapes with ``self.num_heads`` (a global count) and a -1 sequence dim."""
+    from transformers import OPTConfig, OPTForCausalLM
+
+    return _seeded(lambda: OPTForCausalLM(OPTConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, ffn_dim=128, vocab_size=256,
+        word_embed_proj_dim=64, max_position_embeddings=64, dropout=0.0, attention_dropout=0.0,
+        attn_implementation=ATTN)))
+
+
+def build_gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return _seeded(lambda: GPT2LMHeadModel(GPT2Config(
+        n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0, attn_implementation=ATTN)))
+
+
+def build_llama_dropout():
+    """Llama with attention dropout (context parallel cannot run it)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return _seeded(lambda: LlamaForCausalLM(LlamaConfig(
+        hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+        vocab_size=256, attention_dropout=0.1, attn_implementation=ATTN)))
+
+
+class SharedBlocks(nn.Module):
+    """Two blocks that use one and the same Linear (ALBERT-style weight sharing)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(256, 32)
+        common = nn.Linear(32, 32)
+        self.layers = nn.ModuleList(nn.Sequential(common, nn.GELU(), nn.Linear(32, 32)) for _ in range(2))
+        self.head = nn.Linear(32, 256)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for layer in self.layers:
+            h = h + layer(h)
+        return self.head(h)
+
+
+def build_shared_blocks() -> SharedBlocks:
+    return _seeded(SharedBlocks)
+
+
+class WithUnused(nn.Module):
+    """A model with a parameter its forward never uses (DDP's reducer fails on it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(256, 32)
+        self.spare = nn.Linear(32, 32)
+        self.head = nn.Linear(32, 256)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(x))
+
+
+def build_with_unused() -> WithUnused:
+    return _seeded(WithUnused)
+
+
+class GlobalHeadsAttention(nn.Module):
+    """Attention that reshapes with a head count held under a name no family knows."""
+
+    def __init__(self, dim: int = 32, heads: int = 4):
+        super().__init__()
+        self.n_query_groups, self.width = heads, dim // heads
+        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = (p(x).view(b, t, self.n_query_groups, self.width).transpose(1, 2) for p in (self.q, self.k, self.v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class GlobalHeadsNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(256, 32)
+        self.attn = GlobalHeadsAttention()
+        self.head = nn.Linear(32, 256)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.attn(self.embed(x)))
+
+
+def build_global_heads() -> GlobalHeadsNet:
+    return _seeded(GlobalHeadsNet)
+
+
+def loss(output, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy of logits (or ``output.logits``)."""
+    logits = output if isinstance(output, torch.Tensor) else output.logits
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def tokens(batch: int = 4, seq: int = 16, vocab: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, vocab, (batch, seq + 1), generator=generator)
+    return ids[:, :-1], ids[:, 1:]
