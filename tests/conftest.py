@@ -10,6 +10,8 @@ import pytest
 import torch
 from hypothesis import settings
 
+import shardkit.cli.train as train_cli
+import shardkit.runtime.world as world_module
 from shardkit.runtime.world import LocalWorld
 
 # CI runs on 2 shared cores: no per-example deadline (a slow example is not a failure), and a
@@ -42,3 +44,13 @@ def world():
     worlds = _Worlds()
     yield worlds
     worlds.close()
+
+
+@pytest.fixture
+def no_processes(monkeypatch):
+    """Fail the test if anything tries to start a world."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a world was started although the input is invalid")
+
+    monkeypatch.setattr(train_cli, "LocalWorld", refuse)
+    monkeypatch.setattr(world_module, "LocalWorld", refuse)

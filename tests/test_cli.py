@@ -13,22 +13,11 @@ from pathlib import Path
 import pytest
 
 import shardkit.cli.train as train_cli
-import shardkit.runtime.world as world_module
 from shardkit.cli import build_parser, main
 from shardkit.models.gpt import GPT_RULES
 from shardkit.runtime.world import WorldError
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture
-def no_processes(monkeypatch):
-    """Fail the test if anything tries to start a world."""
-    def refuse(*args, **kwargs):
-        raise AssertionError("a world was started although the input is invalid")
-
-    monkeypatch.setattr(train_cli, "LocalWorld", refuse)
-    monkeypatch.setattr(world_module, "LocalWorld", refuse)
 
 
 def _exit(argv: list[str], capsys) -> tuple[int, str, str]:

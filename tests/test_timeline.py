@@ -10,6 +10,7 @@ import torch
 import shardkit as sk
 from shardkit.models.gpt import GPT, GPTConfig, gpt_loss
 from shardkit.observe.timeline import (
+    COMPUTE_KINDS,
     bubble_fraction,
     peak_activations,
     to_chrome_trace,
@@ -94,7 +95,7 @@ def _record(ctx, steps: int = 2):
 
 
 def _compute(spans, step):
-    return [s for s in spans if s.kind in timeline.COMPUTE_KINDS and s.step == step]
+    return [s for s in spans if s.kind in COMPUTE_KINDS and s.step == step]
 
 
 @pytest.mark.world

@@ -10,22 +10,11 @@ import torch
 
 import shardkit.cli.train as train_cli
 import shardkit.observe.memory as memory
-import shardkit.runtime.world as world_module
 from shardkit.cli import build_parser, main
 from shardkit.models.gpt import GPT_RULES
 from shardkit.observe.memory import PeakMemory, state_bytes
 from shardkit.observe.report import loss_trend
 from shardkit.plan import LayoutMap, Mesh, Plan, PlanError
-
-
-@pytest.fixture
-def no_processes(monkeypatch):
-    """Fail the test if anything tries to start a world."""
-    def refuse(*args, **kwargs):
-        raise AssertionError("a world was started although the input is invalid")
-
-    monkeypatch.setattr(train_cli, "LocalWorld", refuse)
-    monkeypatch.setattr(world_module, "LocalWorld", refuse)
 
 
 def _files(tmp_path):
