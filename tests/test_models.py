@@ -13,7 +13,7 @@ from torch import nn
 from shardkit.models.gpt import GPT, GPT_RULES, GPTConfig, build_tiny_gpt, gpt_loss, tiny_config
 from shardkit.models.hf import GPT2_RULES, LLAMA_RULES, build_tiny_gpt2, build_tiny_llama, hf_loss
 from shardkit.models.registry import MODELS, model_entry
-from shardkit.plan import Mesh, Plan, PlanError
+from shardkit.plan import Mesh, Plan, PlanError, UsageError
 from shardkit.planner.meta import meta_model
 from shardkit.planner.tensor_parallel import tensor_parallel_problems
 from shardkit.planner.validate import validate
@@ -261,7 +261,7 @@ def test_gpt2_adapter_refuses_a_second_pass():
     model = build_tiny_gpt2()
     planned = _planned(model, 2, GPT2_RULES)
     prepare_shard(model, planned)
-    with pytest.raises(PlanError, match="already adapted"):
+    with pytest.raises(UsageError, match="already adapted"):
         prepare_shard(model, planned)
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from shardkit.plan import Mesh, Plan, PlanError, ReplicaGrouping
+from shardkit.plan import Mesh, Plan, PlanError, ReplicaGrouping, UsageError
 from shardkit.runtime.collectives import (
     all_gather,
     all_reduce,
@@ -45,7 +45,7 @@ def _host(num_groups: int, offset: float = 0.0) -> np.ndarray:
 def _error(fn, *args, **kwargs) -> str:
     try:
         fn(*args, **kwargs)
-    except (PlanError, ReplicaDisagreement) as exc:
+    except (PlanError, UsageError, ReplicaDisagreement) as exc:
         return f"{type(exc).__name__}: {exc}"
     return "no error"
 

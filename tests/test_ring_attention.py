@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardkit.plan import Mesh, Plan, PlanError
+from shardkit.plan import Mesh, Plan, PlanError, UsageError
 from shardkit.runtime.ring_attention import (
     gather_sequence,
     ring_attention,
@@ -52,9 +52,9 @@ def test_shard_sequence_rejects_lengths_not_divisible_by_two_sp(seq, sp):
 
 def test_ring_attention_rejects_bad_shapes_and_kernels():
     q = torch.zeros(1, 4, 8, 4)
-    with pytest.raises(PlanError, match="multiple of key/value heads"):
+    with pytest.raises(UsageError, match="multiple of key/value heads"):  # a misused function: UsageError
         ring_attention(q, torch.zeros(1, 3, 8, 4), torch.zeros(1, 3, 8, 4), group=None)
-    with pytest.raises(PlanError, match="kernel='fast'.*'flash_cpu', 'math'"):
+    with pytest.raises(UsageError, match="kernel='fast'.*'flash_cpu', 'math'"):
         ring_attention(q, q, q, group=None, kernel="fast")
 
 

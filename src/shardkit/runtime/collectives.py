@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..plan import PlanError, ReplicaGrouping
+from ..plan import ReplicaGrouping, UsageError
 from .groups import ReplicaGroup, replica_group
 
 REDUCE_OPS = {"sum": "SUM", "mean": "SUM", "max": "MAX", "min": "MIN", "product": "PRODUCT"}
@@ -29,7 +29,7 @@ _MAX_DIMS = 16
 
 def _op(op: str) -> Any:
     if op not in REDUCE_OPS:
-        raise PlanError(f"reduce op {op!r} is unknown; valid: {list(REDUCE_OPS)}")
+        raise UsageError(f"reduce op {op!r} is unknown; valid: {list(REDUCE_OPS)}")
     return getattr(dist.ReduceOp, REDUCE_OPS[op])
 
 
@@ -46,7 +46,7 @@ def check_same_layout(tensor: torch.Tensor, process_group: Any, labels: list[str
     ``labels`` name the members in group-rank order; ``what`` starts the message.
     """
     if tensor.dim() > _MAX_DIMS:
-        raise PlanError(f"{what}: tensors with more than {_MAX_DIMS} dims are not supported, got {tensor.dim()}")
+        raise UsageError(f"{what}: tensors with more than {_MAX_DIMS} dims are not supported, got {tensor.dim()}")
     code = _DTYPES.index(tensor.dtype) if tensor.dtype in _DTYPES else -1
     mine = torch.zeros(_MAX_DIMS + 2, dtype=torch.int64, device=tensor.device)
     mine[0], mine[1] = tensor.dim(), code
@@ -61,12 +61,12 @@ def check_same_layout(tensor: torch.Tensor, process_group: Any, labels: list[str
         return f"{tuple(int(d) for d in s[2:2 + int(s[0])])} {dtype}"
 
     got = ", ".join(f"{label}: {text(s)}" for label, s in zip(labels, seen))
-    raise PlanError(f"{what} the same shape and dtype, got {got}")
+    raise UsageError(f"{what} the same shape and dtype, got {got}")
 
 
 def _needs_equal_groups(group: ReplicaGroup, what: str) -> None:
     if not group.grouping.has_equal_groups:
-        raise PlanError(f"{what} cannot use {group.grouping!r}: its groups have different sizes "
+        raise UsageError(f"{what} cannot use {group.grouping!r}: its groups have different sizes "
                         f"{group.grouping.group_sizes}, so replicas would get results of different shapes. "
                         f"all_reduce and broadcast work with any grouping; for {what} use equal-size groups")
 
@@ -138,7 +138,7 @@ class _Broadcast(torch.autograd.Function):
 def _prepare(tensor: torch.Tensor, grouping: ReplicaGrouping | None, transpose: bool, what: str,
              check: bool, equal_groups: bool = False) -> ReplicaGroup:
     if not isinstance(tensor, torch.Tensor):
-        raise PlanError(f"{what} takes a torch.Tensor, got {type(tensor).__name__}")
+        raise UsageError(f"{what} takes a torch.Tensor, got {type(tensor).__name__}")
     group = replica_group(grouping, transpose=transpose)
     if equal_groups:
         _needs_equal_groups(group, what.split("(")[0])
@@ -160,7 +160,7 @@ def all_reduce(tensor: torch.Tensor, grouping: ReplicaGrouping | None = None, op
     """
     _op(op)
     if op not in ("sum", "mean") and tensor.requires_grad and torch.is_grad_enabled():
-        raise PlanError(f"all_reduce(op={op!r}) is not differentiable; pass tensor.detach() or use 'sum' / 'mean'")
+        raise UsageError(f"all_reduce(op={op!r}) is not differentiable; pass tensor.detach() or use 'sum' / 'mean'")
     group = _prepare(tensor, grouping, transpose, f"all_reduce(op={op!r})", check)
     return _AllReduce.apply(tensor, op, group)
 
@@ -184,11 +184,11 @@ def reduce_scatter(tensor: torch.Tensor, grouping: ReplicaGrouping | None = None
     """
     _op(op)
     if op not in ("sum", "mean") and tensor.requires_grad and torch.is_grad_enabled():
-        raise PlanError(f"reduce_scatter(op={op!r}) is not differentiable; pass tensor.detach() or use 'sum' / 'mean'")
+        raise UsageError(f"reduce_scatter(op={op!r}) is not differentiable; pass tensor.detach() or use 'sum' / 'mean'")
     group = _prepare(tensor, grouping, transpose, f"reduce_scatter(op={op!r})", check, equal_groups=True)
     dim = _dim(dim, tensor.dim())
     if tensor.shape[dim] % group.size:
-        raise PlanError(f"reduce_scatter: dim {dim} of shape {tuple(tensor.shape)} has size {tensor.shape[dim]}, not "
+        raise UsageError(f"reduce_scatter: dim {dim} of shape {tuple(tensor.shape)} has size {tensor.shape[dim]}, not "
                         f"divisible by the group size {group.size}; use a multiple of {group.size}")
     return _ReduceScatter.apply(tensor, op, dim, group)
 
@@ -198,14 +198,14 @@ def broadcast(tensor: torch.Tensor, grouping: ReplicaGrouping | None = None, *, 
     """Every member gets the tensor of the group's ``src``-th member (0: the group's first replica)."""
     group = _prepare(tensor, grouping, transpose, "broadcast", check)
     if not 0 <= src < min(group.grouping.group_sizes):
-        raise PlanError(f"broadcast src={src} is the position of a member within its group; valid: "
+        raise UsageError(f"broadcast src={src} is the position of a member within its group; valid: "
                         f"0..{min(group.grouping.group_sizes) - 1} for {group.grouping!r}")
     return _Broadcast.apply(tensor, src, group)
 
 
 def _dim(dim: int, ndim: int) -> int:
     if not -max(ndim, 1) <= dim < max(ndim, 1):
-        raise PlanError(f"dim {dim} is out of range for a tensor with {ndim} dims")
+        raise UsageError(f"dim {dim} is out of range for a tensor with {ndim} dims")
     return dim % max(ndim, 1)
 
 
@@ -228,7 +228,7 @@ def average_gradients(module: nn.Module | Iterable[torch.Tensor], grouping: Repl
         pg, size = group.process_group, group.size
     else:
         if transpose:
-            raise PlanError("average_gradients(transpose=True) needs a ReplicaGrouping, not a process group")
+            raise UsageError("average_gradients(transpose=True) needs a ReplicaGrouping, not a process group")
         group, pg, size = None, grouping, dist.get_world_size(grouping)
     if pg is None or size == 1:
         return

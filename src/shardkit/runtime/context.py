@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ..plan import Plan, PlanError
+from ..plan import Plan, PlanError, UsageError
 
 
 @dataclass
@@ -30,7 +30,7 @@ class Context:
     def mesh(self):
         """The plan's mesh as a torch ``DeviceMesh`` (created once per shape in a process)."""
         if self.plan is None:
-            raise PlanError("this job was started without a plan, so it has no mesh; pass a Plan to launch/run")
+            raise UsageError("this job was started without a plan, so it has no mesh; pass a Plan to launch/run")
         from .meshes import meshes_for
 
         return meshes_for(self.plan, self.device.type).device_mesh

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from ..plan import PlanError, ReplicaGrouping
+from ..plan import ReplicaGrouping, UsageError
 from .context import Context, current_context
 from .meshes import process_group
 
@@ -75,9 +75,9 @@ def _checked(grouping: ReplicaGrouping | None, replicas: Replicas) -> ReplicaGro
     if grouping is None:
         return ReplicaGrouping(replicas.count)
     if not isinstance(grouping, ReplicaGrouping):
-        raise PlanError(f"grouping must be a ReplicaGrouping or None (all replicas), got {type(grouping).__name__}")
+        raise UsageError(f"grouping must be a ReplicaGrouping or None (all replicas), got {type(grouping).__name__}")
     if grouping.replication_factor != replicas.count:
-        raise PlanError(f"{grouping!r} has replication_factor={grouping.replication_factor} but this job has "
+        raise UsageError(f"{grouping!r} has replication_factor={grouping.replication_factor} but this job has "
                         f"{replicas.count} replicas ({replicas.where}); use replication_factor={replicas.count}")
     return grouping
 

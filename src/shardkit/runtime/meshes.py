@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..plan import Mesh, Plan, PlanError, ReplicaGrouping
+from ..plan import Mesh, Plan, PlanError, ReplicaGrouping, UsageError
 from ..plan.replicas import GROUPED_DP_DIMS
 
 
@@ -101,7 +101,7 @@ class Meshes:
         """The 1-D mesh of axis ``name`` on :attr:`root`; :class:`PlanError` naming the valid axes otherwise."""
         names = self.root.mesh_dim_names or ()
         if name not in names:
-            raise PlanError(f"the job's mesh has no axis {name!r}; its axes: {list(names)}")
+            raise UsageError(f"the job's mesh has no axis {name!r}; its axes: {list(names)}")
         return self.root[name]
 
     def data(self) -> DataMesh | None:

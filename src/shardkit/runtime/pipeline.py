@@ -33,7 +33,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
 
-from ..plan import DATA_AXES, Plan, PlanError
+from ..plan import DATA_AXES, Plan, PlanError, UsageError
 from ..plan.layout import ParamLayout
 from ..plan.pipeline import SCHEDULES, SINGLE_STAGE_SCHEDULES
 from ..planner.model_checks import ModelFacts
@@ -69,10 +69,10 @@ class PipelinedModule:
         runtime = self._sk_runtime
         if stage is None:
             if len(runtime.local) != 1:
-                raise PlanError(f"this rank runs stages {runtime.local}; call model(x, stage=s) with one of them")
+                raise UsageError(f"this rank runs stages {runtime.local}; call model(x, stage=s) with one of them")
             stage = runtime.local[0]
         if stage not in runtime.local:
-            raise PlanError(f"stage {stage} does not run on this rank (it runs stages {runtime.local})")
+            raise UsageError(f"stage {stage} does not run on this rank (it runs stages {runtime.local})")
         return runtime.assignment.layout.family.stage_forward(self, runtime.units[stage], *args)
 
     def step(self, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], torch.Tensor]) -> torch.Tensor:
@@ -290,12 +290,12 @@ def build_pipeline(model: nn.Module, plan: Plan, ctx: Context, layouts: dict[str
     plan = plan.resolved(ctx.world_size)
     pipeline = plan.pipeline
     if pipeline is None:
-        raise PlanError("build_pipeline needs a plan with a pipeline")
+        raise UsageError("build_pipeline needs a plan with a pipeline")
     problems = pipeline.check_mesh(plan.mesh)
     if problems:
         raise PlanError(problems)
     if isinstance(model, PipelinedModule):
-        raise PlanError("this model is already split into pipeline stages; build a fresh model for sk.shard")
+        raise UsageError("this model is already split into pipeline stages; build a fresh model for sk.shard")
     assignment = assign_stages(model, pipeline, plan.mesh)
     runtime = _Runtime(model, plan, ctx, assignment)
     keep = {m for s in runtime.local for m in assignment.modules(s)} | set(assignment.layout.shared)

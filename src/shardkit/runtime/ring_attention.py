@@ -33,7 +33,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from ..plan import PlanError
+from ..plan import PlanError, UsageError
 
 
 # -- load-balanced sequence layout ------------------------------------------------------------
@@ -186,7 +186,7 @@ def _kernel_for(name: str, q: torch.Tensor):
     if name == "auto":
         name = "flash_cpu" if q.device.type == "cpu" and q.dtype != torch.float16 else "math"
     if name not in KERNELS:
-        raise PlanError(f"ring_attention(kernel={name!r}); valid: 'auto' or one of {sorted(KERNELS)}")
+        raise UsageError(f"ring_attention(kernel={name!r}); valid: 'auto' or one of {sorted(KERNELS)}")
     return KERNELS[name]
 
 
@@ -273,13 +273,13 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dis
     >>> out = ring_attention(q, k, v, group=mesh["sp"].get_group())   # doctest: +SKIP
     """
     if q.dim() != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
-        raise PlanError(f"ring_attention needs q [batch, heads, local_len, head_dim] and k, v of the same "
+        raise UsageError(f"ring_attention needs q [batch, heads, local_len, head_dim] and k, v of the same "
                         f"batch, length and head_dim; got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     if q.shape[1] % k.shape[1]:
-        raise PlanError(f"ring_attention: query heads ({q.shape[1]}) must be a multiple of key/value heads "
+        raise UsageError(f"ring_attention: query heads ({q.shape[1]}) must be a multiple of key/value heads "
                         f"({k.shape[1]})")
     if q.shape[2] % 2:
-        raise PlanError(f"ring_attention: local sequence length {q.shape[2]} must be even (two load-balanced "
+        raise UsageError(f"ring_attention: local sequence length {q.shape[2]} must be even (two load-balanced "
                         f"chunks per rank); shard the sequence with shard_sequence")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     _kernel_for(kernel, q)

@@ -51,7 +51,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from ..families.modules import is_conv1d, linear_dims
-from ..plan import PlanError
+from ..plan import UsageError
 from ..planner.tensor_parallel import COLWISE, DTENSOR, ROWWISE, VOCAB, AxisPlan, ModuleSplit
 
 SEQUENCE_DIM = 1
@@ -235,7 +235,7 @@ def prepare_shard(model: nn.Module, plan: AxisPlan) -> Permutations:
     a model prepared once already (its attributes are local, its weights permuted)."""
     marker = f"_sk_prepared_{plan.axis}"
     if getattr(model, marker, False):
-        raise PlanError(f"this model was already adapted for tensor parallel over {plan.axis!r} (attributes made "
+        raise UsageError(f"this model was already adapted for tensor parallel over {plan.axis!r} (attributes made "
                         f"local, packed weights permuted); adapt a freshly built model once")
     modules = dict(model.named_modules())
     for change in plan.changes:

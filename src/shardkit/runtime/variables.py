@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..plan import PlanError, ReplicaGrouping
+from ..plan import ReplicaGrouping, UsageError
 from .collectives import average_gradients, broadcast, check_same_layout
 from .context import Context, current_context
 from .groups import replicas_of
@@ -49,7 +49,7 @@ class Variable:
     def __init__(self, value: torch.Tensor, grouping: ReplicaGrouping, retrieval_mode: str = "one_per_group",
                  name: str = "variable", ctx: Context | None = None):
         if retrieval_mode not in RETRIEVAL_MODES:
-            raise PlanError(f"retrieval_mode={retrieval_mode!r} is unknown; valid: {list(RETRIEVAL_MODES)}")
+            raise UsageError(f"retrieval_mode={retrieval_mode!r} is unknown; valid: {list(RETRIEVAL_MODES)}")
         self.value = value
         self.grouping = grouping
         self.retrieval_mode = retrieval_mode
@@ -138,20 +138,20 @@ def _local_slice(host_data: Any, grouping: ReplicaGrouping, shape: Sequence[int]
     host = torch.as_tensor(host_data, dtype=dtype)
     replicas = replicas_of(ctx)
     if grouping.replication_factor != replicas.count:
-        raise PlanError(f"{name}: {grouping!r} has replication_factor={grouping.replication_factor} but this job has "
+        raise UsageError(f"{name}: {grouping!r} has replication_factor={grouping.replication_factor} but this job has "
                         f"{replicas.count} replicas ({replicas.where}); use replication_factor={replicas.count}")
     n = grouping.num_groups
     if shape is not None and tuple(host.shape) != _host_shape(grouping, shape):
-        raise PlanError(f"{name}: host data has shape {tuple(host.shape)}; this variable takes "
+        raise UsageError(f"{name}: host data has shape {tuple(host.shape)}; this variable takes "
                         f"{list(_host_shape(grouping, shape))} ([num_groups] + shape when there are several groups)")
     if n > 1 and (host.dim() == 0 or host.shape[0] != n):
-        raise PlanError(f"{name}: host data has shape {tuple(host.shape)} but {grouping!r} has {n} groups; give "
+        raise UsageError(f"{name}: host data has shape {tuple(host.shape)} but {grouping!r} has {n} groups; give "
                         f"shape [num_groups] + shape = [{n}, ...], one slice per group")
     world = ctx.world_size
     if src is None or world == 1:
         return (host[grouping.group_of(replicas.replica)] if n > 1 else host).clone().to(ctx.device)
     if not 0 <= src < world:
-        raise PlanError(f"{name}: src={src} is the world rank whose host data is used; valid: 0..{world - 1} or None")
+        raise UsageError(f"{name}: src={src} is the world rank whose host data is used; valid: 0..{world - 1} or None")
     host = host.to(ctx.device)
     check_same_layout(host, None, [f"rank {r}" for r in range(world)], f"{name}: every rank must pass host data of")
     part_shape = host.shape[1:] if n > 1 else host.shape
@@ -181,7 +181,7 @@ def variable(host_data: Any, grouping: ReplicaGrouping | None = None, retrieval_
     if grouping is None:
         grouping = ReplicaGrouping(replicas_of(ctx).count)
     if retrieval_mode not in RETRIEVAL_MODES:
-        raise PlanError(f"retrieval_mode={retrieval_mode!r} is unknown; valid: {list(RETRIEVAL_MODES)}")
+        raise UsageError(f"retrieval_mode={retrieval_mode!r} is unknown; valid: {list(RETRIEVAL_MODES)}")
     local = _local_slice(host_data, grouping, None, dtype, src, ctx, name)
     value = nn.Parameter(local, requires_grad=True) if requires_grad else local
     return Variable(value, grouping, retrieval_mode, name, ctx)
@@ -205,7 +205,7 @@ class GroupedModule:
         missing = sorted(set(self.variables) - set(host_state))
         unexpected = sorted(set(host_state) - set(self.variables))
         if missing or unexpected:
-            raise PlanError(f"host state does not match the module's parameters: missing {missing}, "
+            raise UsageError(f"host state does not match the module's parameters: missing {missing}, "
                             f"unexpected {unexpected}")
         for name, var in self.variables.items():
             var.write(host_state[name], src=src)
@@ -252,7 +252,7 @@ def group_module(module: nn.Module, grouping: ReplicaGrouping | None = None,
 def stack_states(states: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Host state for :func:`group_module` from one state dict per group: ``{name: [num_groups, ...]}``."""
     if not states:
-        raise PlanError("stack_states needs one state dict per group, got none")
+        raise UsageError("stack_states needs one state dict per group, got none")
     if len(states) == 1:
         return {name: t.detach().clone() for name, t in states[0].items()}
     return {name: torch.stack([s[name].detach() for s in states]) for name in states[0]}

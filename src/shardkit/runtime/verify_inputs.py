@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ..families import family_of
-from ..plan import Plan, PlanError, UsageError
+from ..plan import Plan, UsageError
 from .world import LocalWorld
 
 
@@ -116,7 +116,7 @@ def world_size_of(plan: Plan, world: LocalWorld | None) -> int:
     if world is not None:
         return world.size
     if not plan.mesh.is_resolved:
-        raise PlanError("verify needs world= (or a mesh without -1) to know the world size")
+        raise UsageError("verify needs world= (or a mesh without -1) to know the world size")
     return plan.mesh.size
 
 
