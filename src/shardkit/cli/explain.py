@@ -25,7 +25,7 @@ from .options import (
 )
 
 DEFAULT_MODEL = "gpt-tiny"
-DEFAULT_WIDTH = 160
+DEFAULT_WIDTH = 180
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

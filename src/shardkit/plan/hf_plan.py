@@ -79,6 +79,10 @@ def rules_from_hf(model: Any, axis: str = "tp") -> list[tuple[str, Any]]:
     if not hasattr(model, "named_parameters"):
         raise UsageError(f"LayoutMap.from_hf(model): model must be a transformers model (an nn.Module with a "
                          f"config), got {type(model).__name__}")
+    if not hasattr(getattr(model, "config", None), "_attn_implementation"):
+        raise UsageError(f"LayoutMap.from_hf(model): {type(model).__name__} is not a transformers model (it has no "
+                         f"transformers config), so it has no transformers tensor-parallel plan; write layout rules "
+                         f"for it, see docs/your-model.md")
     plan = hf_tp_plan(model)
     if not plan:
         raise PlanError(f"{type(model).__name__} has no tensor-parallel plan in transformers (config."

@@ -49,6 +49,16 @@ def normalize_layout(layout: object, where: str = "layout") -> Layout:
     return tuple(entries)
 
 
+def divisors(n: int) -> list[int]:
+    """Every divisor of ``n``, ascending (the axis sizes that split a dim of ``n`` evenly).
+
+    >>> divisors(12)
+    [1, 2, 3, 4, 6, 12]
+    """
+    small = [d for d in range(1, int(n ** 0.5) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
+
+
 def axes_of(entry: DimEntry) -> tuple[str, ...]:
     """The axis names one dim entry splits over."""
     if entry is None:
@@ -253,7 +263,7 @@ def _check_layout(p: ParamLayout, mesh: Mesh) -> list[str]:
         if size % pieces:
             axes = axes_of(p.layout[dim])
             sizes = " x ".join(f"{a}={mesh.size_of(a)}" for a in axes)
-            valid = [d for d in range(1, size + 1) if size % d == 0 and d <= 64]
+            valid = divisors(size)
             problems.append(f"{where}: dim {dim} has size {size}, not divisible by {sizes} ({pieces}); "
                             f"axis sizes that divide it: {valid}")
     return problems

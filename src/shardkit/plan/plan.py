@@ -65,8 +65,10 @@ def param_shapes(model: Any) -> dict[str, tuple[int, ...]]:
         return {str(k): tuple(int(d) for d in v) for k, v in model.items()}
     if hasattr(model, "named_parameters"):
         return {n: tuple(p.shape) for n, p in model.named_parameters()}
-    raise UsageError(f"cannot read parameters from {type(model).__name__}; pass an nn.Module (on the meta device is "
-                     f"fine) or a mapping of parameter name -> shape")
+    hint = (" (this is a function: pass the model it builds, e.g. sk.meta_model(build), not the builder)"
+            if callable(model) else "")
+    raise UsageError(f"validate(plan, model): cannot read parameters from {type(model).__name__}{hint}; pass an "
+                     f"nn.Module (on the meta device is fine) or a mapping of parameter name -> shape")
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,8 @@ from ..plan import Mesh, Plan, PlanWarning
 from ..plan.layout import ParamLayout, axes_of
 from ..plan.mesh import axis_role
 from ..plan.text import format_bytes
+from .model_checks import ModelFacts
+from .tensor_parallel import COLWISE, ROWWISE, aliases
 from .validate import validate
 
 FSDP_AXIS = "fsdp"
@@ -53,13 +55,17 @@ class ParamRow:
     local: tuple[int, ...]  # after the layout axes (tp, ...)
     sharded: tuple[int, ...]  # after FSDP as well: what a device stores
     itemsize: int
+    #: what validate found that the layout does not show: "packed xN" (its parts permuted rank-major),
+    #: "gathered" (a column-parallel output all-gathered), "splits input" (a row-parallel layer taking
+    #: the whole input), "tied to NAME"
+    note: str = ""
 
     @property
     def bytes(self) -> int:
         return math.prod(self.sharded) * self.itemsize
 
 
-def explain_plan(plan: Plan, model: Any, world_size: int | None = None, *, width: int = 160) -> str:
+def explain_plan(plan: Plan, model: Any, world_size: int | None = None, *, width: int = 180) -> str:
     """Validate ``plan`` against ``model`` and describe, as plain text, what every device holds.
 
     Raises :class:`~shardkit.plan.PlanError` for a bad plan: every problem
@@ -125,15 +131,37 @@ def _analyse(plan: Plan, model: Any, world_size: int | None) -> tuple[Mesh, list
     layouts = report.layouts.params
     dtypes = _dtypes(model)
     mechanisms = _mechanisms(model, layouts)
+    notes = _notes(model, report.facts)
     shards = _fsdp_shards(mesh)
     rows = []
     for name, layout in layouts.items():
         local, sharded = _local_shapes(layout, mesh, shards)
         rows.append(ParamRow(layout, mechanisms.get(name, _split_name(layout)), local, sharded,
-                             dtypes.get(name, torch.float32).itemsize))
+                             dtypes.get(name, torch.float32).itemsize, notes.get(name, "")))
     patterns = list(plan.rules) if plan.rules is not None else []
     unused = [(patterns.index(p), p) for p in report.layouts.unused_rules]
     return mesh, rows, unused
+
+
+def _notes(model: Any, facts: ModelFacts | None) -> dict[str, str]:
+    """Per parameter, what validate found that the layout does not show."""
+    found: dict[str, list[str]] = {}
+    for plan in (facts.tensor_parallel.values() if facts is not None else ()):
+        for name, split in plan.splits.items():
+            text = []
+            if split.packed > 1:
+                text.append(f"packed x{split.packed}")
+            if split.kind == COLWISE and split.gather_output:
+                text.append("gathered")
+            if split.kind == ROWWISE and split.replicated_input:
+                text.append("splits input")
+            for pname in split.placements:
+                found.setdefault(f"{name}.{pname}" if name else pname, []).extend(text)
+    if isinstance(model, nn.Module):
+        for alias, first in aliases(model).items():
+            if alias != first:
+                found.setdefault(first, []).append(f"tied to {alias}")
+    return {name: "; ".join(text) for name, text in found.items() if text}
 
 
 def _fsdp_shards(mesh: Mesh) -> int:
@@ -255,14 +283,18 @@ def _rules_table(plan: Plan, rows: list[ParamRow]) -> Table:
 
 def _param_table(rows: list[ParamRow]) -> Table:
     table = Table(title="parameters (what one device holds)", **_TABLE_STYLE)
-    table.add_column("parameter", overflow="fold")
+    groups = list(_group(rows))
+    # names stay whole; the notes (the last column) fold when the table is too wide
+    table.add_column("parameter", overflow="fold", min_width=max((len(label) for label, _ in groups), default=9))
     for header in ("count", "shape", "rule", "layout", "mechanism", "after layout", "after fsdp", "bytes/device"):
-        table.add_column(header, justify="right" if header == "bytes/device" else "left")
-    for label, members in _group(rows):
+        table.add_column(header, justify="right" if header == "bytes/device" else "left", no_wrap=True)
+    table.add_column("notes", overflow="fold")
+    for label, members in groups:
         row = members[0]
         p = row.layout
         table.add_row(label, f"x{len(members)}", _shape(p.shape), "-" if p.rule is None else f"#{p.rule}",
-                      _layout(p.layout), row.mechanism, _shape(row.local), _shape(row.sharded), f"{row.bytes:,}")
+                      _layout(p.layout), row.mechanism, _shape(row.local), _shape(row.sharded), f"{row.bytes:,}",
+                      _numbered(row.note, members))
     return table
 
 
@@ -292,7 +324,7 @@ def _group(rows: list[ParamRow]) -> Iterable[tuple[str, list[ParamRow]]]:
         template = tuple("{}" if part.isdigit() else part for part in parts)
         numbers = tuple(int(part) for part in parts if part.isdigit())
         key = (template, row.layout.shape, row.layout.rule, row.layout.layout, row.mechanism, row.local,
-               row.sharded, row.itemsize)
+               row.sharded, row.itemsize, re.sub(r"\.\d+\.", ".{}.", row.note))
         groups.setdefault(key, []).append((numbers, row))
     for key, members in groups.items():
         if len(members) == 1:
@@ -301,6 +333,11 @@ def _group(rows: list[ParamRow]) -> Iterable[tuple[str, list[ParamRow]]]:
         template = ".".join(key[0])
         slots = [_numbers_text(sorted({numbers[i] for numbers, _ in members})) for i in range(len(members[0][0]))]
         yield template.format(*slots), [row for _, row in members]
+
+
+def _numbered(note: str, members: list[ParamRow]) -> str:
+    """A grouped row's note, with its layer numbers as ``{}`` when the members' notes differ only there."""
+    return note if len(members) == 1 else re.sub(r"\.\d+\.", ".{}.", note)
 
 
 def _numbers_text(values: list[int]) -> str:

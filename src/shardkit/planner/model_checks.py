@@ -135,10 +135,12 @@ def shard_problems(model: nn.Module, family: Family, layouts: dict[str, ParamLay
         where = stack[-1] if stack else ""
         module = model.get_submodule(where) if where else model
         return [f"the model's forward fails on one tensor-parallel shard ({axes}) in module {where or '(root)'!r} "
-                f"({type(module).__name__}): {type(exc).__name__}: {_first_line(exc)}. Its code uses a global size "
-                f"(a head count or a width) where a shard has a local one, and shardkit knows no adaptation for it "
-                f"(family {family.name!r}); replicate the parameters of {where or 'that module'!r} and its partners "
-                f"(layout None) or make the code read the size from the tensor (-1 in reshapes)"]
+                f"({type(module).__name__}): {type(exc).__name__}: {_first_line(exc)}. A reshape there needs a size the "
+                f"shard does not have: either the code holds a global size (a head count or a width) that shardkit "
+                f"knows no adaptation for (family {family.name!r}), or the split cuts a head in two (more ranks than "
+                f"heads, or a width that does not split into whole heads). Use fewer ranks on that axis, replicate the "
+                f"parameters of {where or 'that module'!r} and its partners (layout None), or make the code read the "
+                f"size from the tensor (-1 in reshapes)"]
     return []
 
 
