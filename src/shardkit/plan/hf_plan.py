@@ -67,7 +67,8 @@ def rules_from_hf(model: Any, axis: str = "tp") -> list[tuple[str, Any]]:
     """``[(regex, layout), ...]`` for ``model``'s transformers plan, one rule per parameter kind,
     sorted by pattern, then the catch-all ``(".*", None)``; see the module docstring.
 
-    >>> class Config:
+    >>> class Config:                      # what transformers' configs hold, as plain data
+    ...     _attn_implementation = "sdpa"
     ...     base_model_tp_plan = {"layers.*.proj": "colwise"}
     >>> class Tiny:
     ...     config, base_model_prefix = Config(), ""
