@@ -53,6 +53,10 @@ CASES = {
     "unused parameter, dp=2": (build_with_unused, lambda: sk.Plan(sk.Mesh(dp=2))),
     "gpt bf16 mixed precision, tp only": (build_tiny_gpt, lambda: sk.Plan(TP2, GPT_RULES, fsdp=BF16)),
     "llama tied bf16, tp=2": (build_llama_tied, lambda: sk.Plan(TP2, LLAMA_RULES, fsdp=BF16)),
+    "gpt bf16 mixed precision, pipeline only": (build_tiny_gpt, lambda: sk.Plan(
+        sk.Mesh(pp=2), pipeline=sk.Pipeline(schedule="gpipe", microbatches=2), fsdp=BF16)),
+    "gpt bf16 mixed precision, context parallel only": (build_tiny_gpt, lambda: sk.Plan(sk.Mesh(sp=2), fsdp=BF16)),
+    "phi3 pipeline, pp=2": (build_phi3, lambda: sk.Plan(sk.Mesh(pp=2), pipeline=sk.Pipeline(microbatches=2))),
 }
 
 
