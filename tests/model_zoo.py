@@ -77,6 +77,61 @@ def build_gpt2():
         attn_pdrop=0.0, attn_implementation=ATTN)))
 
 
+def build_falcon():
+    """Falcon: grouped fused query_key_value, and ``mlp_output += attention_output`` in place."""
+    from transformers import FalconConfig, FalconForCausalLM
+
+    return _seeded(lambda: FalconForCausalLM(FalconConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_kv_heads=2, new_decoder_architecture=True,
+        vocab_size=256, attention_dropout=0.0, hidden_dropout=0.0)))
+
+
+def build_neox():
+    """GPT-NeoX: fused query_key_value packed head by head ([q k v] per head): a plain split is right."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    return _seeded(lambda: GPTNeoXForCausalLM(GPTNeoXConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, vocab_size=256,
+        max_position_embeddings=64, hidden_dropout=0.0, attention_dropout=0.0, attn_implementation=ATTN)))
+
+
+def build_gptj():
+    """GPT-J: splits heads with ``self.num_attention_heads``."""
+    from transformers import GPTJConfig, GPTJForCausalLM
+
+    return _seeded(lambda: GPTJForCausalLM(GPTJConfig(
+        n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=64, rotary_dim=8, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager")))
+
+
+def build_bert():
+    """BERT (masked LM): column- and row-parallel partners live in different parent modules."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    return _seeded(lambda: BertForMaskedLM(BertConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, vocab_size=256,
+        max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)))
+
+
+def build_bloom():
+    """Bloom: ALiBi biases built for every head of the whole model, outside the attention."""
+    from transformers import BloomConfig, BloomForCausalLM
+
+    return _seeded(lambda: BloomForCausalLM(BloomConfig(
+        hidden_size=64, n_layer=2, n_head=4, vocab_size=256, hidden_dropout=0.0, attention_dropout=0.0)))
+
+
+COL, ROW = ("tp", None), (None, "tp")
+
+
+def fused_rules(qkv: str, out: str, up: str, down: str, qkv_bias: bool = True, up_bias: bool = True) -> list:
+    """Megatron rules for models with a fused qkv projection (or separate q/k/v named in ``qkv``)."""
+    rules = [(rf".*\.{qkv}\.weight", COL), (rf".*\.{out}\.weight", ROW), (rf".*\.{up}\.weight", COL),
+             (rf".*\.{down}\.weight", ROW)]
+    rules += [(rf".*\.{qkv}\.bias", ("tp",))] * qkv_bias + [(rf".*\.{up}\.bias", ("tp",))] * up_bias
+    return [*rules, (".*", None)]
+
+
 def build_llama_dropout():
     """Llama with attention dropout (context parallel cannot run it)."""
     from transformers import LlamaConfig, LlamaForCausalLM

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 from model_zoo import (
+    build_bloom,
     build_global_heads,
     build_gpt2,
     build_llama_dropout,
@@ -14,6 +15,7 @@ from model_zoo import (
     build_phi3,
     build_shared_blocks,
     build_with_unused,
+    fused_rules,
 )
 from torch import nn
 
@@ -56,6 +58,12 @@ def test_an_attention_reshaping_with_a_global_size_no_family_knows_is_refused_be
     (problem,) = _problems(build_global_heads, sk.Plan(sk.Mesh(tp=2), rules))
     assert "fails on one tensor-parallel shard (tp=2) in module 'attn'" in problem
     assert "global size" in problem and "layout None" in problem
+
+
+def test_a_model_whose_heads_are_sized_outside_the_attention_is_refused_before_launch():
+    rules = sk.LayoutMap(fused_rules("query_key_value", "self_attention.dense", "dense_h_to_4h", "dense_4h_to_h"))
+    (problem,) = _problems(build_bloom, sk.Plan(sk.Mesh(tp=2), rules))  # ALiBi slopes for all heads of the model
+    assert "fails on one tensor-parallel shard (tp=2) in module 'transformer.h.0.self_attention'" in problem
 
 
 # -- biases, norms, two axes ------------------------------------------------------------------------------

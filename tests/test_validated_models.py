@@ -6,15 +6,20 @@ from __future__ import annotations
 
 import pytest
 from model_zoo import (
+    build_bert,
+    build_falcon,
     build_gemma,
     build_gpt2,
+    build_gptj,
     build_llama_tied,
     build_mistral,
+    build_neox,
     build_opt,
     build_phi3,
     build_qwen2,
     build_shared_blocks,
     build_with_unused,
+    fused_rules,
     loss,
     tokens,
 )
@@ -57,6 +62,15 @@ CASES = {
         sk.Mesh(pp=2), pipeline=sk.Pipeline(schedule="gpipe", microbatches=2), fsdp=BF16)),
     "gpt bf16 mixed precision, context parallel only": (build_tiny_gpt, lambda: sk.Plan(sk.Mesh(sp=2), fsdp=BF16)),
     "phi3 pipeline, pp=2": (build_phi3, lambda: sk.Plan(sk.Mesh(pp=2), pipeline=sk.Pipeline(microbatches=2))),
+    "falcon (in-place residual on a row-parallel output), tp=2": (build_falcon, lambda: sk.Plan(TP2, sk.LayoutMap(
+        fused_rules("query_key_value", "self_attention.dense", "dense_h_to_4h", "dense_4h_to_h", False, False)))),
+    "gpt-neox (qkv packed head by head), tp=2": (build_neox, lambda: sk.Plan(TP2, sk.LayoutMap(
+        fused_rules("query_key_value", "attention.dense", "dense_h_to_4h", "dense_4h_to_h")))),
+    "gpt-j (num_attention_heads made local), tp=2": (build_gptj, lambda: sk.Plan(TP2, sk.LayoutMap(
+        fused_rules("(q_proj|k_proj|v_proj)", "out_proj", "fc_in", "fc_out", qkv_bias=False)))),
+    "bert (partners in different parents), tp=2": (build_bert, lambda: sk.Plan(TP2, sk.LayoutMap(
+        fused_rules(r"self\.(query|key|value)", r"attention\.output\.dense", r"intermediate\.dense",
+                    r"layer\.\d+\.output\.dense")))),
 }
 
 

@@ -70,13 +70,14 @@ class HFFamily(Family):
 
     # -- attention ----------------------------------------------------------------------------------
     def _attention_modules(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
-        return [(n, m) for n, m in model.named_modules()
-                if type(m).__name__.endswith("Attention") and hasattr(m, "config")]
+        """Modules of classes named ``*Attention`` holding a config or a head count."""
+        return [(n, m) for n, m in model.named_modules() if type(m).__name__.endswith("Attention") and (
+            hasattr(m, "config") or any(isinstance(getattr(m, a, None), int) for a in HEAD_COUNT_ATTRIBUTES))]
 
     def attentions(self, model: nn.Module) -> list[Attention]:
         found = []
         for name, module in self._attention_modules(model):
-            config = module.config
+            config = getattr(module, "config", None) or getattr(model, "config", None)
             heads = next((getattr(module, a) for a in ("num_heads", "num_attention_heads")
                           if isinstance(getattr(module, a, None), int)), getattr(config, "num_attention_heads", None))
             if not isinstance(heads, int):

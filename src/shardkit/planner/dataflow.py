@@ -7,7 +7,9 @@ buffer replaced by a meta tensor (:func:`shardkit.families.on_meta.run_on_meta`)
 - how the outputs of watched modules are cut along their last dim: a ``chunk``, ``split``,
   ``narrow``, ``unbind`` or slice there shows a *packed* projection (several outputs side by
   side in one matrix, like Phi-3's ``gate_up_proj`` or GPT-2's ``c_attn``), which a plain
-  column split would hand out wrongly;
+  column split would hand out wrongly; and whether they are changed in place (Falcon's
+  ``mlp_output += attention_output``), which autograd forbids on the views torch's
+  tensor-parallel styles return;
 - which parameters get no gradient (unused in the forward: DDP's reducer breaks on them).
 
 torch has no such analysis for eager modules (``torch.export`` needs a traceable model and
@@ -49,11 +51,13 @@ class Cut:
 
 @dataclass
 class Dataflow:
-    """What :func:`trace` saw. ``ran`` is ``False`` when no example input was known."""
+    """What :func:`trace` saw. ``ran`` is ``False`` when no example input was known. ``modified``:
+    watched modules whose output the forward changes in place (``out += x``)."""
 
     ran: bool
     calls: dict[str, int] = field(default_factory=dict)
     cuts: dict[str, Cut] = field(default_factory=dict)
+    modified: set[str] = field(default_factory=set)
     unused: list[str] = field(default_factory=list)
     error: str | None = None
 
@@ -63,16 +67,25 @@ class _CutWatcher(TorchFunctionMode):
         super().__init__()
         self.outputs = outputs  # id(output tensor) -> (module name, the tensor: kept alive so no other reuses the id)
         self.cuts: dict[str, Cut] = {}
+        self.modified: set[str] = set()
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        kind = _CUTS.get(func)
-        if kind is not None and args and isinstance(args[0], torch.Tensor) and id(args[0]) in self.outputs:
-            cut = _cut_of(kind, args, kwargs)
+        if args and isinstance(args[0], torch.Tensor) and id(args[0]) in self.outputs:
+            name = self.outputs[id(args[0])][0]
+            kind = _CUTS.get(func)
+            cut = None if kind is None else _cut_of(kind, args, kwargs)
             if cut is not None:
-                name = self.outputs[id(args[0])][0]
                 self.cuts.setdefault(name, cut)
+            if _in_place(func):
+                self.modified.add(name)
         return func(*args, **kwargs)
+
+
+def _in_place(func: Any) -> bool:
+    """Whether ``func`` writes into its first argument (``add_``, ``__iadd__``, ...)."""
+    name = getattr(func, "__name__", "")
+    return (name.endswith("_") and not name.startswith("_")) or (name.startswith("__i") and name.endswith("__"))
 
 
 def _cut_of(kind: str, args: tuple, kwargs: dict) -> Cut | None:
@@ -169,7 +182,7 @@ def trace(model: nn.Module, example_inputs: tuple | None, watch: Collection[str]
     except Exception as exc:  # the model's own error, reported by the caller with context
         return Dataflow(ran=False, calls=calls, error=f"{type(exc).__name__}: {exc}")
     unused = [name for name, _ in model.named_parameters() if tensors[name].grad is None]
-    return Dataflow(ran=True, calls=calls, cuts=watcher.cuts, unused=unused)
+    return Dataflow(ran=True, calls=calls, cuts=watcher.cuts, modified=watcher.modified, unused=unused)
 
 
 __all__ = ["Cut", "Dataflow", "trace"]

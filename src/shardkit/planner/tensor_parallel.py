@@ -53,6 +53,8 @@ class ModuleSplit:
     the whole input and splits it locally. ``packed``: a column-parallel weight holds that many
     equal parts side by side, permuted so each rank's contiguous shard holds its slice of each.
     ``placements``: per direct parameter, the dim split over the axis (``None``: replicated).
+    ``copy_output``: the forward changes the output in place, so it is handed out as a copy (the
+    styles return a view of a DTensor's local tensor, which autograd forbids changing in place).
     """
 
     name: str
@@ -61,6 +63,7 @@ class ModuleSplit:
     gather_output: bool = False
     replicated_input: bool = False
     packed: int = 1
+    copy_output: bool = False
 
 
 @dataclass(frozen=True)
@@ -218,7 +221,8 @@ def plan_axis(model: nn.Module, layouts: dict[str, ParamLayout], axis: str, size
             name, kind, placements,
             gather_output=kind == COLWISE and (name in gathered or ROWWISE not in siblings.values()),
             replicated_input=kind == ROWWISE and not split_partners,
-            packed=packed.get(name, 1))
+            packed=packed.get(name, 1),
+            copy_output=name in flow.modified)
     plan = AxisPlan(axis, size, splits, sequence_parallel=sequence_parallel)
     problems += _head_problems(model, family, plan)
     ties = _ties(model, layouts, canonical, axis)

@@ -207,6 +207,11 @@ def permute_packed(model: nn.Module, plan: AxisPlan) -> Permutations:
     return permutations
 
 
+def _own_output(module: nn.Module, inputs: Any, output: Any) -> Any:
+    """The output as a tensor of its own, not a view (the forward changes it in place)."""
+    return output.clone() if isinstance(output, torch.Tensor) and not isinstance(output, DTensor) else output
+
+
 def _retie(model: nn.Module, ties: tuple[tuple[str, ...], ...]) -> None:
     """Point every name of a tied parameter at the first name's (now distributed) Parameter."""
     for names in ties:
@@ -251,6 +256,10 @@ def apply_tensor_parallel(model: nn.Module, plan: AxisPlan, mesh: DeviceMesh) ->
     styles = tensor_parallel_styles(model, plan)
     if styles:
         parallelize_module(model, mesh, styles)
+    modules = dict(model.named_modules())
+    for name, split in plan.splits.items():
+        if split.copy_output and name in modules:
+            modules[name].register_forward_hook(_own_output)  # after the style's hook: a copy of its view
     _retie(model, tuple(t for t in plan.ties if all(_has_parameter(model, n) for n in t)))
     if plan.sequence_parallel:
         model.register_forward_hook(_plain_outputs)
