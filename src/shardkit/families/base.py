@@ -127,8 +127,9 @@ class Family:
         return []
 
     def tensor_parallel_changes(self, model: nn.Module, split: set[str], size: int) -> list[AttributeChange]:
-        """Attributes to set on a tensor-parallel shard of ``size`` ranks, given the modules
-        whose weights are split (``split``: dotted names): e.g. a head count the forward uses."""
+        """Attributes to set on a tensor-parallel shard of ``size`` ranks, given the column-parallel
+        modules whose output stays split (``split``: dotted names; each rank computes its own heads
+        there): e.g. a head count the forward reshapes with."""
         return []
 
     def fused_projections(self, model: nn.Module) -> dict[str, int]:

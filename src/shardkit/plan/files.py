@@ -116,22 +116,6 @@ def boolean(value: Any, where: str) -> bool:
     return value
 
 
-def integer(value: Any, where: str, minimum: int | None = None) -> int:
-    """``value`` if it is an int (not a bool, not ``"2"``), at least ``minimum`` when given."""
-    if isinstance(value, bool) or not isinstance(value, int) or (minimum is not None and value < minimum):
-        bound = "" if minimum is None else f" >= {minimum}"
-        raise PlanError(f"{where} must be an integer{bound}, got {_describe(value)}")
-    return value
-
-
-def choice(value: Any, where: str, valid: Iterable[Any]) -> Any:
-    """``value`` if it is one of ``valid`` (compared by type too: ``1`` is not ``True``)."""
-    valid = list(valid)
-    if not any(type(value) is type(v) and value == v for v in valid):
-        raise PlanError(f"{where} is {_describe(value)}; valid: {valid}")
-    return value
-
-
 def _describe(value: Any) -> str:
     text = repr(value)
     if len(text) > 60:
@@ -139,4 +123,4 @@ def _describe(value: Any) -> str:
     return f"{type(value).__name__} {text}" if value is not None else "null"
 
 
-__all__ = ["boolean", "choice", "integer", "known_keys", "mapping", "read_file", "read_text"]
+__all__ = ["boolean", "known_keys", "mapping", "read_file", "read_text"]
