@@ -112,6 +112,19 @@ class Family:
         """The vocabulary of a model taking token ids: the rows of its first ``nn.Embedding``."""
         return next((m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)), None)
 
+    # -- initialisation ------------------------------------------------------------------------------
+    def init_module(self, model: nn.Module, module: nn.Module) -> None:
+        """Initialise ``module``'s own parameters and buffers as the model's constructor would: torch's
+        ``reset_parameters`` where the module has one, then the model's ``_init_weights(module)``
+        (transformers' convention, which the reference GPT follows too; it also recomputes
+        transformers' rotary frequencies)."""
+        reset = getattr(module, "reset_parameters", None)
+        if callable(reset):
+            reset()
+        init = getattr(model, "_init_weights", None)
+        if callable(init):
+            init(module)
+
     # -- pipelines --------------------------------------------------------------------------------
     def pipeline_layout(self, model: nn.Module, example_inputs: tuple | None = None) -> ModelLayout | None:
         """The model cut into pipeline units, or ``None`` when this family cannot pipeline it."""

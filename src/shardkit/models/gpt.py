@@ -107,7 +107,12 @@ class GPT(nn.Module):
         self.layers = nn.ModuleList(Block(config) for _ in range(config.layers))
         self.norm_f = nn.LayerNorm(config.dim)
         self.lm_head = nn.Linear(config.dim, config.vocab, bias=False)
-        self.apply(_init_weights)
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        """Initialise one module's own weights (transformers' convention: ``model._init_weights(module)``)."""
+        _init_weights(module)
 
     def forward(self, idx: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         if positions is None:

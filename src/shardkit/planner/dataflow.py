@@ -77,12 +77,12 @@ class _CutWatcher(TorchFunctionMode):
             cut = None if kind is None else _cut_of(kind, args, kwargs)
             if cut is not None:
                 self.cuts.setdefault(name, cut)
-            if _in_place(func):
+            if is_in_place(func):
                 self.modified.add(name)
         return func(*args, **kwargs)
 
 
-def _in_place(func: Any) -> bool:
+def is_in_place(func: Any) -> bool:
     """Whether ``func`` writes into its first argument (``add_``, ``__iadd__``, ...)."""
     name = getattr(func, "__name__", "")
     return (name.endswith("_") and not name.startswith("_")) or (name.startswith("__i") and name.endswith("__"))
@@ -185,4 +185,4 @@ def trace(model: nn.Module, example_inputs: tuple | None, watch: Collection[str]
     return Dataflow(ran=True, calls=calls, cuts=watcher.cuts, modified=watcher.modified, unused=unused)
 
 
-__all__ = ["Cut", "Dataflow", "trace"]
+__all__ = ["Cut", "Dataflow", "is_in_place", "trace"]

@@ -1,20 +1,52 @@
-"""Build models on the meta device: shapes and FLOPs without memory."""
+"""Build models on the meta device: shapes and FLOPs without memory.
+
+Parameters go to the meta device as each is registered (a transient real allocation of one
+tensor at a time, never touched, so the operating system lends no pages); buffers stay real,
+so values a constructor computes into them (rotary frequencies, causal masks) are right when
+the model is later materialised. This is accelerate's ``init_empty_weights(include_buffers=False)``
+idea; torch's ``torch.device("meta")`` context puts buffers on meta too (shardkit accepts such
+models and recomputes their buffers where the model's initialisation can).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
-import torch
 from torch import nn
 
 
-def meta_model(build: Callable[..., nn.Module], *args: Any, **kwargs: Any) -> nn.Module:
-    """``build(*args, **kwargs)`` with every tensor on the meta device (no memory used).
+@contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """While open, every parameter registered on any module is moved to the meta device
+    (its class and attributes kept: ``sk.stage`` tags, ``requires_grad``); buffers are not."""
+    original = nn.Module.register_parameter
 
-    >>> m = meta_model(torch.nn.Linear, 70_000, 70_000)
+    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        original(module, name, param)
+        if param is not None and param.device.type != "meta":
+            meta = type(param)(param.detach().to("meta"), requires_grad=param.requires_grad)
+            meta.__dict__.update(param.__dict__)
+            module._parameters[name] = meta
+
+    nn.Module.register_parameter = register  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+def meta_model(build: Callable[..., nn.Module], *args: Any, **kwargs: Any) -> nn.Module:
+    """``build(*args, **kwargs)`` with every parameter on the meta device (no memory used) and
+    buffers real; ``sk.shard`` materialises only the shards each rank holds.
+
+    >>> m = meta_model(nn.Linear, 70_000, 70_000)
     >>> m.weight.device.type, tuple(m.weight.shape)
     ('meta', (70000, 70000))
     """
-    with torch.device("meta"):
+    with parameters_on_meta():
         return build(*args, **kwargs)
+
+
+__all__ = ["meta_model", "parameters_on_meta"]

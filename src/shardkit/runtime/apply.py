@@ -55,14 +55,19 @@ def mean_over_world(value: torch.Tensor) -> torch.Tensor:
     return value
 
 
-def shard(model: nn.Module, plan: Plan, ctx: Context | None = None, *, example_inputs: tuple | None = None
-          ) -> nn.Module:
+def shard(model: nn.Module, plan: Plan, ctx: Context | None = None, *, example_inputs: tuple | None = None,
+          seed: int = 0) -> nn.Module:
     """Split ``model`` as ``plan`` says, in this process of a launched world; returns the same module.
 
     Runs ``sk.validate`` first (the same :class:`PlanError` as before launch). The model takes
     and returns ordinary tensors; it gains ``model.step(inputs, targets, loss_fn)`` and
     ``model.plan``. Call it inside a function run by ``sk.launch``. ``example_inputs``: one
     micro-batch, for models whose family shardkit does not know (see ``sk.validate``).
+
+    A model built on the meta device (``sk.meta_model(build)``) is split there and then
+    materialised: each rank allocates only its shards, initialised by the model's own
+    initialisation under ``seed`` (:func:`shardkit.runtime.materialize.materialize`), so the
+    full weights are the same whatever the plan.
 
     >>> def work(ctx):                                    # doctest: +SKIP
     ...     model = sk.shard(build_model(), plan)
@@ -73,9 +78,6 @@ def shard(model: nn.Module, plan: Plan, ctx: Context | None = None, *, example_i
         raise UsageError(f"sk.shard(model, plan): model must be an nn.Module, got {type(model).__name__}")
     if isinstance(model, ShardedModule) or getattr(model, "_sk_facts", None) is not None:
         raise UsageError("sk.shard got a model that is already sharded; build a fresh model for each plan")
-    if any(p.device.type == "meta" for p in model.parameters()):
-        raise UsageError("sk.shard got a model on the meta device; build it on a real device (the plan is validated "
-                         "on meta, but sharding needs the weights)")
     plan = plan.resolved(ctx.world_size)
     with warnings.catch_warnings():
         if ctx.rank != 0:  # unused rules are said once, not once per process
@@ -85,8 +87,8 @@ def shard(model: nn.Module, plan: Plan, ctx: Context | None = None, *, example_i
     if plan.pipeline is not None:
         from .pipeline import build_pipeline
 
-        return build_pipeline(model, plan, ctx, report.layouts.params, report.facts)
-    return with_mixin(parallelize(model, plan, ctx, report.layouts.params, report.facts), ShardedModule, "Sharded")
+        return build_pipeline(model, plan, ctx, report.layouts.params, report.facts, seed)
+    return with_mixin(parallelize(model, plan, ctx, report.layouts.params, report.facts, seed), ShardedModule, "Sharded")
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:

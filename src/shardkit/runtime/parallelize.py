@@ -24,6 +24,7 @@ from ..plan import Plan
 from ..plan.layout import ParamLayout
 from ..planner.model_checks import ModelFacts
 from .context import Context
+from .materialize import materialize
 from .meshes import DataMesh, meshes_for
 from .precision import Precision
 from .tensor_parallel import apply_tensor_parallel
@@ -51,25 +52,43 @@ def with_mixin(module: nn.Module, mixin: type, prefix: str) -> nn.Module:
 
 
 def parallelize(module: nn.Module, plan: Plan, ctx: Context, layouts: dict[str, ParamLayout],
-                facts: ModelFacts) -> nn.Module:
+                facts: ModelFacts, seed: int = 0) -> nn.Module:
     """Apply tensor, context and data parallelism (not pipeline stages) to ``module`` in place,
-    as :func:`sk.validate <shardkit.planner.validate.validate>` planned it (``layouts``, ``facts``)."""
+    as :func:`sk.validate <shardkit.planner.validate.validate>` planned it (``layouts``, ``facts``).
+
+    A module on the meta device is split there and materialised (``seed``) as late as it can be:
+    after FSDP2 has sharded it, or just before DDP, which needs real weights to broadcast."""
     plan = plan.resolved(ctx.world_size)
-    module.to(ctx.device)
+    on_meta = any(p.device.type == "meta" for p in module.parameters())
+    if not on_meta:
+        module.to(ctx.device)
     meshes = meshes_for(plan, ctx.device.type)
     permutations: dict = {}
     for axis, axis_plan in facts.tensor_parallel.items():
         permutations.update(apply_tensor_parallel(module, axis_plan, meshes.axis(axis)))
+    module._sk_permutations = permutations  # read by materialize, full_state_dict, checkpoints
     if plan.mesh.size_of("sp") > 1:
         from .context_parallel import enable_context_parallel
 
         enable_context_parallel(module, meshes.axis("sp"))
     data = meshes.data()
+    ddp = data is not None and _uses_ddp(module, plan, data, facts)
+    if on_meta and (data is None or ddp):
+        materialize(module, ctx.device, seed=seed)
     if data is not None:
-        _apply_data_parallel(module, plan, data, layouts, facts)
-    module._sk_permutations = permutations  # read by full_state_dict / full_grads
+        _apply_data_parallel(module, plan, data, layouts, facts, ddp)
+        if on_meta and not ddp:
+            materialize(module, ctx.device, seed=seed)
     module._sk_facts = facts
     return module
+
+
+def _uses_ddp(module: nn.Module, plan: Plan, data: DataMesh, facts: ModelFacts) -> bool:
+    """Plain replication by DDP itself: no sharding, every parameter used, nothing DDP cannot do
+    (tensor-parallel DTensors, mixed precision, pipeline schedules: FSDP2's replicate does those)."""
+    all_used = facts.unused_parameters is not None and not facts.unused_parameters
+    return (not data.shards and all_used and plan.pipeline is None and not plan.fsdp.mixed_precision
+            and not any(isinstance(p, DTensor) for p in module.parameters()))
 
 
 def fsdp_units(module: nn.Module) -> list[nn.Module]:
@@ -101,27 +120,25 @@ def fsdp_units(module: nn.Module) -> list[nn.Module]:
 
 
 def _apply_data_parallel(module: nn.Module, plan: Plan, data: DataMesh, layouts: dict[str, ParamLayout],
-                         facts: ModelFacts) -> None:
+                         facts: ModelFacts, ddp: bool) -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     opts = plan.fsdp
     precision = Precision.of(opts)
     mp = MixedPrecisionPolicy(param_dtype=precision.param_dtype, reduce_dtype=precision.reduce_dtype)
     if not data.shards:
-        all_used = facts.unused_parameters is not None and not facts.unused_parameters
-        if (plan.pipeline is not None or opts.mixed_precision or not all_used
-                or any(isinstance(p, DTensor) for p in module.parameters())):
+        if ddp:
+            # Plain replication: DDP itself (bucketed all-reduce overlapped with backward), applied in place.
+            from torch.distributed._composable import replicate
+
+            replicate(module, device_mesh=data.mesh)
+        else:
             # FSDP2's replicate composes with tensor parallel (DTensor parameters), mixed precision, pipeline
             # schedules (several forwards per backward, which DDP's reducer does not allow) and parameters the
             # forward never uses (DDP's reducer waits for their gradients forever, then fails).
             from torch.distributed._composable.replicate_with_fsdp import replicate
 
             replicate(module, mesh=data.mesh, mp_policy=mp)
-        else:
-            # Plain replication: DDP itself (bucketed all-reduce overlapped with backward), applied in place.
-            from torch.distributed._composable import replicate
-
-            replicate(module, device_mesh=data.mesh)
         return
     by_param = {id(p): layouts.get(n) for n, p in module.named_parameters()}
 

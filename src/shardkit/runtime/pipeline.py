@@ -279,7 +279,7 @@ def _recording_waits() -> Iterator[None]:
 
 
 def build_pipeline(model: nn.Module, plan: Plan, ctx: Context, layouts: dict[str, ParamLayout],
-                   facts: ModelFacts) -> nn.Module:
+                   facts: ModelFacts, seed: int = 0) -> nn.Module:
     """Split ``model`` into this rank's pipeline stage(s), parallelize them, and schedule them
     (``layouts`` and ``facts``: what ``sk.validate`` planned for the whole model).
 
@@ -303,7 +303,7 @@ def build_pipeline(model: nn.Module, plan: Plan, ctx: Context, layouts: dict[str
     model = with_mixin(model, PipelinedModule, "Pipelined")
     model._sk_runtime = runtime
     held = {n for n, _ in model.named_parameters()}
-    model = parallelize(model, plan, ctx, {n: lay for n, lay in layouts.items() if n in held}, facts)
+    model = parallelize(model, plan, ctx, {n: lay for n, lay in layouts.items() if n in held}, facts, seed)
     runtime.build(model)
     return model
 

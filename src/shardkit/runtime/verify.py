@@ -23,6 +23,7 @@ from torch import nn
 from ..plan import Plan, PlanError, UsageError
 from ..planner.tensor_parallel import aliases
 from .context import Context
+from .materialize import materialize
 from .precision import DTYPES, Precision, mixed_precision_backward
 from .verify_inputs import (
     batch_pair,
@@ -128,6 +129,8 @@ class _SingleProcess:
     def __init__(self, build_model: Callable[[], nn.Module], batch: tuple[torch.Tensor, torch.Tensor],
                  loss_fn: Callable, optimizer: str, lr: float, precision: Precision):
         self.model = build_model()
+        if any(p.device.type == "meta" for p in self.model.parameters()):
+            materialize(self.model, seed=0)  # as sk.shard does: the same weights whatever the plan
         self.params = dict(self.model.named_parameters())
         self.aliases = aliases(self.model)
         self.batch, self.loss_fn, self.lr, self.precision = batch, loss_fn, lr, precision

@@ -1,0 +1,213 @@
+"""Give a model built on the meta device real weights, allocating only this rank's shards.
+
+``sk.shard`` splits a meta model with torch's own mechanisms (tensor-parallel styles and
+``fully_shard`` work on meta tensors), then calls :func:`materialize`: every parameter's local
+shard gets real storage (``to_empty``), and each module in turn is initialised on full-size
+temporary tensors, by the model's own initialisation (``reset_parameters``, ``_init_weights``)
+under a seed derived from the module's name, and this rank copies out its pieces
+(:mod:`shardkit.runtime.pieces`) and frees the rest. So:
+
+- a rank holds its shards plus one module's full tensors at a time;
+- an initialisation that also writes a child's parameter (GPT-2's attention scales its
+  ``c_proj``) is found on meta stand-ins and replayed on that parameter after the child's own,
+  as transformers applies ``_init_weights`` children first;
+- the full weights are the same whatever the plan (and the same in one process): every module
+  is initialised from the same seed, on the same full shapes, in the same order; a tied
+  parameter keeps its first module's values (an embedding's, as transformers ties them).
+
+Why not DTensor's random initialisation of sharded tensors: it is offset-based for CUDA's RNG
+only; on CPU each rank would draw its own numbers and the weights would depend on the plan.
+Buffers built real (``sk.meta_model`` keeps them so) are kept; buffers left on meta (a model
+built under ``torch.device("meta")``) are recomputed by the same initialisation, and one it
+does not compute is an error naming it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from ..families import Family, family_of
+from ..plan import UsageError
+from ..planner.dataflow import is_in_place
+from ..planner.tensor_parallel import aliases
+from .pieces import Permutation, pieces
+
+
+def module_seed(seed: int, name: str) -> int:
+    """The seed a module is initialised under: a function of ``seed`` and its dotted name only.
+
+    >>> module_seed(0, "layers.0.attn") == module_seed(0, "layers.0.attn") != module_seed(1, "layers.0.attn")
+    True
+    """
+    return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") % 2**63
+
+
+@contextmanager
+def _full_size(module: nn.Module, buffers: list[str], device: torch.device) -> Iterator[dict[str, torch.Tensor]]:
+    """While open, ``module`` holds fresh full-size plain tensors for its own parameters and for
+    the ``buffers`` named (filled with a marker, to tell whether initialisation computed them)."""
+    saved: list[tuple[dict, str, torch.Tensor]] = []
+    fresh: dict[str, torch.Tensor] = {}
+    wanted = [(module._parameters, k) for k, v in module._parameters.items() if v is not None]
+    wanted += [(module._buffers, k) for k in buffers]
+    for slots, key in wanted:
+        value = slots[key]
+        tensor = torch.empty(value.shape, dtype=value.dtype, device=device)
+        if slots is module._buffers:
+            tensor.fill_(float("nan") if tensor.is_floating_point() else _unset_int(tensor.dtype))
+        saved.append((slots, key, value))
+        slots[key] = fresh[key] = tensor
+    try:
+        yield fresh
+    finally:
+        for slots, key, value in saved:
+            slots[key] = value
+
+
+def _unset_int(dtype: torch.dtype) -> int | bool:
+    return False if dtype == torch.bool else torch.iinfo(dtype).min
+
+
+def _is_unset(tensor: torch.Tensor) -> bool:
+    if tensor.is_floating_point():
+        return bool(torch.isnan(tensor).any())
+    return tensor.dtype != torch.bool and bool((tensor == _unset_int(tensor.dtype)).any())
+
+
+class _Writes(TorchFunctionMode):
+    """Records the tensors in-place operations write to (initialisers are in-place)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written: set[int] = set()
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        target = args[0] if args else kwargs.get("tensor", kwargs.get("input"))  # nn.init passes tensor=
+        if isinstance(target, torch.Tensor) and is_in_place(func):
+            self.written.add(id(target))
+        return func(*args, **kwargs)
+
+
+@contextmanager
+def _stand_ins(module: nn.Module, keep: dict[tuple[int, str], torch.Tensor]) -> Iterator[dict[int, tuple[int, str]]]:
+    """While open, every parameter slot under ``module`` holds a meta stand-in, except the slots in
+    ``keep`` (``(id(owner module), key)``), which hold the tensors given. Yields ``{id(stand-in): slot}``."""
+    saved, slots = [], {}
+    for owner in module.modules():
+        for key, value in list(owner._parameters.items()):
+            if value is None:
+                continue
+            tensor = keep.get((id(owner), key))
+            if tensor is None:
+                tensor = torch.empty(value.shape, dtype=value.dtype, device="meta")
+            saved.append((owner, key, value))
+            owner._parameters[key] = tensor
+            slots[id(tensor)] = (id(owner), key)
+    try:
+        yield slots
+    finally:
+        for owner, key, value in saved:
+            owner._parameters[key] = value
+
+
+def _reaching_inits(model: nn.Module, family: Family) -> dict[tuple[int, str], list[str]]:
+    """``{(id(owner), key): [ancestor names, innermost first]}``: parameter slots an *ancestor*'s
+    initialisation writes too (GPT-2 scales ``c_proj.weight`` when it initialises the attention
+    around it). transformers applies ``_init_weights`` children first, so such writes win."""
+    names = dict(model.named_modules())
+    reached: dict[tuple[int, str], list[str]] = {}
+    for name, module in sorted(names.items(), key=lambda item: -item[0].count(".")):
+        if next(module.children(), None) is None:
+            continue
+        writes = _Writes()
+        with _stand_ins(module, {}) as slots, writes:
+            family.init_module(model, module)
+        for tensor_id in writes.written & set(slots):
+            owner, key = slots[tensor_id]
+            if owner != id(module):
+                reached.setdefault((owner, key), []).append(name)
+    return reached
+
+
+class WeightSource(Protocol):
+    """Where a parameter's values come from instead of the model's initialisation (a checkpoint)."""
+
+    def read(self, name: str, box: tuple[slice, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The values of box ``box`` of the full parameter ``name``, as ``dtype``."""
+
+
+def materialize(model: nn.Module, device: torch.device | str = "cpu", *, seed: int = 0,
+                source: WeightSource | None = None) -> nn.Module:
+    """Allocate ``model``'s meta parameters (their local shards) on ``device`` and give them values.
+
+    Values come from the model's own initialisation under :func:`module_seed`, or, with
+    ``source``, from a checkpoint read box by box (only the boxes this rank holds). Buffers
+    built on meta are recomputed by the initialisation. In place; returns the model.
+
+    >>> import shardkit as sk
+    >>> a = materialize(sk.meta_model(torch.nn.Linear, 4, 3))
+    >>> b = materialize(sk.meta_model(torch.nn.Linear, 4, 3))
+    >>> bool(torch.equal(a.weight, b.weight)), a.weight.device.type
+    (True, 'cpu')
+    """
+    device = torch.device(device)
+    family = family_of(model)
+    permutations: dict[str, Permutation] = getattr(model, "_sk_permutations", {})
+    kept = {name: b.detach().clone() for name, b in model.named_buffers() if b.device.type != "meta"}
+    unset = {name for name, b in model.named_buffers() if b.device.type == "meta"}
+    ties = [(alias, first) for alias, first in aliases(model).items() if alias != first]
+    done: set[str] = set()
+    with torch.no_grad():
+        model.to_empty(device=device)
+        for alias, first in ties:  # to_empty gives each name a new tensor: one parameter again
+            owner, _, key = alias.rpartition(".")
+            (model.get_submodule(owner) if owner else model)._parameters[key] = model.get_parameter(first)
+        for name, buffer in model.named_buffers():
+            if name in kept:
+                buffer.copy_(kept[name])
+        names = {id(p): name for name, p in model.named_parameters()}  # the new tensors' (ids of freed ones recur)
+        ancestors = _reaching_inits(model, family) if source is None else {}
+        modules = dict(model.named_modules())
+        for module_name, module in modules.items():
+            prefix = f"{module_name}." if module_name else ""
+            buffers = [b for b in module._buffers if prefix + b in unset]
+            params = {k: p for k, p in module._parameters.items() if p is not None}
+            if buffers or (params and source is None):
+                with _full_size(module, buffers, device) as fresh:
+                    torch.manual_seed(module_seed(seed, module_name))
+                    family.init_module(model, module)
+                _keep_buffers(module, prefix, buffers, fresh)
+                for key in params:
+                    for ancestor in ancestors.get((id(module), key), ()):
+                        with _stand_ins(modules[ancestor], {(id(module), key): fresh[key]}):
+                            torch.manual_seed(module_seed(seed, f"{ancestor}/{module_name}.{key}"))
+                            family.init_module(model, modules[ancestor])
+            for key, param in params.items():
+                name = names.get(id(param), prefix + key)
+                if name in done:
+                    continue  # a tied parameter keeps its first module's initialisation (the embedding's)
+                done.add(name)
+                for piece in pieces(param, permutations.get(name)):
+                    value = fresh[key][piece.box] if source is None else source.read(name, piece.box, param.dtype)
+                    piece.local.copy_(value)
+    return model
+
+
+def _keep_buffers(module: nn.Module, prefix: str, buffers: list[str], fresh: dict[str, torch.Tensor]) -> None:
+    for key in buffers:
+        if _is_unset(fresh[key]):
+            raise UsageError(f"buffer {prefix + key!r} was built on the meta device and the model's initialisation does "
+                             f"not compute it; build the model with sk.meta_model(build), which keeps buffers real, or "
+                             f"compute it in the module's reset_parameters()")
+        module._buffers[key].copy_(fresh[key])
+
+
+__all__ = ["WeightSource", "materialize", "module_seed"]
