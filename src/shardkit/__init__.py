@@ -57,6 +57,9 @@ _EXPORTS = {
     "PeakMemory": "shardkit.observe.memory",
     "state_bytes": "shardkit.observe.memory",
     "TextShards": "shardkit.io.data",
+    "ShardedDataset": "shardkit.io.sharded_data",
+    "write_shards": "shardkit.io.shard_writer",
+    "DataError": "shardkit.io.manifest",
     "profile": "shardkit.observe.timeline",
     "explain_stages": "shardkit.planner.explain_stages",
     # planner
