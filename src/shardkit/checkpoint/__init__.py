@@ -1,0 +1,1 @@
+"""Checkpoints and HuggingFace weights: sharded state in and out, between plans."""
