@@ -14,6 +14,7 @@ The order follows torchtitan's parallelize procedures, top to bottom:
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,6 +25,7 @@ from torch.distributed.tensor import DTensor
 from ..plan import Plan, PlanWarning, UsageError
 from ..planner.validate import validate
 from .context import Context, current_context
+from .materialize import WeightSource, open_weights
 from .parallelize import parallelize, with_mixin
 
 
@@ -56,7 +58,7 @@ def mean_over_world(value: torch.Tensor) -> torch.Tensor:
 
 
 def shard(model: nn.Module, plan: Plan, ctx: Context | None = None, *, example_inputs: tuple | None = None,
-          seed: int = 0) -> nn.Module:
+          seed: int = 0, weights: str | Path | WeightSource | None = None) -> nn.Module:
     """Split ``model`` as ``plan`` says, in this process of a launched world; returns the same module.
 
     Runs ``sk.validate`` first (the same :class:`PlanError` as before launch). The model takes
@@ -68,6 +70,11 @@ def shard(model: nn.Module, plan: Plan, ctx: Context | None = None, *, example_i
     materialised: each rank allocates only its shards, initialised by the model's own
     initialisation under ``seed`` (:func:`shardkit.runtime.materialize.materialize`), so the
     full weights are the same whatever the plan.
+
+    ``weights``: a HuggingFace safetensors folder (or file) to take the weights from instead:
+    every name and shape is checked against the model first (all problems named, nothing read),
+    then each rank reads only the boxes of each tensor it holds. Build the model on meta
+    (``sk.meta_model(AutoModelForCausalLM.from_config, config)``) and no rank ever holds it whole.
 
     >>> def work(ctx):                                    # doctest: +SKIP
     ...     model = sk.shard(build_model(), plan)
@@ -84,11 +91,13 @@ def shard(model: nn.Module, plan: Plan, ctx: Context | None = None, *, example_i
             warnings.simplefilter("ignore", PlanWarning)
         report = validate(plan, model, ctx.world_size, example_inputs=example_inputs)
     assert report.facts is not None
+    source = None if weights is None else open_weights(weights, model)
     if plan.pipeline is not None:
         from .pipeline import build_pipeline
 
-        return build_pipeline(model, plan, ctx, report.layouts.params, report.facts, seed)
-    return with_mixin(parallelize(model, plan, ctx, report.layouts.params, report.facts, seed), ShardedModule, "Sharded")
+        return build_pipeline(model, plan, ctx, report.layouts.params, report.facts, seed, source)
+    sharded = parallelize(model, plan, ctx, report.layouts.params, report.facts, seed, source)
+    return with_mixin(sharded, ShardedModule, "Sharded")
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -34,6 +35,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from ..families import Family, family_of
+from ..io.hf_weights import HFWeights
 from ..plan import UsageError
 from ..planner.dataflow import is_in_place
 from ..planner.tensor_parallel import aliases
@@ -138,10 +140,15 @@ def _reaching_inits(model: nn.Module, family: Family) -> dict[tuple[int, str], l
 
 
 class WeightSource(Protocol):
-    """Where a parameter's values come from instead of the model's initialisation (a checkpoint)."""
+    """Where a parameter's values come from instead of the model's initialisation (a checkpoint,
+    like :class:`shardkit.io.hf_weights.HFWeights`)."""
 
     def read(self, name: str, box: tuple[slice, ...], dtype: torch.dtype) -> torch.Tensor:
-        """The values of box ``box`` of the full parameter ``name``, as ``dtype``."""
+        """The values of box ``box`` of the full parameter (or buffer) ``name``, as ``dtype``."""
+
+    def holds(self, name: str) -> bool:
+        """Whether the source has values for ``name`` (buffers are optional; parameters are checked
+        before anything is read)."""
 
 
 def materialize(model: nn.Module, device: torch.device | str = "cpu", *, seed: int = 0,
@@ -198,7 +205,48 @@ def materialize(model: nn.Module, device: torch.device | str = "cpu", *, seed: i
                 for piece in pieces(param, permutations.get(name)):
                     value = fresh[key][piece.box] if source is None else source.read(name, piece.box, param.dtype)
                     piece.local.copy_(value)
+        if source is not None:
+            _load_buffers(model, source)
     return model
+
+
+def load_weights(model: nn.Module, source: WeightSource) -> nn.Module:
+    """Copy ``source``'s values into ``model``: every parameter's pieces this rank holds (sharded
+    or not, permuted or not), and the buffers the source holds. In place; returns the model."""
+    permutations: dict[str, Permutation] = getattr(model, "_sk_permutations", {})
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            for piece in pieces(param, permutations.get(name)):
+                piece.local.copy_(source.read(name, piece.box, param.dtype))
+        _load_buffers(model, source)
+    return model
+
+
+def _load_buffers(model: nn.Module, source: WeightSource) -> None:
+    for name, buffer in model.named_buffers():
+        if source.holds(name):
+            buffer.copy_(source.read(name, tuple(slice(0, n) for n in buffer.shape), buffer.dtype))
+
+
+def open_weights(weights: str | Path | WeightSource, model: nn.Module) -> WeightSource:
+    """``weights`` (a HuggingFace safetensors folder or file, or a source already open) checked
+    against ``model`` (on meta or not, before it is split): every parameter found with its shape,
+    under its own name, the model's ``base_model_prefix`` taken off or put on, or a tied name;
+    raises :class:`~shardkit.io.hf_weights.WeightsError` naming every problem."""
+    if not isinstance(weights, (str, Path)):
+        return weights
+    source = HFWeights(weights)
+    groups: dict[str, list[str]] = {}
+    for alias, first in aliases(model).items():
+        groups.setdefault(first, []).append(alias)
+    params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    persistent = {n: tuple(t.shape) for n, t in model.state_dict(keep_vars=True).items() if n not in params}
+    source.check({name: (tuple(p.shape), p.dtype) for name, p in model.named_parameters()},
+                 ties=[g for g in groups.values() if len(g) > 1],
+                 ignore=getattr(model, "_keys_to_ignore_on_load_unexpected", None) or (),
+                 prefix=getattr(model, "base_model_prefix", "") or "",
+                 buffers=persistent)
+    return source
 
 
 def _keep_buffers(module: nn.Module, prefix: str, buffers: list[str], fresh: dict[str, torch.Tensor]) -> None:
@@ -210,4 +258,4 @@ def _keep_buffers(module: nn.Module, prefix: str, buffers: list[str], fresh: dic
         module._buffers[key].copy_(fresh[key])
 
 
-__all__ = ["WeightSource", "materialize", "module_seed"]
+__all__ = ["WeightSource", "load_weights", "materialize", "module_seed", "open_weights"]

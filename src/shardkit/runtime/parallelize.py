@@ -24,7 +24,7 @@ from ..plan import Plan
 from ..plan.layout import ParamLayout
 from ..planner.model_checks import ModelFacts
 from .context import Context
-from .materialize import materialize
+from .materialize import WeightSource, load_weights, materialize
 from .meshes import DataMesh, meshes_for
 from .precision import Precision
 from .tensor_parallel import apply_tensor_parallel
@@ -52,12 +52,14 @@ def with_mixin(module: nn.Module, mixin: type, prefix: str) -> nn.Module:
 
 
 def parallelize(module: nn.Module, plan: Plan, ctx: Context, layouts: dict[str, ParamLayout],
-                facts: ModelFacts, seed: int = 0) -> nn.Module:
+                facts: ModelFacts, seed: int = 0, source: WeightSource | None = None) -> nn.Module:
     """Apply tensor, context and data parallelism (not pipeline stages) to ``module`` in place,
     as :func:`sk.validate <shardkit.planner.validate.validate>` planned it (``layouts``, ``facts``).
 
-    A module on the meta device is split there and materialised (``seed``) as late as it can be:
-    after FSDP2 has sharded it, or just before DDP, which needs real weights to broadcast."""
+    A module on the meta device is split there and materialised (initialised under ``seed``, or
+    read from ``source``) as late as it can be: after FSDP2 has sharded it, or just before DDP,
+    which needs real weights to broadcast. A real module's shards are overwritten from
+    ``source`` once split."""
     plan = plan.resolved(ctx.world_size)
     on_meta = any(p.device.type == "meta" for p in module.parameters())
     if not on_meta:
@@ -74,11 +76,13 @@ def parallelize(module: nn.Module, plan: Plan, ctx: Context, layouts: dict[str, 
     data = meshes.data()
     ddp = data is not None and _uses_ddp(module, plan, data, facts)
     if on_meta and (data is None or ddp):
-        materialize(module, ctx.device, seed=seed)
+        materialize(module, ctx.device, seed=seed, source=source)
     if data is not None:
         _apply_data_parallel(module, plan, data, layouts, facts, ddp)
         if on_meta and not ddp:
-            materialize(module, ctx.device, seed=seed)
+            materialize(module, ctx.device, seed=seed, source=source)
+    if source is not None and not on_meta:
+        load_weights(module, source)
     module._sk_facts = facts
     return module
 

@@ -40,6 +40,7 @@ from ..planner.model_checks import ModelFacts
 from ..planner.stages import StageAssignment, assign_stages
 from . import spans as timeline
 from .context import Context
+from .materialize import WeightSource
 from .parallelize import parallelize, with_mixin
 
 
@@ -279,7 +280,7 @@ def _recording_waits() -> Iterator[None]:
 
 
 def build_pipeline(model: nn.Module, plan: Plan, ctx: Context, layouts: dict[str, ParamLayout],
-                   facts: ModelFacts, seed: int = 0) -> nn.Module:
+                   facts: ModelFacts, seed: int = 0, source: WeightSource | None = None) -> nn.Module:
     """Split ``model`` into this rank's pipeline stage(s), parallelize them, and schedule them
     (``layouts`` and ``facts``: what ``sk.validate`` planned for the whole model).
 
@@ -303,7 +304,7 @@ def build_pipeline(model: nn.Module, plan: Plan, ctx: Context, layouts: dict[str
     model = with_mixin(model, PipelinedModule, "Pipelined")
     model._sk_runtime = runtime
     held = {n for n, _ in model.named_parameters()}
-    model = parallelize(model, plan, ctx, {n: lay for n, lay in layouts.items() if n in held}, facts, seed)
+    model = parallelize(model, plan, ctx, {n: lay for n, lay in layouts.items() if n in held}, facts, seed, source)
     runtime.build(model)
     return model
 
