@@ -60,6 +60,8 @@ _EXPORTS = {
     "ShardedDataset": "shardkit.io.sharded_data",
     "write_shards": "shardkit.io.shard_writer",
     "DataError": "shardkit.io.manifest",
+    "WeightsError": "shardkit.io.hf_weights",
+    "export_hf": "shardkit.checkpoint.export",
     "profile": "shardkit.observe.timeline",
     "explain_stages": "shardkit.planner.explain_stages",
     # planner

@@ -20,13 +20,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from ..plan import Plan, PlanWarning, UsageError
 from ..planner.validate import validate
 from .context import Context, current_context
 from .materialize import WeightSource, open_weights
 from .parallelize import parallelize, with_mixin
+from .pieces import full_parameter
 
 
 class ShardedModule:
@@ -100,33 +100,23 @@ def shard(model: nn.Module, plan: Plan, ctx: Context | None = None, *, example_i
     return with_mixin(sharded, ShardedModule, "Sharded")
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
-
-
-def _unpermute(module: nn.Module, name: str, t: torch.Tensor) -> torch.Tensor:
-    perm = getattr(module, "_sk_permutations", {}).get(name)
-    if perm is None:
-        return t
-    dim, index = perm
-    return t.index_select(dim, torch.argsort(index.to(t.device)))
-
-
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """``{dotted name: full tensor}`` of the parameters this rank holds (a collective on sharded ones).
 
     Every rank of a sharding group must call it. Adapter permutations are undone, so the
     names and values match the unsharded model.
     """
-    return {n: _unpermute(model, n, _full(p)).cpu() for n, p in model.named_parameters()}
+    permutations = getattr(model, "_sk_permutations", {})
+    return {n: full_parameter(p, permutations.get(n)).clone().cpu() for n, p in model.named_parameters()}
 
 
 def full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
     """``{dotted name: full gradient}`` like :func:`full_state_dict` (zeros where a grad is None)."""
+    permutations = getattr(model, "_sk_permutations", {})
     out = {}
     for n, p in model.named_parameters():
         g = p.grad
-        out[n] = torch.zeros(p.shape) if g is None else _unpermute(model, n, _full(g)).cpu()
+        out[n] = torch.zeros(p.shape) if g is None else full_parameter(g, permutations.get(n)).clone().cpu()
     return out
 
 

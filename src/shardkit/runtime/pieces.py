@@ -83,6 +83,22 @@ def pieces(tensor: torch.Tensor, permutation: Permutation | None = None) -> list
     return found
 
 
+def full_parameter(tensor: torch.Tensor, permutation: Permutation | None = None) -> torch.Tensor:
+    """The whole canonical tensor (a collective over the tensor's mesh when it is a DTensor:
+    every rank holding a part must call it), the permutation undone.
+
+    >>> full_parameter(torch.tensor([10., 30., 20.]), (0, torch.tensor([0, 2, 1])))
+    tensor([10., 20., 30.])
+    """
+    from torch.distributed.tensor import DTensor
+
+    full = (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach()
+    if permutation is None:
+        return full
+    dim, order = permutation
+    return full.index_select(dim, torch.argsort(order.to(full.device)))
+
+
 def model_pieces(model: nn.Module) -> dict[str, list[Piece]]:
     """``{parameter name: pieces}`` of every parameter ``model`` holds on this rank (each tied
     parameter once, under its first name), with the model's permutations applied."""
@@ -90,4 +106,4 @@ def model_pieces(model: nn.Module) -> dict[str, list[Piece]]:
     return {name: pieces(p, permutations.get(name)) for name, p in model.named_parameters()}
 
 
-__all__ = ["Permutation", "Piece", "model_pieces", "pieces"]
+__all__ = ["Permutation", "Piece", "full_parameter", "model_pieces", "pieces"]
