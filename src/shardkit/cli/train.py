@@ -18,8 +18,10 @@ import argparse
 import os
 import sys
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from rich.console import Console
@@ -31,8 +33,11 @@ from ..models.registry import MODELS, ModelEntry, model_entry
 from ..observe.report import RankStats, print_summary
 from ..plan import Plan, PlanError, UsageError
 from ..plan.text import format_bytes
+from ..planner.initialisation import uninitialised
+from ..planner.meta import meta_model
 from ..planner.validate import validate
 from ..runtime.context import Context
+from ..runtime.materialize import open_weights
 from ..runtime.torchrun import in_torchrun
 from ..runtime.world import DEFAULT_TIMEOUT_S, LocalWorld, WorldError, launch
 from .options import (
@@ -53,6 +58,7 @@ DEFAULT_STEPS = 60
 DEFAULT_BATCH = 8
 DEFAULT_LR = 3e-3
 VERIFY_STEPS = 2
+BUILDS = ("meta", "full")
 BYTE_VOCAB = 256  # the data are bytes: token ids 0..255
 
 
@@ -71,6 +77,8 @@ class TrainJob:
     lr: float
     seed: int
     profile: bool = False
+    build: str = "meta"
+    init_from: str | None = None
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -95,7 +103,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--data-mb", type=positive_float, default=DEFAULT_MAX_BYTES / 2**20, metavar="X",
                         help=f"read at most this many MiB of text (default: {DEFAULT_MAX_BYTES / 2**20:g})")
     parser.add_argument("--seed", type=non_negative_int, default=0, metavar="N",
-                        help="seed of the batch sampling (default: 0)")
+                        help="seed of the batch sampling and of the initialisation (default: 0)")
+    parser.add_argument("--build", choices=BUILDS, default="meta",
+                        help="meta (default): build the model on the meta device and allocate only each process's "
+                             "shards, initialised the same whatever the plan; full: every process builds the whole "
+                             "model first (for models whose initialisation shardkit cannot replay on meta)")
+    parser.add_argument("--init-from", type=path, metavar="DIR",
+                        help="start from a HuggingFace model folder (safetensors): each process reads only its shards; "
+                             "names and shapes are checked before any process starts")
     parser.add_argument("--timeout", type=positive_float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
                         help=f"stop every process and exit 1 when the job runs longer (default: {DEFAULT_TIMEOUT_S:g})")
     parser.add_argument("--verify", action="store_true",
@@ -121,6 +136,15 @@ def check_job(args: argparse.Namespace, plan: Plan, world_size: int) -> TrainJob
     positions = _check_token_sizes(args, entry, model)
     with rules_hint(args):
         validate(plan, model, world_size=world_size)
+    if args.init_from is not None:
+        open_weights(args.init_from, model)  # every name and shape, before any process starts
+    elif args.build == "meta":
+        missing = uninitialised(model)
+        if missing:
+            raise UsageError(f"--build meta: the model's initialisation writes no values for {len(missing)} "
+                             f"parameter(s) ({', '.join(map(repr, missing[:5]))}), so they cannot be made on the "
+                             f"meta device; use --build full, --init-from DIR, or give their modules a "
+                             f"reset_parameters()")
     seq_len = positions if args.seq_len is None else args.seq_len
     problems = []
     if positions is not None and seq_len > positions:
@@ -131,7 +155,8 @@ def check_job(args: argparse.Namespace, plan: Plan, world_size: int) -> TrainJob
         raise PlanError(problems)
     data = TextShards(args.data, max_bytes=int(args.data_mb * 2**20))
     data.check()
-    return TrainJob(args.model, data, args.steps, args.batch_size, seq_len, args.lr, args.seed, args.profile is not None)
+    return TrainJob(args.model, data, args.steps, args.batch_size, seq_len, args.lr, args.seed, args.profile is not None,
+                    args.build, None if args.init_from is None else str(args.init_from))
 
 
 def _check_token_sizes(args: argparse.Namespace, entry: ModelEntry, model: nn.Module) -> int | None:
@@ -165,7 +190,7 @@ def train_job(ctx: Context, job: TrainJob) -> tuple[RankStats, list]:
 
     memory = PeakMemory(ctx.device).start()
     entry = model_entry(job.model)
-    model = shard(entry.build(), ctx.plan, ctx)
+    model = shard(_builder(job)(), ctx.plan, ctx, seed=job.seed, weights=job.init_from)
     optimizer = torch.optim.AdamW(model.parameters(), lr=job.lr)
     batches = job.data.batches(job.seq_len, job.batch_size, job.seed, job.steps)
     losses, times = [], []
@@ -228,12 +253,18 @@ class _Progress:
             self.bar.stop()
 
 
+def _builder(job: TrainJob) -> Callable[[], nn.Module]:
+    """The model's builder as ``--build`` says: on meta (only shards are allocated) or in full."""
+    entry = model_entry(job.model)
+    return partial(meta_model, entry.build) if job.build == "meta" else entry.build
+
+
 def _verify(job: TrainJob, plan: Plan, world: LocalWorld | None) -> bool:
     from ..runtime.verify import verify
 
     entry = model_entry(job.model)
     batch = next(job.data.batches(job.seq_len, job.batch_size, job.seed, 1))
-    result = verify(entry.build, plan, batch, loss_fn=entry.loss_fn, steps=VERIFY_STEPS, optimizer="adamw",
+    result = verify(_builder(job), plan, batch, loss_fn=entry.loss_fn, steps=VERIFY_STEPS, optimizer="adamw",
                     lr=job.lr, world=world)
     print(result, flush=True)
     return result.ok

@@ -106,7 +106,7 @@ class HFWeights:
                                 f"{_shape(shape)} (a checkpoint of another configuration?)")
             elif stored.is_floating_point != dtype.is_floating_point:
                 problems.append(f"{key!r} in {file.name} holds {stored}; the model's {name!r} is {dtype}")
-            self._names[name] = key
+            self._names.update({member: key for member in groups[name]})
         for name, shape in (buffers or {}).items():
             key = next((k for k in _spellings(name, prefix) if k in self.keys), None)
             if key is None:

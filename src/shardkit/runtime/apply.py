@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..plan import Plan, PlanWarning, UsageError
+from ..planner.initialisation import uninitialised
 from ..planner.validate import validate
 from .context import Context, current_context
 from .materialize import WeightSource, open_weights
@@ -92,6 +93,13 @@ def shard(model: nn.Module, plan: Plan, ctx: Context | None = None, *, example_i
         report = validate(plan, model, ctx.world_size, example_inputs=example_inputs)
     assert report.facts is not None
     source = None if weights is None else open_weights(weights, model)
+    if source is None and any(p.device.type == "meta" for p in model.parameters()):
+        missing = uninitialised(model)
+        if missing:
+            raise UsageError(f"the model is on the meta device, and its initialisation writes no values for "
+                             f"{len(missing)} parameter(s): {', '.join(map(repr, missing[:5]))}"
+                             f"{' ...' if len(missing) > 5 else ''}; give their modules a reset_parameters(), pass "
+                             f"weights=..., or build the model in full")
     if plan.pipeline is not None:
         from .pipeline import build_pipeline
 

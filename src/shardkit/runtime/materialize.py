@@ -28,16 +28,15 @@ import hashlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
-from ..families import Family, family_of
+from ..families import family_of
 from ..io.hf_weights import HFWeights
 from ..plan import UsageError
-from ..planner.dataflow import is_in_place
+from ..planner.initialisation import reaching_inits, stand_ins
 from ..planner.tensor_parallel import aliases
 from .pieces import Permutation, pieces
 
@@ -54,7 +53,7 @@ def module_seed(seed: int, name: str) -> int:
 @contextmanager
 def _full_size(module: nn.Module, buffers: list[str], device: torch.device) -> Iterator[dict[str, torch.Tensor]]:
     """While open, ``module`` holds fresh full-size plain tensors for its own parameters and for
-    the ``buffers`` named (filled with a marker, to tell whether initialisation computed them)."""
+    the ``buffers`` named (filled with a marker, to tell whether initialisation wrote them)."""
     saved: list[tuple[dict, str, torch.Tensor]] = []
     fresh: dict[str, torch.Tensor] = {}
     wanted = [(module._parameters, k) for k, v in module._parameters.items() if v is not None]
@@ -62,8 +61,7 @@ def _full_size(module: nn.Module, buffers: list[str], device: torch.device) -> I
     for slots, key in wanted:
         value = slots[key]
         tensor = torch.empty(value.shape, dtype=value.dtype, device=device)
-        if slots is module._buffers:
-            tensor.fill_(float("nan") if tensor.is_floating_point() else _unset_int(tensor.dtype))
+        tensor.fill_(float("nan") if tensor.is_floating_point() else _unset_int(tensor.dtype))
         saved.append((slots, key, value))
         slots[key] = fresh[key] = tensor
     try:
@@ -81,62 +79,6 @@ def _is_unset(tensor: torch.Tensor) -> bool:
     if tensor.is_floating_point():
         return bool(torch.isnan(tensor).any())
     return tensor.dtype != torch.bool and bool((tensor == _unset_int(tensor.dtype)).any())
-
-
-class _Writes(TorchFunctionMode):
-    """Records the tensors in-place operations write to (initialisers are in-place)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.written: set[int] = set()
-
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        target = args[0] if args else kwargs.get("tensor", kwargs.get("input"))  # nn.init passes tensor=
-        if isinstance(target, torch.Tensor) and is_in_place(func):
-            self.written.add(id(target))
-        return func(*args, **kwargs)
-
-
-@contextmanager
-def _stand_ins(module: nn.Module, keep: dict[tuple[int, str], torch.Tensor]) -> Iterator[dict[int, tuple[int, str]]]:
-    """While open, every parameter slot under ``module`` holds a meta stand-in, except the slots in
-    ``keep`` (``(id(owner module), key)``), which hold the tensors given. Yields ``{id(stand-in): slot}``."""
-    saved, slots = [], {}
-    for owner in module.modules():
-        for key, value in list(owner._parameters.items()):
-            if value is None:
-                continue
-            tensor = keep.get((id(owner), key))
-            if tensor is None:
-                tensor = torch.empty(value.shape, dtype=value.dtype, device="meta")
-            saved.append((owner, key, value))
-            owner._parameters[key] = tensor
-            slots[id(tensor)] = (id(owner), key)
-    try:
-        yield slots
-    finally:
-        for owner, key, value in saved:
-            owner._parameters[key] = value
-
-
-def _reaching_inits(model: nn.Module, family: Family) -> dict[tuple[int, str], list[str]]:
-    """``{(id(owner), key): [ancestor names, innermost first]}``: parameter slots an *ancestor*'s
-    initialisation writes too (GPT-2 scales ``c_proj.weight`` when it initialises the attention
-    around it). transformers applies ``_init_weights`` children first, so such writes win."""
-    names = dict(model.named_modules())
-    reached: dict[tuple[int, str], list[str]] = {}
-    for name, module in sorted(names.items(), key=lambda item: -item[0].count(".")):
-        if next(module.children(), None) is None:
-            continue
-        writes = _Writes()
-        with _stand_ins(module, {}) as slots, writes:
-            family.init_module(model, module)
-        for tensor_id in writes.written & set(slots):
-            owner, key = slots[tensor_id]
-            if owner != id(module):
-                reached.setdefault((owner, key), []).append(name)
-    return reached
 
 
 class WeightSource(Protocol):
@@ -181,7 +123,7 @@ def materialize(model: nn.Module, device: torch.device | str = "cpu", *, seed: i
             if name in kept:
                 buffer.copy_(kept[name])
         names = {id(p): name for name, p in model.named_parameters()}  # the new tensors' (ids of freed ones recur)
-        ancestors = _reaching_inits(model, family) if source is None else {}
+        ancestors = reaching_inits(model, family) if source is None else {}
         modules = dict(model.named_modules())
         for module_name, module in modules.items():
             prefix = f"{module_name}." if module_name else ""
@@ -194,7 +136,7 @@ def materialize(model: nn.Module, device: torch.device | str = "cpu", *, seed: i
                 _keep_buffers(module, prefix, buffers, fresh)
                 for key in params:
                     for ancestor in ancestors.get((id(module), key), ()):
-                        with _stand_ins(modules[ancestor], {(id(module), key): fresh[key]}):
+                        with stand_ins(modules[ancestor], {(id(module), key): fresh[key]}):
                             torch.manual_seed(module_seed(seed, f"{ancestor}/{module_name}.{key}"))
                             family.init_module(model, modules[ancestor])
             for key, param in params.items():
@@ -202,6 +144,13 @@ def materialize(model: nn.Module, device: torch.device | str = "cpu", *, seed: i
                 if name in done:
                     continue  # a tied parameter keeps its first module's initialisation (the embedding's)
                 done.add(name)
+                if source is None and _is_unset(fresh[key]):
+                    raise UsageError(
+                        f"parameter {name!r} ({type(module).__name__}) is not initialised by the model's own "
+                        f"initialisation (no reset_parameters() on its module, and the model's _init_weights, if "
+                        f"any, does not write it), so its values cannot be made on the meta device: give "
+                        f"{type(module).__name__} a reset_parameters(), load weights (weights=...), or build the "
+                        f"model in full (shardkit train --build full)")
                 for piece in pieces(param, permutations.get(name)):
                     value = fresh[key][piece.box] if source is None else source.read(name, piece.box, param.dtype)
                     piece.local.copy_(value)
