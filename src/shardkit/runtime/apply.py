@@ -88,7 +88,9 @@ def shard(model: nn.Module, plan: Plan, ctx: Context | None = None, *, example_i
         from .pipeline import build_pipeline
 
         return build_pipeline(model, plan, ctx, report.layouts.params, report.facts, seed)
-    return with_mixin(parallelize(model, plan, ctx, report.layouts.params, report.facts, seed), ShardedModule, "Sharded")
+    model = with_mixin(parallelize(model, plan, ctx, report.layouts.params, report.facts, seed), ShardedModule, "Sharded")
+    model._sk_plan = plan
+    return model
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
