@@ -64,6 +64,11 @@ _EXPORTS = {
     "export_hf": "shardkit.checkpoint.export",
     "profile": "shardkit.observe.timeline",
     "explain_stages": "shardkit.planner.explain_stages",
+    # checkpoints
+    "save": "shardkit.checkpoint.store",
+    "load": "shardkit.checkpoint.store",
+    "latest_checkpoint": "shardkit.checkpoint.store",
+    "CheckpointError": "shardkit.checkpoint.manifest",
     # planner
     "meta_model": "shardkit.planner.meta",
     "validate": "shardkit.planner.validate",

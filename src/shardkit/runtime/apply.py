@@ -104,8 +104,10 @@ def shard(model: nn.Module, plan: Plan, ctx: Context | None = None, *, example_i
         from .pipeline import build_pipeline
 
         return build_pipeline(model, plan, ctx, report.layouts.params, report.facts, seed, source)
-    sharded = parallelize(model, plan, ctx, report.layouts.params, report.facts, seed, source)
-    return with_mixin(sharded, ShardedModule, "Sharded")
+    sharded = with_mixin(parallelize(model, plan, ctx, report.layouts.params, report.facts, seed, source),
+                         ShardedModule, "Sharded")
+    sharded._sk_plan = plan
+    return sharded
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
