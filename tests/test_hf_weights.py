@@ -253,7 +253,7 @@ def test_every_plan_loads_the_checkpoint_exactly_and_exports_what_from_pretraine
 
 def test_export_refuses_a_folder_in_use(world, tmp_path):
     (tmp_path / "keep.txt").write_text("mine")
-    with pytest.raises(sk.UsageError, match="exists and is not an empty folder"):
+    with pytest.raises(sk.UsageError, match="exists and is not an empty folder: pass overwrite=True"):
         sk.export_hf(tmp_path, torch.nn.Linear(2, 2))
     assert (tmp_path / "keep.txt").read_text() == "mine"
     sk.export_hf(tmp_path, torch.nn.Linear(2, 2), overwrite=True)

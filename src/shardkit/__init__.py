@@ -62,6 +62,7 @@ _EXPORTS = {
     "DataError": "shardkit.io.manifest",
     "WeightsError": "shardkit.io.hf_weights",
     "export_hf": "shardkit.checkpoint.export",
+    "convert_to_hf": "shardkit.checkpoint.export",
     "profile": "shardkit.observe.timeline",
     "explain_stages": "shardkit.planner.explain_stages",
     # checkpoints

@@ -24,7 +24,7 @@ import json
 import os
 import shutil
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -37,6 +37,8 @@ from ..io.safetensors import SafetensorsWriter
 from ..plan import UsageError
 from ..plan.text import parse_bytes
 from ..runtime.pieces import full_parameter
+from .state import load_model_tensors
+from .store import CONFIG_FILES, check_files, checkpoint_to_load, write_model_config
 
 
 def _rank_world() -> tuple[int, int]:
@@ -56,35 +58,92 @@ def _local_tensors(model: nn.Module) -> dict[str, tuple[torch.Tensor, bool]]:
     return out
 
 
+Entry = tuple[str, tuple[int, ...], torch.dtype]  # name, full shape, dtype written
+
+
 def _gather_catalogue(local: dict[str, tuple[torch.Tensor, bool]], dtype: torch.dtype | None,
-                      world: int) -> list[tuple[str, tuple[int, ...], torch.dtype, list[int]]]:
-    """Every tensor of the whole model, in order: ``(name, full shape, dtype written, ranks holding it)``."""
-    mine = [(name, tuple(t.shape), t.dtype if dtype is None or not t.is_floating_point() else dtype)
-            for name, (t, _) in local.items()]
+                      world: int) -> tuple[list[Entry], dict[str, list[int]]]:
+    """Every tensor of the whole model, in order, and the ranks holding each."""
+    mine = [(name, tuple(t.shape), _written(t.dtype, dtype)) for name, (t, _) in local.items()]
     everyone = [mine]
     if world > 1:
         everyone = [None] * world
         dist.all_gather_object(everyone, mine)
-    catalogue: dict[str, tuple[tuple[int, ...], torch.dtype, list[int]]] = {}
-    for rank, entries in enumerate(everyone):
-        for name, shape, kind in entries:
-            catalogue.setdefault(name, (shape, kind, []))[2].append(rank)
-    return [(name, shape, kind, holders) for name, (shape, kind, holders) in catalogue.items()]
+    entries: dict[str, Entry] = {}
+    holders: dict[str, list[int]] = {}
+    for rank, found in enumerate(everyone):
+        for entry in found:
+            entries.setdefault(entry[0], entry)
+            holders.setdefault(entry[0], []).append(rank)
+    return list(entries.values()), holders
 
 
-def _files(catalogue: list, limit: int) -> list[list[int]]:
-    """Indices of ``catalogue`` per file: in order, a new file when the next tensor would pass
-    ``limit`` bytes (a tensor larger than ``limit`` gets a file of its own), as transformers does."""
-    files: list[list[int]] = [[]]
+def _written(stored: torch.dtype, asked: torch.dtype | None) -> torch.dtype:
+    return stored if asked is None or not stored.is_floating_point else asked
+
+
+def _groups(entries: list[Entry], limit: int) -> list[list[Entry]]:
+    """``entries`` per file: in order, a new file when the next tensor would pass ``limit``
+    bytes (a tensor larger than ``limit`` gets a file of its own), as transformers does."""
+    groups: list[list[Entry]] = [[]]
     size = 0
-    for i, (_, shape, dtype, _) in enumerate(catalogue):
-        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-        if files[-1] and size + nbytes > limit:
-            files.append([])
+    for entry in entries:
+        nbytes = _nbytes(entry)
+        if groups[-1] and size + nbytes > limit:
+            groups.append([])
             size = 0
-        files[-1].append(i)
+        groups[-1].append(entry)
         size += nbytes
-    return files
+    return groups
+
+
+def _nbytes(entry: Entry) -> int:
+    return torch.Size(entry[1]).numel() * torch.empty((), dtype=entry[2]).element_size()
+
+
+def _write_folder(path: Path, entries: list[Entry], max_shard_size: str | int, overwrite: bool,
+                  tensors: Callable[[list[Entry]], Iterator[torch.Tensor | None]], finish: Callable[[Path], None],
+                  progress: Callable[[str, int], None] | None) -> Path:
+    """Write a HuggingFace folder: ``tensors(file's entries)`` yields each file's tensors in order
+    (on rank 0; other ranks' iterations do their part of gathering them and yield None); then
+    the index and ``finish(folder)``, in a staging folder renamed to ``path`` last."""
+    rank, world = _rank_world()
+    groups = _groups(entries, parse_bytes(max_shard_size))
+    names = [SINGLE] if len(groups) == 1 else [f"model-{k:05d}-of-{len(groups):05d}.safetensors"
+                                              for k in range(1, len(groups) + 1)]
+    busy = rank == 0 and path.exists() and not overwrite and (not path.is_dir() or any(path.iterdir()))
+    problem = _rank0_value(f"{path} exists and is not an empty folder: pass overwrite=True (on the command line: "
+                           f"--overwrite) to replace it" if busy else "", world)
+    if problem:
+        raise UsageError(problem)
+    staging = Path(_rank0_value(str(path.with_name(f".{path.name}.incomplete-{uuid.uuid4().hex[:8]}")), world))
+    if rank == 0:
+        staging.mkdir(parents=True)
+    try:
+        for file_name, group in zip(names, groups):
+            header = {name: (shape, kind) for name, shape, kind in group}
+            with SafetensorsWriter(staging / file_name, header) if rank == 0 else nullcontext() as writer:
+                for (name, _, kind), tensor in zip(group, tensors(group)):
+                    if writer is not None and tensor is not None:
+                        writer.write(name, tensor.to(kind).cpu())
+                        if progress is not None:
+                            progress(name, tensor.numel() * tensor.element_size())
+        if rank == 0:
+            if len(groups) > 1:
+                weight_map = {name: file_name for file_name, group in zip(names, groups) for name, _, _ in group}
+                index = {"metadata": {"total_size": sum(map(_nbytes, entries))}, "weight_map": weight_map}
+                (staging / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+            finish(staging)
+            if path.exists():
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
+            os.replace(staging, path)
+    except BaseException:
+        if rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
+    if world > 1:
+        dist.barrier()
+    return path
 
 
 def export_hf(path: str | os.PathLike, model: nn.Module, *, max_shard_size: str | int = "2GB",
@@ -103,61 +162,74 @@ def export_hf(path: str | os.PathLike, model: nn.Module, *, max_shard_size: str 
     >>> sorted(p.name for p in folder.iterdir())
     ['model.safetensors']
     """
-    path = Path(path)
-    limit = parse_bytes(max_shard_size)
     rank, world = _rank_world()
-    if rank == 0 and path.exists() and not overwrite and (not path.is_dir() or any(path.iterdir())):
-        problem = f"{path} exists and is not an empty folder: pass overwrite=True to replace it"
-    else:
-        problem = ""
-    problem = _agree(problem, world)
-    if problem:
-        raise UsageError(problem)
     permutations = getattr(model, "_sk_permutations", {})
     local = _local_tensors(model)
-    catalogue = _gather_catalogue(local, dtype, world)
-    files = _files(catalogue, limit)
-    names = [SINGLE] if len(files) == 1 else [f"model-{k:05d}-of-{len(files):05d}.safetensors"
-                                             for k in range(1, len(files) + 1)]
-    staging = path.with_name(f".{path.name}.incomplete-{uuid.uuid4().hex[:8]}")
-    staging = Path(_agree_value(str(staging), world))
-    if rank == 0:
-        staging.mkdir(parents=True)
-    try:
-        for file_name, members in zip(names, files):
-            entries = [catalogue[i] for i in members]
-            header = {n: (s, d) for n, s, d, _ in entries}
-            with SafetensorsWriter(staging / file_name, header) if rank == 0 else nullcontext() as writer:
-                for name, shape, kind, holders in entries:
-                    tensor = _whole(name, local, permutations, holders, rank)
-                    if rank == 0:
-                        tensor = _receive(holders[0], shape, kind) if tensor is None else tensor.to(kind).cpu()
-                        writer.write(name, tensor)
-                        if progress is not None:
-                            progress(name, tensor.numel() * tensor.element_size())
-                    elif tensor is not None and rank == holders[0]:
-                        dist.send(tensor.to(kind).contiguous().reshape(-1).view(torch.uint8), dst=0)
-                    del tensor
-        if rank == 0:
-            _write_index_and_config(staging, model, catalogue, files, names)
-            if path.exists():
-                shutil.rmtree(path) if path.is_dir() else path.unlink()
-            os.replace(staging, path)
-    except BaseException:
-        if rank == 0:
-            shutil.rmtree(staging, ignore_errors=True)
-        raise
-    if world > 1:
-        dist.barrier()
-    return path
+    entries, holders = _gather_catalogue(local, dtype, world)
+
+    def tensors(group: list[Entry]) -> Iterator[torch.Tensor | None]:
+        for name, shape, kind in group:
+            tensor = None
+            if rank in holders[name]:  # a collective among the ranks holding it
+                value, is_param = local[name]
+                tensor = full_parameter(value, permutations.get(name) if is_param else None)
+            if rank == 0 and tensor is None:
+                tensor = _receive(holders[name][0], shape, kind)
+            elif rank != 0 and rank == holders[name][0]:
+                dist.send(tensor.to(kind).contiguous().reshape(-1).view(torch.uint8), dst=0)
+            yield tensor if rank == 0 else None
+
+    return _write_folder(Path(path), entries, max_shard_size, overwrite, tensors,
+                         lambda folder: write_model_config(folder, model), progress)
 
 
-def _whole(name: str, local: dict, permutations: dict, holders: list[int], rank: int) -> torch.Tensor | None:
-    """The whole tensor on every rank holding ``name`` (a collective among them), else None."""
-    if rank not in holders:
-        return None
-    tensor, is_param = local[name]
-    return full_parameter(tensor, permutations.get(name) if is_param else None)
+def convert_to_hf(checkpoint: str | os.PathLike, path: str | os.PathLike, *, max_shard_size: str | int = "2GB",
+                  dtype: torch.dtype | None = None, overwrite: bool = False,
+                  progress: Callable[[str, int], None] | None = None) -> Path:
+    """Write the weights of a checkpoint saved by ``sk.save`` as a HuggingFace folder, in this
+    one process, without building the model.
+
+    ``checkpoint``: one checkpoint folder, or a folder of them (the latest complete one). Every
+    file is checked first (sizes and sha256). Tensors are read with DCP a file's worth at a time
+    (at most ``max_shard_size``), permutations undone; the checkpoint's ``config.json`` (saved
+    when the model had a HuggingFace config) is copied beside them. Other arguments as
+    :func:`export_hf`.
+    """
+    if _rank_world()[1] > 1:
+        raise UsageError("convert_to_hf reads a checkpoint in one process; in a launched world, sk.load it into "
+                         "the sharded model and call sk.export_hf(path, model)")
+    folder, manifest = checkpoint_to_load(Path(checkpoint))
+    check_files(folder, manifest)
+    entries = [(name, tuple(shape), _written(getattr(torch, kind), dtype))
+               for name, (shape, kind) in manifest.parameters.items()]
+    stored = {name: getattr(torch, kind) for name, (_, kind) in manifest.parameters.items()}
+
+    def tensors(group: list[Entry]) -> Iterator[torch.Tensor]:
+        state = {name: torch.empty(shape, dtype=stored[name]) for name, shape, _ in group}
+        load_model_tensors(folder, state)
+        for name, _, _ in group:
+            tensor = state.pop(name)
+            permutation = manifest.permutations.get(name)
+            if permutation is not None:
+                dim, order = permutation
+                tensor = tensor.index_select(dim, torch.argsort(torch.tensor(order)))
+            yield tensor
+
+    def finish(staging: Path) -> None:
+        for name in CONFIG_FILES:
+            if (folder / name).is_file():
+                shutil.copyfile(folder / name, staging / name)
+
+    return _write_folder(Path(path), entries, max_shard_size, overwrite, tensors, finish, progress)
+
+
+def _rank0_value(value: str, world: int) -> str:
+    """Rank 0's ``value`` on every rank (so all raise, or none do)."""
+    if world == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def _receive(source: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -169,30 +241,4 @@ def _receive(source: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.T
     return buffer.view(dtype).reshape(shape).cpu()
 
 
-def _agree(problem: str, world: int) -> str:
-    """Rank 0's ``problem`` on every rank, so all raise or none do."""
-    return _agree_value(problem, world)
-
-
-def _agree_value(value: str, world: int) -> str:
-    if world == 1:
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def _write_index_and_config(folder: Path, model: nn.Module, catalogue: list, files: list[list[int]],
-                            names: list[str]) -> None:
-    if len(files) > 1:
-        total = sum(torch.Size(s).numel() * torch.empty((), dtype=d).element_size() for _, s, d, _ in catalogue)
-        weight_map = {catalogue[i][0]: file_name for file_name, members in zip(names, files) for i in members}
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (folder / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-    for attribute in ("config", "generation_config"):
-        config = getattr(model, attribute, None)
-        if config is not None and hasattr(config, "save_pretrained"):
-            config.save_pretrained(folder)
-
-
-__all__ = ["export_hf"]
+__all__ = ["convert_to_hf", "export_hf"]

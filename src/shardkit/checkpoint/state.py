@@ -90,6 +90,16 @@ def load_state(checkpoint_id: str | Path, model: nn.Module, optimizer: torch.opt
                    optim_state_dict=state[OPTIMIZER], options=OPTIONS)
 
 
+def load_model_tensors(checkpoint_id: str | Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Fill plain full-size ``tensors`` (``{parameter name: tensor}``) from a checkpoint's model
+    state, in this process alone (DCP reads only those tensors' bytes)."""
+    import warnings
+
+    with warnings.catch_warnings():  # DCP warns that it runs without a process group: intended here
+        warnings.filterwarnings("ignore", message="torch.distributed is (disabled, )?unavailable or uninitialized")
+        dcp.load({MODEL: tensors}, checkpoint_id=str(checkpoint_id), no_dist=True)
+
+
 def _order(permutation: Any) -> tuple | None:
     if permutation is None:
         return None
@@ -125,4 +135,4 @@ def _load_reordered(checkpoint_id: str | Path, full_key: str, entry: tuple[str, 
             piece.local.copy_(whole[piece.box].to(piece.local.device))
 
 
-__all__ = ["MODEL", "OPTIMIZER", "load_state", "permutations", "save_state", "state_dicts"]
+__all__ = ["MODEL", "OPTIMIZER", "load_model_tensors", "load_state", "permutations", "save_state", "state_dicts"]

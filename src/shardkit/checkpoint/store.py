@@ -113,6 +113,7 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
         with _single_process_quiet():
             save_state(work, model, optimizer)
         _everyone(lambda: _write_synced(work / rng_file_name(_rank()), json.dumps(rng.capture()).encode()))
+        _from_rank0(lambda: write_model_config(work, model))
         manifest = Manifest(step, _world_size(), _plan_of(model), parameters, _optimizer_name(optimizer), permuted,
                             extra, _hash_files(work))
         _from_rank0(lambda: _commit(work, final, manifest, keep_last))
@@ -138,7 +139,7 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     """
     _check_load(model, optimizer)
     folder, manifest = _from_rank0(lambda: checkpoint_to_load(Path(path)))
-    _check_files(folder, manifest)
+    check_files(folder, manifest)
     _check_model(folder, manifest, model_parameters(model))
     _check_optimizer(folder, manifest, optimizer)
     with _single_process_quiet():
@@ -318,6 +319,19 @@ def _begin(root: Path, final: Path) -> Path:
     return work
 
 
+#: The HuggingFace configuration files a checkpoint keeps beside the weights.
+CONFIG_FILES = ("config.json", "generation_config.json")
+
+
+def write_model_config(folder: Path, model: nn.Module) -> None:
+    """The model's HuggingFace ``config.json`` (and ``generation_config.json``) into ``folder``,
+    when it has them: what a HuggingFace export of the checkpoint needs beside the weights."""
+    for attribute in ("config", "generation_config"):
+        config = getattr(model, attribute, None)
+        if config is not None and callable(getattr(config, "save_pretrained", None)):
+            config.save_pretrained(folder)
+
+
 def _write_synced(path: Path, data: bytes) -> None:
     with path.open("wb") as file:
         file.write(data)
@@ -413,7 +427,7 @@ def _incomplete(root: Path) -> str:
     return f"; incomplete: {', '.join(names)}" if names else ""
 
 
-def _check_files(folder: Path, manifest: Manifest) -> None:
+def check_files(folder: Path, manifest: Manifest) -> None:
     """Every file's size (every rank: one ``stat`` each), then the sha256 of this rank's share."""
     sized = size_problems(folder, manifest)
     share = [entry for entry in manifest.files[_rank()::_world_size()] if entry.name not in sized]

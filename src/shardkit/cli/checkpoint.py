@@ -2,6 +2,7 @@
 
     shardkit checkpoint inspect runs/gpt                   # the latest complete checkpoint in the folder
     shardkit checkpoint inspect runs/gpt/step-00000100     # that one
+    shardkit checkpoint convert runs/gpt --to hf exported  # a HuggingFace folder (safetensors + config)
 
 ``inspect`` prints the step, the plan, every tensor (name, shape, dtype, bytes) and every file
 with its sha256 checked against the manifest; a damaged checkpoint exits 2 with one line naming
@@ -27,6 +28,7 @@ from ..checkpoint.manifest import (
     size_problems,
 )
 from ..checkpoint.store import checkpoint_to_load, checkpoints_beside, complete_checkpoints
+from ..plan import UsageError
 from ..plan.text import format_bytes
 from .options import path
 
@@ -45,6 +47,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     inspect.add_argument("folder", type=path, metavar="DIR",
                          help="a checkpoint folder (step-*), or a folder of them: the latest complete one")
     inspect.set_defaults(func=run_inspect)
+    convert = actions.add_parser(
+        "convert", help="write a checkpoint's weights as a HuggingFace folder (no model, one process)",
+        description="Write the weights of a checkpoint as a HuggingFace folder: model.safetensors, or "
+                    "model-0000k-of-0000n.safetensors files with model.safetensors.index.json, and the "
+                    "config.json saved with the checkpoint, so that from_pretrained reads it. Every file of the "
+                    "checkpoint is checked first; tensors are read a file's worth at a time.")
+    convert.add_argument("folder", type=path, metavar="DIR",
+                         help="a checkpoint folder (step-*), or a folder of them: the latest complete one")
+    convert.add_argument("--to", required=True, choices=("hf",), help="the format to write: hf (HuggingFace)")
+    convert.add_argument("out", type=path, metavar="OUT", help="the folder to write (must not exist, or be empty)")
+    convert.add_argument("--max-shard-size", default="2GB", metavar="SIZE",
+                         help="the most bytes per .safetensors file, as 2GB, 500MB or 1GiB (default: 2GB)")
+    convert.add_argument("--dtype", choices=sorted(DTYPES), help="cast floating tensors (default: as saved)")
+    convert.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    convert.set_defaults(func=run_convert)
 
 
 def run_inspect(args: argparse.Namespace) -> int:
@@ -57,6 +74,46 @@ def run_inspect(args: argparse.Namespace) -> int:
     if problems:
         raise CheckpointError(damage_message(folder, manifest, problems, checkpoints_beside(folder)))
     return 0
+
+
+DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+
+
+def run_convert(args: argparse.Namespace) -> int:
+    import torch
+
+    from ..checkpoint.export import convert_to_hf
+    from ..plan.text import parse_bytes
+
+    try:
+        parse_bytes(args.max_shard_size)
+    except ValueError as error:
+        raise UsageError(f"--max-shard-size: {error}") from None
+    dtype = None if args.dtype is None else getattr(torch, DTYPES[args.dtype])
+    with _tensor_bar() as advance:
+        out = convert_to_hf(args.folder, args.out, max_shard_size=args.max_shard_size, dtype=dtype,
+                            overwrite=args.overwrite, progress=lambda name, nbytes: advance(nbytes))
+    files = sorted(p.name for p in out.iterdir())
+    size = sum((out / name).stat().st_size for name in files)
+    print(f"wrote {out}: {len(files)} files, {format_bytes(size)} ({', '.join(files[:4])}"
+          f"{', ...' if len(files) > 4 else ''})")
+    if "config.json" not in files:
+        print("note: the checkpoint has no config.json (its model had no HuggingFace config): from_pretrained "
+              "needs one beside the weights")
+    return 0
+
+
+@contextmanager
+def _tensor_bar() -> Iterator[Callable[[int], None]]:
+    """A rich bar of bytes written, on stderr when it is a terminal."""
+    from rich.console import Console
+    from rich.progress import DownloadColumn, Progress, TextColumn, TimeElapsedColumn
+
+    console = Console(stderr=True)
+    with Progress(TextColumn("writing"), DownloadColumn(), TimeElapsedColumn(), console=console, transient=True,
+                  disable=not console.is_terminal) as bar:
+        task = bar.add_task("writing", total=None)
+        yield lambda done: bar.update(task, advance=done)
 
 
 def _summary(asked: Path, folder: Path, manifest: Manifest) -> str:

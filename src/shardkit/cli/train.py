@@ -27,12 +27,14 @@ from pathlib import Path
 from rich.console import Console
 from torch import nn
 
+from ..checkpoint.manifest import MANIFEST_NAME, model_mismatch
+from ..checkpoint.store import checkpoint_to_load, latest_checkpoint, load, model_parameters, save
 from ..families import token_sizes
+from ..io.batch_stream import BatchStream
 from ..io.data import DEFAULT_MAX_BYTES, TextShards
 from ..models.registry import MODELS, ModelEntry, model_entry
 from ..observe.report import RankStats, print_summary
 from ..plan import Plan, PlanError, UsageError
-from ..plan.text import format_bytes
 from ..planner.initialisation import uninitialised
 from ..planner.meta import meta_model
 from ..planner.validate import validate
@@ -58,6 +60,7 @@ DEFAULT_STEPS = 60
 DEFAULT_BATCH = 8
 DEFAULT_LR = 3e-3
 VERIFY_STEPS = 2
+RESUME_FROM_SAVE = Path("<the --save folder>")
 BUILDS = ("meta", "full")
 BYTE_VOCAB = 256  # the data are bytes: token ids 0..255
 
@@ -70,7 +73,7 @@ class TrainJob:
     """
 
     model: str
-    data: TextShards
+    data: BatchStream
     steps: int
     batch_size: int
     seq_len: int
@@ -79,6 +82,10 @@ class TrainJob:
     profile: bool = False
     build: str = "meta"
     init_from: str | None = None
+    save: str | None = None
+    save_every: int | None = None
+    keep_last: int | None = None
+    resume: str | None = None  # the checkpoint folder to start from
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -99,9 +106,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--lr", type=positive_float, default=DEFAULT_LR, metavar="X",
                         help=f"AdamW learning rate (default: {DEFAULT_LR})")
     parser.add_argument("--data", type=path, metavar="DIR",
-                        help="folder of text files, searched recursively (default: Python stdlib sources)")
+                        help="a data folder written by 'shardkit data shard' (every sample once per epoch, resumable "
+                             "under any plan), or a folder of text files, searched recursively (random windows; "
+                             "default: Python stdlib sources)")
     parser.add_argument("--data-mb", type=positive_float, default=DEFAULT_MAX_BYTES / 2**20, metavar="X",
-                        help=f"read at most this many MiB of text (default: {DEFAULT_MAX_BYTES / 2**20:g})")
+                        help=f"text folders: read at most this many MiB (default: {DEFAULT_MAX_BYTES / 2**20:g})")
     parser.add_argument("--seed", type=non_negative_int, default=0, metavar="N",
                         help="seed of the batch sampling and of the initialisation (default: 0)")
     parser.add_argument("--build", choices=BUILDS, default="meta",
@@ -111,6 +120,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--init-from", type=path, metavar="DIR",
                         help="start from a HuggingFace model folder (safetensors): each process reads only its shards; "
                              "names and shapes are checked before any process starts")
+    saving = parser.add_argument_group("checkpoints (docs/checkpoints.md)")
+    saving.add_argument("--save", type=path, metavar="DIR",
+                        help="save checkpoints (model, optimizer, RNG, data position) as DIR/step-N, after the last "
+                             "step and every --save-every steps")
+    saving.add_argument("--save-every", type=positive_int, metavar="N", help="also save every N steps (needs --save)")
+    saving.add_argument("--keep-last", type=positive_int, metavar="K",
+                        help="keep only the newest K checkpoints in --save DIR (default: keep all)")
+    saving.add_argument("--resume", nargs="?", const=RESUME_FROM_SAVE, type=path, metavar="DIR",
+                        help="continue from the latest complete checkpoint in DIR (default: the --save folder), under "
+                             "this run's plan, whatever the plan it was saved under; --steps counts from step 0. "
+                             "With no checkpoint there yet, training starts at step 0 and says so")
     parser.add_argument("--timeout", type=positive_float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
                         help=f"stop every process and exit 1 when the job runs longer (default: {DEFAULT_TIMEOUT_S:g})")
     parser.add_argument("--verify", action="store_true",
@@ -153,10 +173,48 @@ def check_job(args: argparse.Namespace, plan: Plan, world_size: int) -> TrainJob
                  for p in plan.resolved(world_size).batch_problems(args.batch_size, seq_len)]
     if problems:
         raise PlanError(problems)
-    data = TextShards(args.data, max_bytes=int(args.data_mb * 2**20))
-    data.check()
+    data = BatchStream.of(args.data, seq_len, args.seed, max_bytes=int(args.data_mb * 2**20))
+    if isinstance(data.source, TextShards):
+        data.source.check()
+    resume = _resume_folder(args, model, data)
     return TrainJob(args.model, data, args.steps, args.batch_size, seq_len, args.lr, args.seed, args.profile is not None,
-                    args.build, None if args.init_from is None else str(args.init_from))
+                    args.build, _text(args.init_from), _text(args.save), args.save_every, args.keep_last, _text(resume))
+
+
+def _text(value: Path | None) -> str | None:
+    return None if value is None else str(value)
+
+
+def _resume_folder(args: argparse.Namespace, model: nn.Module, data: BatchStream) -> Path | None:
+    """The checkpoint ``--resume`` starts from, checked against the model and data before launch
+    (None: nothing to resume yet, which is said)."""
+    if args.save_every is not None and args.save is None:
+        raise UsageError("--save-every N: needs --save DIR, the folder to save checkpoints in")
+    if args.keep_last is not None and args.save is None:
+        raise UsageError("--keep-last K: needs --save DIR, the folder whose checkpoints it keeps")
+    if args.resume is None:
+        if args.save is not None and latest_checkpoint(args.save) is not None:
+            raise UsageError(f"--save {args.save} already holds checkpoints (the latest: "
+                             f"{latest_checkpoint(args.save).name}): add --resume to continue from it, or save in "
+                             f"another folder")
+        return None
+    if args.resume == RESUME_FROM_SAVE:
+        if args.save is None:
+            raise UsageError("--resume without a folder resumes from --save DIR; give one: --resume DIR or --save DIR")
+        args.resume = args.save
+    if latest_checkpoint(args.resume) is None and not (args.resume / MANIFEST_NAME).is_file():
+        print(f"shardkit train: --resume: no complete checkpoint in {args.resume} yet: starting at step 0", flush=True)
+        return None
+    folder, manifest = checkpoint_to_load(args.resume)
+    problems = model_mismatch(manifest.parameters, model_parameters(model))
+    if problems:
+        raise UsageError(f"--resume {args.resume}: {folder.name} holds another model's parameters: "
+                         f"{'; '.join(problems[:5])}")
+    if manifest.step >= args.steps:
+        raise UsageError(f"--resume {args.resume}: {folder.name} is at step {manifest.step}, and --steps is "
+                         f"{args.steps}: nothing left to train; raise --steps (it counts from step 0)")
+    data.check_position((manifest.extra or {}).get("data"))
+    return folder
 
 
 def _check_token_sizes(args: argparse.Namespace, entry: ModelEntry, model: nn.Module) -> int | None:
@@ -192,15 +250,21 @@ def train_job(ctx: Context, job: TrainJob) -> tuple[RankStats, list]:
     entry = model_entry(job.model)
     model = shard(_builder(job)(), ctx.plan, ctx, seed=job.seed, weights=job.init_from)
     optimizer = torch.optim.AdamW(model.parameters(), lr=job.lr)
-    batches = job.data.batches(job.seq_len, job.batch_size, job.seed, job.steps)
+    first, position = 0, None
+    if job.resume is not None:
+        info = load(job.resume, model, optimizer)
+        first, position = info["step"], (info["extra"] or {}).get("data")
     losses, times = [], []
     tokens_per_step = job.batch_size * job.seq_len
     comm = CommCounter()
     last = job.steps - 1
     recording = timeline.recording(ctx.rank) if job.profile else nullcontext()
-    with _Progress(ctx.rank == 0, job.steps) as advance, recording:
-        for step, batch in enumerate(batches):
-            inputs, targets = ctx.shard_batch(*batch)
+    batches = job.data.batches(job.batch_size, job.steps - first, position)
+    with _Progress(ctx.rank == 0, job.steps, first) as progress, recording:
+        if job.resume is not None:
+            progress.say(f"resumed from {job.resume} at step {first}")
+        for step, batch in enumerate(batches, start=first):
+            inputs, targets = ctx.shard_batch(batch.inputs, batch.targets)
             start = time.perf_counter()
             # Communication is counted on the last (steady-state) step only: the counter sees every op
             # in Python, which would slow the timed steps.
@@ -214,16 +278,22 @@ def train_job(ctx: Context, job: TrainJob) -> tuple[RankStats, list]:
             if step != last or not times:
                 times.append(seconds)
             losses.append(loss.item())
-            advance(losses[-1], tokens_per_step / seconds)
+            progress.advance(losses[-1], tokens_per_step / seconds)
+            done = step + 1
+            if job.save is not None and (done == job.steps or (job.save_every and done % job.save_every == 0)):
+                began = time.perf_counter()
+                folder = save(job.save, model, optimizer, step=done, extra={"data": batch.position, "loss": losses[-1]},
+                              keep_last=job.keep_last)
+                progress.say(f"saved {folder} in {time.perf_counter() - began:.1f} s")
     spans = [s for s in timeline.collect() if s.step != last or job.steps == 1] if job.profile else []
     stats = RankStats(ctx.rank, ctx.coordinates(), held, memory.peak_bytes(), memory.method, times, comm.summary(), losses)
     return stats, spans
 
 
 class _Progress:
-    """A rich progress bar on rank 0 (loss, tokens/s); a no-op elsewhere."""
+    """A rich progress bar on rank 0 (loss, tokens/s) and its notes; a no-op elsewhere."""
 
-    def __init__(self, show: bool, steps: int):
+    def __init__(self, show: bool, steps: int, done: int = 0):
         self.bar = None
         if show:
             from rich.progress import (
@@ -237,16 +307,21 @@ class _Progress:
             self.bar = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(),
                                 TextColumn("loss {task.fields[loss]:.4f}"), TextColumn("{task.fields[tps]:,.0f} tok/s"),
                                 TimeElapsedColumn())
-            self.task = self.bar.add_task("train", total=steps, loss=float("nan"), tps=0.0)
+            self.task = self.bar.add_task("train", total=steps, completed=done, loss=float("nan"), tps=0.0)
 
-    def __enter__(self):
+    def __enter__(self) -> _Progress:
         if self.bar is not None:
             self.bar.start()
-        return self.advance
+        return self
 
     def advance(self, loss: float, tokens_per_s: float) -> None:
         if self.bar is not None:
             self.bar.update(self.task, advance=1, loss=loss, tps=tokens_per_s)
+
+    def say(self, line: str) -> None:
+        """A line above the bar (rank 0 only)."""
+        if self.bar is not None:
+            self.bar.console.print(line, highlight=False, soft_wrap=True)
 
     def __exit__(self, *exc: object) -> None:
         if self.bar is not None:
@@ -263,7 +338,8 @@ def _verify(job: TrainJob, plan: Plan, world: LocalWorld | None) -> bool:
     from ..runtime.verify import verify
 
     entry = model_entry(job.model)
-    batch = next(job.data.batches(job.seq_len, job.batch_size, job.seed, 1))
+    first = next(job.data.batches(job.batch_size, 1))
+    batch = (first.inputs, first.targets)
     result = verify(_builder(job), plan, batch, loss_fn=entry.loss_fn, steps=VERIFY_STEPS, optimizer="adamw",
                     lr=job.lr, world=world)
     print(result, flush=True)
@@ -276,7 +352,7 @@ def run(args: argparse.Namespace) -> int:
     leader = not in_torchrun() or os.environ["RANK"] == "0"
     if leader:
         print(f"shardkit train: {job.model} on {plan.mesh!r} ({world_size} processes), {job.steps} steps of "
-              f"{job.batch_size} x {job.seq_len} bytes from {job.data.root} (up to {format_bytes(job.data.max_bytes)})",
+              f"{job.batch_size} x {job.seq_len} tokens from {job.data.describe()}",
               flush=True)
     start = time.perf_counter()
     try:
