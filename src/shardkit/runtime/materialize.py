@@ -75,10 +75,15 @@ def _unset_int(dtype: torch.dtype) -> int | bool:
     return False if dtype == torch.bool else torch.iinfo(dtype).min
 
 
-def _is_unset(tensor: torch.Tensor) -> bool:
-    if tensor.is_floating_point():
-        return bool(torch.isnan(tensor).any())
-    return tensor.dtype != torch.bool and bool((tensor == _unset_int(tensor.dtype)).any())
+def _is_unset(tensor: torch.Tensor, chunk: int = 2**20) -> bool:
+    """Whether any element still holds the marker (checked in chunks: no full-size mask)."""
+    for part in tensor.reshape(-1).split(chunk):
+        if part.is_floating_point():
+            if bool(torch.isnan(part).any()):
+                return True
+        elif part.dtype != torch.bool and bool((part == _unset_int(part.dtype)).any()):
+            return True
+    return False
 
 
 class WeightSource(Protocol):
