@@ -24,6 +24,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/apply_overhead.py --steps 30
 	$(PY) benchmarks/pipeline.py --steps 10 --out runs/pipeline-bench
 	$(PY) benchmarks/sequence.py --steps 3
+	$(PY) benchmarks/checkpoint.py --repeats 3
 
 clean:
 	rm -rf .venv build dist src/*.egg-info .pytest_cache

@@ -6,7 +6,8 @@ gloo processes with ``fsdp=4``:
 - **save / load**: ``sk.save`` and ``sk.load`` of the model and its AdamW state (each rank its
   shards, through DCP, with sha256 of every file and fsync), in MB/s of the whole state,
   against the named baseline measured in the same run: ``torch.save`` / ``torch.load`` of the
-  same full state dict in one process (no hashing, no fsync, no resharding).
+  same full state dict in one process (no hashing, no fsync, no resharding); and the time
+  against DCP's own ``dcp.save`` / ``dcp.load`` of the same state in the same world.
 - **memory, building from HuggingFace weights**: the peak bytes of live tensors on each rank
   (torch's profiler, ``observe.memory.TensorMemoryPeak``) while ``sk.meta_model(build)``
   constructs the model and while ``sk.shard(model, plan, weights=folder)`` splits it and reads
@@ -67,20 +68,33 @@ def _trained_optimizer(model):
 
 
 def save_load_job(ctx, size: str, folder: str, repeats: int) -> dict:
+    """Median seconds of sk.save and sk.load, and of DCP alone on the same state (no checks,
+    no manifest, no RNG, no rename)."""
+    import torch.distributed.checkpoint as dcp
+
+    from shardkit.checkpoint.state import state_dicts
+
     model = sk.shard(sk.meta_model(build, size), ctx.plan)
     optimizer = _trained_optimizer(model)
-    saves, loads = [], []
+    times: dict[str, list[float]] = {"save": [], "load": [], "dcp_save": [], "dcp_load": []}
+
+    def timed(name, fn) -> None:
+        torch.distributed.barrier()
+        start = time.perf_counter()
+        fn()
+        torch.distributed.barrier()
+        times[name].append(time.perf_counter() - start)
+
     for step in range(repeats):
+        timed("save", lambda step=step: sk.save(folder, model, optimizer, step=step + 1, keep_last=1))
+        timed("load", lambda: sk.load(folder, model, optimizer))
+        raw = f"{folder}-dcp-{step}"
+        timed("dcp_save", lambda raw=raw: dcp.save(state_dicts(model, optimizer), checkpoint_id=raw))
+        timed("dcp_load", lambda raw=raw: dcp.load(state_dicts(model, optimizer), checkpoint_id=raw))
         torch.distributed.barrier()
-        start = time.perf_counter()
-        sk.save(folder, model, optimizer, step=step + 1, keep_last=1)
-        torch.distributed.barrier()
-        saves.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        sk.load(folder, model, optimizer)
-        torch.distributed.barrier()
-        loads.append(time.perf_counter() - start)
-    return {"save": statistics.median(saves), "load": statistics.median(loads),
+        if ctx.rank == 0:
+            shutil.rmtree(raw)
+    return {**{name: statistics.median(values) for name, values in times.items()},
             "bytes": _state_bytes(model, optimizer)}
 
 
@@ -138,7 +152,8 @@ def main() -> None:
     console = Console(width=220)
     speed = Table(title=f"save / load, {PLAN.mesh!r}: sk (4 ranks) vs torch.save/torch.load (1 process)")
     for column in ("model", "state (params + AdamW)", "sk.save MB/s", "torch.save MB/s", "save ratio",
-                   "sk.load MB/s", "torch.load MB/s", "load ratio"):
+                   "sk.save / DCP alone (time)", "sk.load MB/s", "torch.load MB/s", "load ratio",
+                   "sk.load / DCP alone (time)"):
         speed.add_column(column, justify="right")
     memory = Table(title="peak memory per rank (max over ranks), fsdp=4, building from HuggingFace weights")
     for column in ("model", "params", "largest tensor", "shard held", "sk.shard(meta, weights=)", "vs shard",
@@ -159,9 +174,11 @@ def main() -> None:
                 total = sum(r["bytes"] for r in ours)
                 save_s, load_s = max(r["save"] for r in ours), max(r["load"] for r in ours)
                 mb = total / 1e6
+                dcp_save, dcp_load = max(r["dcp_save"] for r in ours), max(r["dcp_load"] for r in ours)
                 speed.add_row(f"{size}", format_bytes(total), f"{mb / save_s:.0f}", f"{base['bytes'] / 1e6 / base['save']:.0f}",
-                              f"{base['save'] / save_s * total / base['bytes']:.2f}x", f"{mb / load_s:.0f}",
-                              f"{base['bytes'] / 1e6 / base['load']:.0f}", f"{base['load'] / load_s * total / base['bytes']:.2f}x")
+                              f"{base['save'] / save_s * total / base['bytes']:.2f}x", f"{save_s / dcp_save:.2f}x",
+                              f"{mb / load_s:.0f}", f"{base['bytes'] / 1e6 / base['load']:.0f}",
+                              f"{base['load'] / load_s * total / base['bytes']:.2f}x", f"{load_s / dcp_load:.2f}x")
                 hf, out = str(root / f"hf-{size}"), str(root / f"out-{size}")
                 meta = world.run(memory_job, size, hf, out, True, True, plan=PLAN)
                 full = world.run(memory_job, size, hf, out, False, True, plan=PLAN)
@@ -183,7 +200,8 @@ def main() -> None:
     console.print(speed)
     console.print(memory)
     console.print("MB/s: bytes of the whole state (every rank's shards) over the slowest rank's time. Ratios > 1: sk "
-                  "faster. Memory: peak bytes of live tensors (torch's profiler) in each phase; meta_model(build) "
+                  "faster. torch.save neither fsyncs, hashes nor reshards; 'DCP alone' is dcp.save/dcp.load of the "
+                  "same state in the same world, so its column is the cost of sk's checks, manifest and RNG. Memory: peak bytes of live tensors (torch's profiler) in each phase; meta_model(build) "
                   "creates each parameter (torch.empty, untouched) before moving it to meta, one at a time. RSS "
                   "growth: the process's peak resident memory over construction and sk.shard (VmHWM), "
                   "measured in runs without the profiler. The baseline builds the whole model on every rank with "

@@ -18,8 +18,8 @@ import argparse
 import os
 import sys
 import time
-from collections.abc import Callable
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -251,18 +251,19 @@ def train_job(ctx: Context, job: TrainJob) -> tuple[RankStats, list]:
     model = shard(_builder(job)(), ctx.plan, ctx, seed=job.seed, weights=job.init_from)
     optimizer = torch.optim.AdamW(model.parameters(), lr=job.lr)
     first, position = 0, None
-    if job.resume is not None:
-        info = load(job.resume, model, optimizer)
-        first, position = info["step"], (info["extra"] or {}).get("data")
     losses, times = [], []
     tokens_per_step = job.batch_size * job.seq_len
     comm = CommCounter()
     last = job.steps - 1
     recording = timeline.recording(ctx.rank) if job.profile else nullcontext()
-    batches = job.data.batches(job.batch_size, job.steps - first, position)
-    with _Progress(ctx.rank == 0, job.steps, first) as progress, recording:
+    with _Progress(ctx.rank == 0, job.steps) as progress, recording:
         if job.resume is not None:
+            with progress.busy(f"loading {job.resume}"):
+                info = load(job.resume, model, optimizer)
+            first, position = info["step"], (info["extra"] or {}).get("data")
+            progress.resumed(first)
             progress.say(f"resumed from {job.resume} at step {first}")
+        batches = job.data.batches(job.batch_size, job.steps - first, position)
         for step, batch in enumerate(batches, start=first):
             inputs, targets = ctx.shard_batch(batch.inputs, batch.targets)
             start = time.perf_counter()
@@ -282,8 +283,9 @@ def train_job(ctx: Context, job: TrainJob) -> tuple[RankStats, list]:
             done = step + 1
             if job.save is not None and (done == job.steps or (job.save_every and done % job.save_every == 0)):
                 began = time.perf_counter()
-                folder = save(job.save, model, optimizer, step=done, extra={"data": batch.position, "loss": losses[-1]},
-                              keep_last=job.keep_last)
+                with progress.busy(f"saving step {done}"):
+                    folder = save(job.save, model, optimizer, step=done,
+                                  extra={"data": batch.position, "loss": losses[-1]}, keep_last=job.keep_last)
                 progress.say(f"saved {folder} in {time.perf_counter() - began:.1f} s")
     spans = [s for s in timeline.collect() if s.step != last or job.steps == 1] if job.profile else []
     stats = RankStats(ctx.rank, ctx.coordinates(), held, memory.peak_bytes(), memory.method, times, comm.summary(), losses)
@@ -293,7 +295,7 @@ def train_job(ctx: Context, job: TrainJob) -> tuple[RankStats, list]:
 class _Progress:
     """A rich progress bar on rank 0 (loss, tokens/s) and its notes; a no-op elsewhere."""
 
-    def __init__(self, show: bool, steps: int, done: int = 0):
+    def __init__(self, show: bool, steps: int):
         self.bar = None
         if show:
             from rich.progress import (
@@ -304,19 +306,32 @@ class _Progress:
                 TimeElapsedColumn,
             )
 
-            self.bar = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(),
-                                TextColumn("loss {task.fields[loss]:.4f}"), TextColumn("{task.fields[tps]:,.0f} tok/s"),
-                                TimeElapsedColumn())
-            self.task = self.bar.add_task("train", total=steps, completed=done, loss=float("nan"), tps=0.0)
+            self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                TextColumn("{task.fields[stats]}"), TimeElapsedColumn())
+            self.task = self.bar.add_task("train", total=steps, stats="")
 
     def __enter__(self) -> _Progress:
         if self.bar is not None:
             self.bar.start()
         return self
 
+    def resumed(self, step: int) -> None:
+        if self.bar is not None:
+            self.bar.update(self.task, completed=step)
+
     def advance(self, loss: float, tokens_per_s: float) -> None:
         if self.bar is not None:
-            self.bar.update(self.task, advance=1, loss=loss, tps=tokens_per_s)
+            self.bar.update(self.task, advance=1, stats=f"loss {loss:.4f}  {tokens_per_s:,.0f} tok/s")
+
+    @contextmanager
+    def busy(self, what: str) -> Iterator[None]:
+        """A pulsing bar under the training bar while ``what`` runs (a save, a load)."""
+        task = None if self.bar is None else self.bar.add_task(what, total=None, stats="")
+        try:
+            yield
+        finally:
+            if task is not None:
+                self.bar.remove_task(task)
 
     def say(self, line: str) -> None:
         """A line above the bar (rank 0 only)."""

@@ -75,7 +75,7 @@ def _unset_int(dtype: torch.dtype) -> int | bool:
     return False if dtype == torch.bool else torch.iinfo(dtype).min
 
 
-def _is_unset(tensor: torch.Tensor, chunk: int = 2**20) -> bool:
+def _is_unset(tensor: torch.Tensor, chunk: int = 2**16) -> bool:
     """Whether any element still holds the marker (checked in chunks: no full-size mask)."""
     for part in tensor.reshape(-1).split(chunk):
         if part.is_floating_point():
