@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from ..plan import UsageError
+from ..plan.text import format_bytes
 from .data import TextShards
 from .manifest import MANIFEST_NAME
 from .sharded_data import ShardedDataset
@@ -81,7 +82,7 @@ class BatchStream:
     def describe(self) -> str:
         if isinstance(self.source, ShardedDataset):
             return f"{len(self.source):,} samples of {self.seq_len} tokens in {self.source.folder}"
-        return f"{self.source.root} (up to {self.source.max_bytes:,} bytes)"
+        return f"{self.source.root} (up to {format_bytes(self.source.max_bytes)})"
 
     def check_position(self, position: dict[str, Any] | None) -> None:
         """Refuse a position saved from other data (another folder, seq_len or seed)."""
