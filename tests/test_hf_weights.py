@@ -290,3 +290,53 @@ def test_a_rank_holds_its_shards_and_one_tensor_while_building_and_exporting(wor
         assert shards < whole / 3
         assert built <= shards + largest, (rank, built, shards, largest)
         assert exported <= 3 * largest + 2**16, (rank, exported, largest)  # a gathered tensor, its send, rank 0's write
+
+
+# --- names as transformers writes them, for models nobody here wrote -------------------------------
+
+def _names_and_shapes(folder) -> dict[str, tuple[int, ...]]:
+    from safetensors import safe_open
+
+    found = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as handle:
+            found.update({key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()})
+    return found
+
+
+@pytest.mark.parametrize("builder", ["build_neox", "build_bert", "build_opt", "build_gemma", "build_gpt2"])
+def test_one_process_export_names_tensors_as_save_pretrained_and_reads_them_back(tmp_path, builder):
+    """GPT-NeoX's files say ``embed_out`` where the model says ``lm_head`` (transformers' renamings,
+    applied both ways); tied heads are left out; BERT keeps its persistent buffers."""
+    import model_zoo
+
+    from shardkit.runtime.materialize import materialize
+
+    build = getattr(model_zoo, builder)
+    source = _perturbed(build)
+    source.save_pretrained(tmp_path / "theirs", max_shard_size="50KB")
+    model = materialize(sk.meta_model(build), source=open_weights(str(tmp_path / "theirs"), sk.meta_model(build)))
+    assert all(torch.equal(p, dict(source.named_parameters())[n]) for n, p in model.named_parameters())
+    sk.export_hf(tmp_path / "ours", model, max_shard_size="50KB")
+    ours, theirs = _names_and_shapes(tmp_path / "ours"), _names_and_shapes(tmp_path / "theirs")
+    assert ours == theirs
+    index = json.loads((tmp_path / "ours" / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(theirs) and index["metadata"]["total_size"] > 0
+
+
+def test_convert_writes_the_names_of_the_saved_models_library(tmp_path):
+    """A checkpoint keeps the model's config (its class named as save_pretrained names it), so
+    convert asks transformers how that class's files name their tensors."""
+    from model_zoo import build_neox
+
+    source = _perturbed(build_neox)
+    source.save_pretrained(tmp_path / "theirs")
+    sk.save(tmp_path / "ck", source, step=1)
+    config = json.loads((tmp_path / "ck" / "step-00000001" / "config.json").read_text())
+    assert config["architectures"] == ["GPTNeoXForCausalLM"]
+    sk.convert_to_hf(tmp_path / "ck", tmp_path / "ours")
+    assert _names_and_shapes(tmp_path / "ours") == _names_and_shapes(tmp_path / "theirs")
+    from transformers import GPTNeoXForCausalLM
+
+    back = GPTNeoXForCausalLM.from_pretrained(tmp_path / "ours")
+    assert all(torch.equal(p, dict(source.named_parameters())[n]) for n, p in back.named_parameters())

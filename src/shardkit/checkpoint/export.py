@@ -32,6 +32,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..families import family_of
+from ..families.base import WeightNames
 from ..io.hf_weights import INDEX, SINGLE
 from ..io.safetensors import SafetensorsWriter
 from ..plan import UsageError
@@ -103,13 +105,14 @@ def _nbytes(entry: Entry) -> int:
 
 def _write_folder(path: Path, entries: list[Entry], max_shard_size: str | int, overwrite: bool,
                   tensors: Callable[[list[Entry]], Iterator[torch.Tensor | None]], finish: Callable[[Path], None],
-                  progress: Callable[[str, int], None] | None) -> Path:
+                  progress: Callable[[str, int], None] | None, names: WeightNames) -> Path:
     """Write a HuggingFace folder: ``tensors(file's entries)`` yields each file's tensors in order
     (on rank 0; other ranks' iterations do their part of gathering them and yield None); then
-    the index and ``finish(folder)``, in a staging folder renamed to ``path`` last."""
+    the index and ``finish(folder)``, in a staging folder renamed to ``path`` last. Tensors are
+    written under the names the model's library writes (``names.to_checkpoint``)."""
     rank, world = _rank_world()
     groups = _groups(entries, parse_bytes(max_shard_size))
-    names = [SINGLE] if len(groups) == 1 else [f"model-{k:05d}-of-{len(groups):05d}.safetensors"
+    files = [SINGLE] if len(groups) == 1 else [f"model-{k:05d}-of-{len(groups):05d}.safetensors"
                                               for k in range(1, len(groups) + 1)]
     busy = rank == 0 and path.exists() and not overwrite and (not path.is_dir() or any(path.iterdir()))
     problem = _rank0_value(f"{path} exists and is not an empty folder: pass overwrite=True (on the command line: "
@@ -120,17 +123,18 @@ def _write_folder(path: Path, entries: list[Entry], max_shard_size: str | int, o
     if rank == 0:
         staging.mkdir(parents=True)
     try:
-        for file_name, group in zip(names, groups):
-            header = {name: (shape, kind) for name, shape, kind in group}
+        for file_name, group in zip(files, groups):
+            header = {names.to_checkpoint(name): (shape, kind) for name, shape, kind in group}
             with SafetensorsWriter(staging / file_name, header) if rank == 0 else nullcontext() as writer:
                 for (name, _, kind), tensor in zip(group, tensors(group)):
                     if writer is not None and tensor is not None:
-                        writer.write(name, tensor.to(kind).cpu())
+                        writer.write(names.to_checkpoint(name), tensor.to(kind).cpu())
                         if progress is not None:
                             progress(name, tensor.numel() * tensor.element_size())
         if rank == 0:
             if len(groups) > 1:
-                weight_map = {name: file_name for file_name, group in zip(names, groups) for name, _, _ in group}
+                weight_map = {names.to_checkpoint(name): file_name for file_name, group in zip(files, groups)
+                              for name, _, _ in group}
                 index = {"metadata": {"total_size": sum(map(_nbytes, entries))}, "weight_map": weight_map}
                 (staging / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
             finish(staging)
@@ -180,7 +184,8 @@ def export_hf(path: str | os.PathLike, model: nn.Module, *, max_shard_size: str 
             yield tensor if rank == 0 else None
 
     return _write_folder(Path(path), entries, max_shard_size, overwrite, tensors,
-                         lambda folder: write_model_config(folder, model), progress)
+                         lambda folder: write_model_config(folder, model), progress,
+                         family_of(model).weight_names(model))
 
 
 def convert_to_hf(checkpoint: str | os.PathLike, path: str | os.PathLike, *, max_shard_size: str | int = "2GB",
@@ -220,7 +225,25 @@ def convert_to_hf(checkpoint: str | os.PathLike, path: str | os.PathLike, *, max
             if (folder / name).is_file():
                 shutil.copyfile(folder / name, staging / name)
 
-    return _write_folder(Path(path), entries, max_shard_size, overwrite, tensors, finish, progress)
+    return _write_folder(Path(path), entries, max_shard_size, overwrite, tensors, finish, progress,
+                         _names_of_saved(folder))
+
+
+def _names_of_saved(folder: Path) -> WeightNames:
+    """The tensor names the saved model's library writes, from the ``config.json`` kept in the
+    checkpoint: the model's class is built on meta (no memory) to ask transformers; a checkpoint
+    without a HuggingFace config keeps the model's names."""
+    if not (folder / "config.json").is_file():
+        return WeightNames()
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(folder)
+    architecture = getattr(transformers, (getattr(config, "architectures", None) or [""])[0], None)
+    if architecture is None:
+        return WeightNames()
+    with torch.device("meta"):
+        model = architecture(config)
+    return family_of(model).weight_names(model)
 
 
 def _rank0_value(value: str, world: int) -> str:

@@ -326,10 +326,15 @@ CONFIG_FILES = ("config.json", "generation_config.json")
 def write_model_config(folder: Path, model: nn.Module) -> None:
     """The model's HuggingFace ``config.json`` (and ``generation_config.json``) into ``folder``,
     when it has them: what a HuggingFace export of the checkpoint needs beside the weights."""
-    for attribute in ("config", "generation_config"):
-        config = getattr(model, attribute, None)
-        if config is not None and callable(getattr(config, "save_pretrained", None)):
-            config.save_pretrained(folder)
+    config = getattr(model, "config", None)
+    if config is not None and callable(getattr(config, "save_pretrained", None)):
+        # as save_pretrained does: the model's class, so the folder says what to build (not our mixins')
+        own = next(c for c in type(model).__mro__ if not c.__module__.startswith("shardkit."))
+        config.architectures = [own.__name__]
+        config.save_pretrained(folder)
+    generation = getattr(model, "generation_config", None)
+    if generation is not None and callable(getattr(generation, "save_pretrained", None)):
+        generation.save_pretrained(folder)
 
 
 def _write_synced(path: Path, data: bytes) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import inspect
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -25,6 +25,24 @@ _POSITION_EMBEDDING = re.compile(r"pos|wpe", re.IGNORECASE)
 #: A causal attention kernel ``fn(q, k, v, scale=None) -> out`` over ``[batch, heads, seq, head_dim]``
 #: tensors (k/v may have fewer heads: grouped-query attention); context parallel passes ring attention.
 AttentionFn = Callable[..., torch.Tensor]
+
+
+@dataclass(frozen=True)
+class WeightNames:
+    """How a checkpoint names a model's tensors, when not as the model does.
+
+    ``to_model(key)``: the model's name for a checkpoint's tensor; ``to_checkpoint(name)``: the
+    name a checkpoint written the way the model's library writes it gives a model's tensor.
+    ``merged``: patterns of checkpoint tensors the library merges into one tensor on loading
+    (e.g. one tensor per expert stacked into one): they cannot be read box by box.
+
+    >>> WeightNames().to_model("lm_head.weight"), WeightNames().merged
+    ('lm_head.weight', ())
+    """
+
+    to_model: Callable[[str], str] = field(default=str)
+    to_checkpoint: Callable[[str], str] = field(default=str)
+    merged: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -112,6 +130,11 @@ class Family:
         """The vocabulary of a model taking token ids: the rows of its first ``nn.Embedding``."""
         return next((m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)), None)
 
+    # -- checkpoints ---------------------------------------------------------------------------------
+    def weight_names(self, model: nn.Module) -> WeightNames:
+        """How the model's checkpoints name its tensors (by default: as the model does)."""
+        return WeightNames()
+
     # -- initialisation ------------------------------------------------------------------------------
     def init_module(self, model: nn.Module, module: nn.Module) -> None:
         """Initialise ``module``'s own parameters and buffers as the model's constructor would: torch's
@@ -172,4 +195,4 @@ class Family:
         """Refuse forward arguments that are wrong when the sequence is split (HF ``labels=``, padding)."""
 
 
-__all__ = ["Attention", "AttentionFn", "AttributeChange", "Family", "ModelLayout", "Unit"]
+__all__ = ["Attention", "AttentionFn", "AttributeChange", "Family", "ModelLayout", "Unit", "WeightNames"]

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..plan import PlanError
-from .base import Attention, AttentionFn, AttributeChange, Family, ModelLayout, Unit
+from .base import Attention, AttentionFn, AttributeChange, Family, ModelLayout, Unit, WeightNames
 
 #: The name ring attention is registered under in transformers' ``AttentionInterface``.
 HF_ATTENTION = "shardkit_ring"
@@ -61,6 +61,32 @@ class HFFamily(Family):
 
     def takes_token_ids(self, model: nn.Module) -> bool:
         return _config_value(model, "vocab_size") is not None or super().takes_token_ids(model)
+
+    def weight_names(self, model: nn.Module) -> WeightNames:
+        """transformers' own renamings between checkpoints and models (v5's conversion mapping:
+        GPT-NeoX files hold ``embed_out`` for ``lm_head``), applied as ``from_pretrained`` and
+        ``save_pretrained`` apply them; its converters (tensors merged on loading) are named in
+        ``merged``."""
+        try:
+            from transformers.conversion_mapping import get_model_conversion_mapping
+            from transformers.core_model_loading import (
+                WeightConverter,
+                WeightRenaming,
+                rename_source_key,
+            )
+        except ImportError:  # a transformers without conversion mappings names tensors as the model does
+            return WeightNames()
+        transforms = get_model_conversion_mapping(model, add_legacy=True)
+        renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+        converters = [t for t in transforms if isinstance(t, WeightConverter)]
+        saving = [t.reverse_transform() for t in get_model_conversion_mapping(model, add_legacy=False)[::-1]]
+        back = [t for t in saving if isinstance(t, WeightRenaming) and type(t).__name__ != "PrefixChange"]
+        if not renamings and not converters:
+            return WeightNames()
+        merged = tuple(str(p) for c in converters for p in c.source_patterns)
+        return WeightNames(to_model=lambda key: rename_source_key(key, renamings, [])[0],
+                           to_checkpoint=lambda name: rename_source_key(name, back, [], reverse=True)[0],
+                           merged=merged)
 
     def example_inputs(self, model: nn.Module, seq_len: int | None = None) -> tuple | None:
         if not self.takes_token_ids(model):

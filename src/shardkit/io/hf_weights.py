@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 import torch
@@ -74,7 +74,8 @@ class HFWeights:
 
     def check(self, expected: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
               ties: Iterable[Iterable[str]] = (), ignore: Iterable[str] = (), prefix: str = "",
-              buffers: Mapping[str, tuple[int, ...]] | None = None) -> None:
+              buffers: Mapping[str, tuple[int, ...]] | None = None, rename: Callable[[str], str] = str,
+              merged: Iterable[str] = ()) -> None:
         """Match the checkpoint with a model: ``expected`` is ``{parameter: (shape, dtype)}``.
 
         A parameter is found under its own name, or under its name with the model's ``prefix``
@@ -85,8 +86,11 @@ class HFWeights:
         it matches a regex in ``ignore``, like transformers' ``_keys_to_ignore_on_load_unexpected``)
         are all errors, named together. ``buffers``: names the model may also take from the
         checkpoint when it holds them, with their shapes (persistent buffers, like BERT's
-        ``position_ids``).
+        ``position_ids``). ``rename``: a checkpoint name to the model's (transformers' renamings,
+        see :class:`~shardkit.families.base.WeightNames`); ``merged``: patterns of tensors the
+        model's library merges on loading, named in the error when tensors are missing.
         """
+        spelled = {rename(key): key for key in self.keys}  # the model's names for the checkpoint's tensors
         groups = {name: [name] for name in expected}
         for group in ties:
             members = list(group)
@@ -94,7 +98,7 @@ class HFWeights:
                 groups[name] = members
         problems, used = [], set()
         for name, (shape, dtype) in expected.items():
-            key = next((k for member in groups[name] for k in _spellings(member, prefix) if k in self.keys), None)
+            key = next((spelled[k] for member in groups[name] for k in _spellings(member, prefix) if k in spelled), None)
             if key is None:
                 problems.append(f"parameter {name!r} {_shape(shape)} is not in the checkpoint"
                                 + _nearest(name, self.keys))
@@ -108,7 +112,7 @@ class HFWeights:
                 problems.append(f"{key!r} in {file.name} holds {stored}; the model's {name!r} is {dtype}")
             self._names.update({member: key for member in groups[name]})
         for name, shape in (buffers or {}).items():
-            key = next((k for k in _spellings(name, prefix) if k in self.keys), None)
+            key = next((spelled[k] for k in _spellings(name, prefix) if k in spelled), None)
             if key is None:
                 continue
             used.add(key)
@@ -122,6 +126,11 @@ class HFWeights:
         if stray:
             problems.append(f"the checkpoint holds {len(stray)} tensor(s) the model has no parameter for: "
                             f"{_few(stray)} (a checkpoint of another model?)")
+        merged = list(merged)
+        if problems and merged:
+            problems.append(f"the model's library merges checkpoint tensors matching {_few(merged)} into one on "
+                            f"loading; shardkit reads tensors box by box and cannot merge them: save the model in "
+                            f"the merged layout first")
         if problems:
             raise WeightsError(f"the weights at {self.path} do not fit this model:\n  - " + "\n  - ".join(problems))
 

@@ -190,6 +190,7 @@ def open_weights(weights: str | Path | WeightSource, model: nn.Module) -> Weight
     if not isinstance(weights, (str, Path)):
         return weights
     source = HFWeights(weights)
+    names = family_of(model).weight_names(model)
     groups: dict[str, list[str]] = {}
     for alias, first in aliases(model).items():
         groups.setdefault(first, []).append(alias)
@@ -199,7 +200,7 @@ def open_weights(weights: str | Path | WeightSource, model: nn.Module) -> Weight
                  ties=[g for g in groups.values() if len(g) > 1],
                  ignore=getattr(model, "_keys_to_ignore_on_load_unexpected", None) or (),
                  prefix=getattr(model, "base_model_prefix", "") or "",
-                 buffers=persistent)
+                 buffers=persistent, rename=names.to_model, merged=names.merged)
     return source
 
 
