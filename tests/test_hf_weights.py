@@ -246,6 +246,7 @@ def test_every_plan_loads_the_checkpoint_exactly_and_exports_what_from_pretraine
             assert torch.equal(back(tokens).logits, reference)
         files = sorted(os.listdir(out))
         assert "config.json" in files and "model.safetensors.index.json" in files
+        assert json.loads((out / "config.json").read_text())["architectures"] == [type(source).__name__]
         index = json.loads((out / "model.safetensors.index.json").read_text())
         assert sorted(set(index["weight_map"].values())) == [f for f in files if f.startswith("model-")]
         assert all(os.path.getsize(out / f) < 30_000 + 70_000 for f in files)  # ≤ limit, or one large tensor
@@ -340,3 +341,14 @@ def test_convert_writes_the_names_of_the_saved_models_library(tmp_path):
 
     back = GPTNeoXForCausalLM.from_pretrained(tmp_path / "ours")
     assert all(torch.equal(p, dict(source.named_parameters())[n]) for n, p in back.named_parameters())
+
+
+def test_an_export_cast_to_bfloat16_says_so_in_its_config(tmp_path):
+    from shardkit.runtime.materialize import materialize
+
+    model = materialize(sk.meta_model(build_llama_untied))
+    sk.export_hf(tmp_path / "bf16", model, dtype=torch.bfloat16)
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
+    weights = HFWeights(tmp_path / "bf16")
+    assert {dtype for _, _, dtype in weights.keys.values()} == {torch.bfloat16}
+    assert model.config.to_dict().get("dtype") != "bfloat16"  # the model's own config is left alone

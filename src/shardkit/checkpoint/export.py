@@ -183,8 +183,16 @@ def export_hf(path: str | os.PathLike, model: nn.Module, *, max_shard_size: str 
                 dist.send(tensor.to(kind).contiguous().reshape(-1).view(torch.uint8), dst=0)
             yield tensor if rank == 0 else None
 
-    return _write_folder(Path(path), entries, max_shard_size, overwrite, tensors,
-                         lambda folder: write_model_config(folder, model), progress,
+    def finish(folder: Path) -> None:
+        write_model_config(folder, model)
+        config = folder / "config.json"
+        if dtype is not None and config.is_file():  # the config says the dtype the weights are in
+            values = json.loads(config.read_text())
+            values["dtype"] = str(dtype).removeprefix("torch.")
+            values.pop("torch_dtype", None)
+            config.write_text(json.dumps(values, indent=2, sort_keys=True) + "\n")
+
+    return _write_folder(Path(path), entries, max_shard_size, overwrite, tensors, finish, progress,
                          family_of(model).weight_names(model))
 
 

@@ -319,6 +319,8 @@ def _begin(root: Path, final: Path) -> Path:
     return work
 
 
+#: Modules whose classes wrap a model's class (shardkit's mixins, FSDP2's ``FSDP<Class>``).
+WRAPPER_MODULES = ("shardkit.", "torch.distributed.")
 #: The HuggingFace configuration files a checkpoint keeps beside the weights.
 CONFIG_FILES = ("config.json", "generation_config.json")
 
@@ -328,8 +330,9 @@ def write_model_config(folder: Path, model: nn.Module) -> None:
     when it has them: what a HuggingFace export of the checkpoint needs beside the weights."""
     config = getattr(model, "config", None)
     if config is not None and callable(getattr(config, "save_pretrained", None)):
-        # as save_pretrained does: the model's class, so the folder says what to build (not our mixins')
-        own = next(c for c in type(model).__mro__ if not c.__module__.startswith("shardkit."))
+        # as save_pretrained does: the model's class, so the folder says what to build (not the classes
+        # shardkit's mixins and FSDP2 derive from it)
+        own = next(c for c in type(model).__mro__ if not c.__module__.startswith(WRAPPER_MODULES))
         config.architectures = [own.__name__]
         config.save_pretrained(folder)
     generation = getattr(model, "generation_config", None)
