@@ -76,6 +76,8 @@ _EXPORTS = {
     "ValidationReport": "shardkit.planner.validate",
     "explain_plan": "shardkit.planner.explain",
     "estimate_memory": "shardkit.planner.explain",
+    "Hardware": "shardkit.planner.hardware",
+    "calibrate": "shardkit.observe.calibrate",
 }
 
 __all__ = sorted(_EXPORTS)

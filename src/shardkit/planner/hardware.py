@@ -1,0 +1,410 @@
+"""What a device can do, as data the estimator reads: memory, peak FLOP/s by dtype, and each
+collective's alpha-beta cost within and across nodes (:class:`Hardware`).
+
+Presets for datasheet machines (:data:`PRESETS`), files written by ``shardkit calibrate``, or
+your own file: all are the same strict format (a key given twice, an unknown key, a missing
+field, a wrong type or a non-positive number is an error naming the field)::
+
+    >>> h = Hardware.preset("h100-80g")
+    >>> h.peak_flops("bfloat16") / 1e12, h.devices_per_node
+    (989.4, 8)
+    >>> link = h.link("all_reduce", across_nodes=True)
+    >>> round(link.seconds(2**30, factor=2 * 7 / 8, steps=2 * 7) * 1e3, 2)   # 1 GiB, ring of 8
+    50.19
+    >>> Hardware.from_dict({**h.to_dict(), "memory": "80GB"})
+    Traceback (most recent call last):
+        ...
+    shardkit.plan.errors.PlanError: hardware: field 'memory' must be a whole number of bytes (an integer), got str '80GB'
+
+The cost of one collective over ``n`` devices on a link is
+``steps * latency + factor * S / bandwidth`` (:meth:`Link.seconds`, :func:`ring_terms`), where
+``S`` is the whole tensor's bytes (all-reduce: the tensor; all-gather: the gathered output;
+reduce-scatter: its input; point-to-point: the message) and ``bandwidth`` is the *bus bandwidth*
+one device reaches, as NCCL-tests reports it (``busbw = factor * S / t``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..plan.errors import PlanError, UsageError
+from ..plan.files import known_keys, mapping, read_file
+
+#: The collectives a :class:`Hardware` prices; ``reduce_scatter`` costs as ``all_gather`` (the
+#: ring moves the same bytes in the same steps).
+COLLECTIVES = ("all_reduce", "all_gather", "p2p")
+#: The dtypes every :class:`Hardware` gives a peak for.
+DTYPES = ("float32", "bfloat16", "float16")
+#: The suffixes of hardware files.
+SUFFIXES = (".json", ".yaml", ".yml")
+_FIELDS = ("name", "memory", "flops", "devices_per_node", "intra_node", "inter_node", "matmul_efficiency",
+           "reserved")
+_LINK_FIELDS = ("bandwidth", "latency")
+_NESTED = {"flops": DTYPES, "intra_node": COLLECTIVES, "inter_node": COLLECTIVES}  # mapping fields: their keys
+_YAML_EXPONENT_HINT = " (YAML reads 25e9 as text: write 25.0e+9 or 25000000000)"
+
+
+def ring_terms(collective: str, n: int) -> tuple[int, float]:
+    """``(steps, factor)`` of the ring algorithm for ``collective`` over ``n`` devices: all-reduce
+    ``2(n-1)`` steps moving ``2(n-1)/n`` of the bytes, all-gather and reduce-scatter ``n-1`` and
+    ``(n-1)/n``, point-to-point one message of all of them.
+
+    >>> ring_terms("all_reduce", 4), ring_terms("reduce_scatter", 4), ring_terms("p2p", 4)
+    ((6, 1.5), (3, 0.75), (1, 1.0))
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise UsageError(f"ring_terms(n={n!r}): n must be a number of devices >= 1")
+    kind = _collective(collective, "ring_terms")
+    if kind == "p2p":
+        return 1, 1.0
+    if kind == "all_reduce":
+        return 2 * (n - 1), 2 * (n - 1) / n
+    return n - 1, (n - 1) / n
+
+
+def _collective(name: str, caller: str) -> str:
+    if name == "reduce_scatter":
+        return "all_gather"
+    if name not in COLLECTIVES:
+        raise UsageError(f"{caller}: unknown collective {name!r}; valid: {', '.join(COLLECTIVES)}, reduce_scatter")
+    return name
+
+
+@dataclass(frozen=True)
+class Link:
+    """One collective's cost on one kind of link, alpha-beta:
+    ``time = steps * latency + factor * S / bandwidth``.
+
+    ``bandwidth`` is in bytes/s, the bus bandwidth one device reaches (NCCL-tests convention);
+    ``latency`` in seconds per message step (0 allowed: a fit can find none).
+
+    >>> Link(bandwidth=100e9, latency=2e-6).seconds(1e9, factor=1.5, steps=6)
+    0.015012
+    """
+
+    bandwidth: float
+    latency: float
+
+    def __post_init__(self) -> None:
+        problems = [p for p in (_positive_number(self.bandwidth, "bandwidth"),
+                                _number(self.latency, "latency", minimum=0.0)) if p]
+        if problems:
+            raise PlanError([f"Link: {p}" for p in problems])
+
+    def seconds(self, nbytes: float, *, factor: float = 1.0, steps: int = 1) -> float:
+        """The time of ``steps`` message steps moving ``factor * nbytes`` bytes per device."""
+        return steps * self.latency + factor * nbytes / self.bandwidth
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One kind of device and its links: what the planner's estimates are computed for.
+
+    - ``memory``: bytes of device memory per device (what the driver reports); ``reserved`` of
+      them hold no tensors (CUDA context, NCCL buffers);
+    - ``flops``: peak FLOP/s per dtype name, ``float32``, ``bfloat16`` and ``float16``;
+      ``matmul_efficiency``: the fraction of it a large matrix product reaches in practice
+      (1.0 for a calibrated machine, whose ``flops`` are measured);
+    - ``devices_per_node``; ``intra_node`` and ``inter_node``: one :class:`Link` per collective
+      in :data:`COLLECTIVES`.
+
+    >>> Hardware.preset("a100-80g").usable_memory / 2**30
+    79.0
+    """
+
+    name: str
+    memory: int
+    flops: Mapping[str, float]
+    devices_per_node: int
+    intra_node: Mapping[str, Link]
+    inter_node: Mapping[str, Link]
+    matmul_efficiency: float = 1.0
+    reserved: int = 0
+
+    def __post_init__(self) -> None:
+        problems = _field_problems(self)
+        if problems:
+            raise PlanError([f"Hardware: {p}" for p in problems])
+        for name in _NESTED:  # copies, so a caller's later change to its mapping changes nothing here
+            object.__setattr__(self, name, dict(getattr(self, name)))
+
+    def __hash__(self) -> int:  # by value, although the mappings are dicts
+        return hash(json.dumps(self.to_dict(), sort_keys=True))
+
+    @property
+    def usable_memory(self) -> int:
+        """Bytes of device memory tensors can use: ``memory - reserved``."""
+        return self.memory - self.reserved
+
+    def link(self, collective: str, across_nodes: bool) -> Link:
+        """The :class:`Link` ``collective`` runs on (``reduce_scatter``: all-gather's)."""
+        links = self.inter_node if across_nodes else self.intra_node
+        return links[_collective(collective, "Hardware.link")]
+
+    def peak_flops(self, dtype: str | torch.dtype) -> float:
+        """Peak FLOP/s for ``dtype`` (a name such as ``"bfloat16"`` or a ``torch.dtype``)."""
+        name = str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else dtype
+        if name not in self.flops:
+            raise UsageError(f"Hardware.peak_flops: no peak for dtype {dtype!r}; valid: {', '.join(DTYPES)}")
+        return self.flops[name]
+
+    # -- files ------------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (the file format): every field, links as ``{bandwidth, latency}``."""
+        return {
+            "name": self.name,
+            "memory": self.memory,
+            "flops": {dtype: self.flops[dtype] for dtype in DTYPES},
+            "devices_per_node": self.devices_per_node,
+            "intra_node": _links_to_dict(self.intra_node),
+            "inter_node": _links_to_dict(self.inter_node),
+            "matmul_efficiency": self.matmul_efficiency,
+            "reserved": self.reserved,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any, what: str = "hardware") -> Hardware:
+        """A :class:`Hardware` from parsed JSON/YAML: every field required, every problem named
+        (``what`` starts each message, e.g. the file's name)."""
+        data = mapping(data, what, "{name: ..., memory: ..., flops: {...}, ...}")
+        problems = _unknown(data, _FIELDS, what)
+        problems += [f"missing field {name!r}" for name in _FIELDS if name not in data and name not in _NESTED]
+        for name in _NESTED:
+            problems += _nested_missing(data, name)
+        problems += _dict_value_problems(data)
+        if problems:
+            raise PlanError([p if p.startswith(what) else f"{what}: {p}" for p in problems])
+        links = {side: {c: Link(**data[side][c]) for c in COLLECTIVES} for side in ("intra_node", "inter_node")}
+        return cls(name=data["name"], memory=data["memory"], flops=dict(data["flops"]),
+                   devices_per_node=data["devices_per_node"], matmul_efficiency=data["matmul_efficiency"],
+                   reserved=data["reserved"], **links)
+
+    def save(self, path: str | Path) -> None:
+        """Write ``path``: ``.json``, or ``.yaml`` / ``.yml``; :meth:`load` reads it back equal."""
+        path = Path(path)
+        _check_suffix(path, "Hardware.save")
+        if path.suffix == ".json":
+            text = json.dumps(self.to_dict(), indent=2) + "\n"
+        else:
+            import yaml
+
+            text = yaml.safe_dump(self.to_dict(), sort_keys=False)
+        path.write_text(text)
+
+    @classmethod
+    def load(cls, path: str | Path) -> Hardware:
+        """Read a hardware file (``.json``, ``.yaml``, ``.yml``), strictly."""
+        path = Path(path)
+        _check_suffix(path, "Hardware.load")
+        return cls.from_dict(read_file(path, "hardware"), f"hardware file {str(path)!r}")
+
+    @classmethod
+    def preset(cls, name: str) -> Hardware:
+        """A datasheet machine from :data:`PRESETS`."""
+        if name not in PRESETS:
+            raise UsageError(f"unknown hardware preset {name!r}; known presets: {', '.join(PRESETS)}")
+        return PRESETS[name]
+
+
+def hardware(spec: str | Path | Hardware) -> Hardware:
+    """The :class:`Hardware` ``spec`` names: an instance, a preset name, or a file path
+    (``.json``, ``.yaml`` or ``.yml``).
+
+    >>> hardware("h200-141g").memory / 2**30
+    140.4013671875
+    >>> hardware("h100")
+    Traceback (most recent call last):
+        ...
+    shardkit.plan.errors.UsageError: unknown hardware 'h100': a preset (a100-80g, h100-80g, h200-141g) or a file ending in .json, .yaml or .yml
+    """
+    if isinstance(spec, Hardware):
+        return spec
+    if isinstance(spec, Path) or (isinstance(spec, str) and spec.endswith(SUFFIXES)):
+        return Hardware.load(spec)
+    if isinstance(spec, str) and spec in PRESETS:
+        return PRESETS[spec]
+    raise UsageError(f"unknown hardware {spec!r}: a preset ({', '.join(PRESETS)}) or a file ending in "
+                     f"{', '.join(SUFFIXES[:-1])} or {SUFFIXES[-1]}")
+
+
+# -- checks: each returns a problem naming the field, or None -------------------------------------
+
+
+def _describe(value: Any) -> str:
+    return "null" if value is None else f"{type(value).__name__} {value!r}"
+
+
+def _number(value: Any, where: str, minimum: float) -> str | None:
+    """A finite int or float (not a bool) >= ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        hint = _YAML_EXPONENT_HINT if isinstance(value, str) and "e" in value.lower() else ""
+        return f"field {where!r} must be a number, got {_describe(value)}{hint}"
+    if not math.isfinite(value) or value < minimum:
+        return f"field {where!r} must be a finite number >= {minimum:g}, got {value!r}"
+    return None
+
+
+def _positive_number(value: Any, where: str) -> str | None:
+    problem = _number(value, where, 0.0)
+    if problem is None and value <= 0:
+        return f"field {where!r} must be > 0, got {value!r}"
+    return problem
+
+
+def _integer(value: Any, where: str, minimum: int, unit: str) -> str | None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        return f"field {where!r} must be a whole number of {unit} (an integer), got {_describe(value)}"
+    if value < minimum:
+        return f"field {where!r} must be >= {minimum}, got {value}"
+    return None
+
+
+def _scalar_problems(values: Mapping[str, Any]) -> list[str]:
+    """Problems of the fields that are not mappings (only those present are checked)."""
+    checks = {
+        "name": lambda v: None if isinstance(v, str) and v.strip() else
+        f"field 'name' must be a non-empty string, got {_describe(v)}",
+        "memory": lambda v: _integer(v, "memory", 1, "bytes"),
+        "devices_per_node": lambda v: _integer(v, "devices_per_node", 1, "devices"),
+        "matmul_efficiency": lambda v: _positive_number(v, "matmul_efficiency") or (
+            None if v <= 1 else f"field 'matmul_efficiency' must be a fraction in (0, 1], got {v!r}"),
+        "reserved": lambda v: _integer(v, "reserved", 0, "bytes"),
+    }
+    problems = [problem for name, check in checks.items() if name in values and (problem := check(values[name]))]
+    memory, reserved = values.get("memory"), values.get("reserved")
+    if not problems and memory is not None and reserved is not None and reserved >= memory:
+        problems.append(f"field 'reserved' ({reserved}) must be less than field 'memory' ({memory})")
+    return problems
+
+
+def _field_problems(hw: Hardware) -> list[str]:
+    """Every problem of a constructed Hardware's fields."""
+    problems = _scalar_problems({name: getattr(hw, name) for name in _FIELDS})
+    for name, keys in _NESTED.items():
+        value = getattr(hw, name)
+        if not isinstance(value, Mapping):
+            problems.append(f"field {name!r} must be a mapping with keys {list(keys)}, got {_describe(value)}")
+            continue
+        problems += _unknown(value, keys, f"field {name!r}")
+        problems += [f"missing field '{name}.{key}'" for key in keys if key not in value]
+        for key in keys:
+            if key not in value:
+                continue
+            if name == "flops":
+                problems += [p for p in [_positive_number(value[key], f"flops.{key}")] if p]
+            elif not isinstance(value[key], Link):
+                problems.append(f"field '{name}.{key}' must be a Link, got {_describe(value[key])}")
+    return problems
+
+
+def _unknown(data: Mapping[str, Any], valid: tuple[str, ...], where: str) -> list[str]:
+    try:
+        known_keys(data, valid, where)
+    except PlanError as exc:
+        return exc.problems
+    return []
+
+
+def _nested_missing(data: Mapping[str, Any], name: str) -> list[str]:
+    """Missing keys of a nested mapping, named down to its leaves."""
+    keys = _NESTED[name]
+    leaves = _LINK_FIELDS if name != "flops" else ()
+    if name not in data:
+        return [f"missing field '{name}' (a mapping with keys {list(keys)})"]
+    value = data[name]
+    if not isinstance(value, Mapping):
+        return [f"field {name!r} must be a mapping with keys {list(keys)}, got {_describe(value)}"]
+    problems = _unknown(value, keys, f"field {name!r}")
+    for key in keys:
+        path = f"{name}.{key}"
+        if key not in value:
+            problems.append(f"missing field {path!r}" + (f" (a mapping with keys {list(leaves)})" if leaves else ""))
+        elif leaves:
+            link = value[key]
+            if not isinstance(link, Mapping):
+                problems.append(f"field {path!r} must be a mapping with keys {list(leaves)}, got {_describe(link)}")
+                continue
+            problems += _unknown(link, leaves, f"field {path!r}")
+            problems += [f"missing field '{path}.{leaf}'" for leaf in leaves if leaf not in link]
+    return problems
+
+
+def _dict_value_problems(data: Mapping[str, Any]) -> list[str]:
+    """Type and value problems of the fields present in parsed data."""
+    problems = _scalar_problems(data)
+    flops = data.get("flops")
+    if isinstance(flops, Mapping):
+        problems += [p for d in DTYPES if d in flops and (p := _positive_number(flops[d], f"flops.{d}"))]
+    for side in ("intra_node", "inter_node"):
+        links = data.get(side)
+        if not isinstance(links, Mapping):
+            continue
+        for c in COLLECTIVES:
+            link = links.get(c)
+            if isinstance(link, Mapping):
+                checks = ((_positive_number, "bandwidth"), (lambda v, w: _number(v, w, 0.0), "latency"))
+                problems += [p for check, leaf in checks
+                             if leaf in link and (p := check(link[leaf], f"{side}.{c}.{leaf}"))]
+    return problems
+
+
+def _links_to_dict(links: Mapping[str, Link]) -> dict[str, dict[str, float]]:
+    return {c: {"bandwidth": links[c].bandwidth, "latency": links[c].latency} for c in COLLECTIVES}
+
+
+def _check_suffix(path: Path, caller: str) -> None:
+    if path.suffix not in SUFFIXES:
+        raise UsageError(f"{caller}({str(path)!r}): a hardware file ends in {', '.join(SUFFIXES)}, "
+                         f"got {path.suffix or 'no suffix'!r}")
+
+
+# -- presets --------------------------------------------------------------------------------------
+# Sources: NVIDIA A100 datasheet (A100 SXM4 80GB: 312 TFLOP/s dense bf16/fp16, 19.5 TFLOP/s fp32,
+# 156 TF32; NVLink3 600 GB/s total = 300 GB/s each way), NVIDIA H100 datasheet (H100 SXM5: 989.4
+# TFLOP/s dense bf16/fp16, 67 fp32, 494.7 TF32; NVLink4 900 GB/s total = 450 GB/s each way), NVIDIA
+# H200 datasheet (H200 SXM: 141 GB HBM3e, the H100's compute and NVLink). Inter-node: DGX A100 has
+# 8x 200 Gb/s HDR InfiniBand (25 GB/s per GPU), DGX H100/H200 8x 400 Gb/s NDR (50 GB/s per GPU).
+#
+# Choices (docs/hardware.md):
+# - "float32" is plain fp32 (19.5 / 67 TFLOP/s), not TF32: torch multiplies float32 matrices in
+#   full precision unless torch.set_float32_matmul_precision("high") is called.
+# - memory is what the driver reports (A100 81920 MiB, H100 81559 MiB; H200 143771 MiB, read with
+#   nvidia-smi on an H200 of this workplace); reserved 1 GiB: the CUDA context (~0.5 GiB) and NCCL's
+#   communicator buffers.
+# - matmul_efficiency 0.8: a large bf16 product reaches ~250 of 312 TFLOP/s on an A100 with cuBLAS;
+#   on an H200 of this workplace an 8192^3 bf16 product ran at 769-798 of 989 TFLOP/s.
+# - bus bandwidth: NCCL-tests reach ~75% of the link's one-way peak in all-reduce (e.g. ~230 of 300
+#   GB/s on a DGX A100) and ~80% in all-gather, reduce-scatter and send/recv.
+# - latency per ring step: 2 us within a node (NVLink, NCCL's low-latency protocol), 6 us across
+#   nodes (InfiniBand plus the NIC's PCIe hop).
+_BUS_EFFICIENCY = {"all_reduce": 0.75, "all_gather": 0.80, "p2p": 0.80}
+_INTRA_LATENCY, _INTER_LATENCY = 2e-6, 6e-6
+_MIB = 2**20
+
+
+def _links(peak_one_way: float, latency: float) -> dict[str, Link]:
+    return {c: Link(bandwidth=_BUS_EFFICIENCY[c] * peak_one_way, latency=latency) for c in COLLECTIVES}
+
+
+def _preset(name: str, memory_mib: int, fp32: float, half: float, nvlink: float, network: float) -> Hardware:
+    return Hardware(name=name, memory=memory_mib * _MIB,
+                    flops={"float32": fp32, "bfloat16": half, "float16": half}, devices_per_node=8,
+                    intra_node=_links(nvlink, _INTRA_LATENCY), inter_node=_links(network, _INTER_LATENCY),
+                    matmul_efficiency=0.8, reserved=1024 * _MIB)
+
+
+#: Datasheet machines by name (sources and choices in the comments above and docs/hardware.md).
+PRESETS: dict[str, Hardware] = {
+    "a100-80g": _preset("a100-80g", 81920, 19.5e12, 312e12, 300e9, 25e9),
+    "h100-80g": _preset("h100-80g", 81559, 67e12, 989.4e12, 450e9, 50e9),
+    "h200-141g": _preset("h200-141g", 143771, 67e12, 989.4e12, 450e9, 50e9),
+}
+
+__all__ = ["COLLECTIVES", "DTYPES", "PRESETS", "Hardware", "Link", "hardware", "ring_terms"]

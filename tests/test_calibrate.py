@@ -1,0 +1,199 @@
+"""Calibration: the alpha-beta fit (hypothesis), how measurements become a Hardware, and one real
+``shardkit calibrate --world 2 --out f.yaml`` run whose result the API checks share."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import math
+
+import pytest
+import yaml
+from hypothesis import given
+from hypothesis import strategies as st
+
+import shardkit as sk
+import shardkit.cli.calibrate as calibrate_cli
+import shardkit.observe.calibrate as calibrate_module
+from shardkit.cli import build_parser, main
+from shardkit.cli.options import model_from_flag, plan_from_args
+from shardkit.observe.calibrate import Fit, fit_alpha_beta, fit_residual, measure
+from shardkit.planner.hardware import COLLECTIVES, DTYPES, Hardware, Link, ring_terms
+
+SIZES = st.lists(st.integers(min_value=1, max_value=2**32), min_size=2, max_size=12, unique=True)
+FACTORS = st.sampled_from([ring_terms(c, n) for c in COLLECTIVES for n in (2, 3, 4, 8, 64)])
+
+
+# -- the fit --------------------------------------------------------------------------------------
+
+@given(sizes=SIZES, latency=st.floats(1e-7, 1e-2), bandwidth=st.floats(1e6, 1e12), terms=FACTORS)
+def test_exact_data_recovers_latency_and_bandwidth(sizes, latency, bandwidth, terms):
+    steps, factor = terms
+    times = [steps * latency + factor * s / bandwidth for s in sizes]
+    link = fit_alpha_beta(sizes, times, factor, steps)
+    assert link.latency == pytest.approx(latency, rel=1e-6)
+    assert link.bandwidth == pytest.approx(bandwidth, rel=1e-6)
+    assert fit_residual(link, sizes, times, factor, steps) < 1e-9
+
+
+@given(sizes=SIZES, bandwidth=st.floats(1e6, 1e12), terms=FACTORS)
+def test_a_line_through_the_origin_has_no_latency(sizes, bandwidth, terms):
+    steps, factor = terms
+    times = [factor * s / bandwidth for s in sizes]
+    link = fit_alpha_beta(sizes, times, factor, steps)
+    assert link.latency <= 1e-9 * min(times) and link.bandwidth == pytest.approx(bandwidth, rel=1e-6)
+
+
+@given(sizes=SIZES, scale=st.floats(0.1, 10.0))
+def test_the_fit_does_not_depend_on_the_unit_of_time(sizes, scale):
+    times = [1e-4 + s / 1e9 * (1 + 0.1 * (i % 3)) for i, s in enumerate(sizes)]  # not a line
+    link = fit_alpha_beta(sizes, times, 1.0)
+    scaled = fit_alpha_beta(sizes, [t * scale for t in times], 1.0)
+    assert scaled.latency == pytest.approx(link.latency * scale, rel=1e-6, abs=1e-15)
+    assert scaled.bandwidth == pytest.approx(link.bandwidth / scale, rel=1e-6)
+
+
+def test_a_negative_intercept_is_clamped_and_the_line_refitted_through_zero():
+    sizes, times = [1e3, 1e4, 1e5], [1e-7, 1e-5, 1.1e-4]  # the best line crosses below zero
+    link = fit_alpha_beta(sizes, times, 2.0, steps=4)
+    assert link.latency == 0.0
+    ratios = [2.0 * s / t for s, t in zip(sizes, times)]  # the origin line weighs relative errors
+    assert link.bandwidth == pytest.approx(sum(r * r for r in ratios) / sum(ratios), rel=1e-9)
+
+
+def test_fit_residual_is_the_relative_rms_error():
+    link = Link(bandwidth=1e9, latency=1e-6)
+    assert fit_residual(link, [1e3, 1e6], [2e-6 * 1.1, 1.001e-3 * 0.8], 1.0) == pytest.approx(
+        math.sqrt(((1 / 1.1 - 1) ** 2 + (1 / 0.8 - 1) ** 2) / 2))
+
+
+@pytest.mark.parametrize("sizes, times, factor, steps, message", [
+    ([1, 2, 3], [3e-6, 2e-6, 1e-6], 1.0, 1, "times do not grow with the message size"),
+    ([5, 5], [1e-6, 2e-6], 1.0, 1, "at least two different sizes are needed"),
+    ([1, 2], [1e-6], 1.0, 1, "two lists of the same length, got 2 and 1"),
+    ([1, 2], [0.0, 1e-6], 1.0, 1, "finite and > 0"),
+    ([1, 2], [1e-6, 2e-6], 0.0, 1, "factor must be a finite number > 0, got 0.0"),
+    ([1, 2], [1e-6, 2e-6], 1.0, 0, "steps must be an integer >= 1, got 0"),
+])
+def test_data_that_gives_no_link_is_refused(sizes, times, factor, steps, message):
+    with pytest.raises(sk.UsageError, match=message):
+        fit_alpha_beta(sizes, times, factor, steps)
+
+
+# -- measurements -> Hardware, without processes --------------------------------------------------
+
+@pytest.fixture
+def refuse_worlds(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a world was started although the arguments are invalid")
+
+    monkeypatch.setattr(calibrate_module, "LocalWorld", refuse)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(world_size=1), "calibrate\\(world_size=1\\): collectives need at least 2 processes"),
+    (dict(world_size=2, message_sizes=(64, 64)), "give at least two different sizes in bytes"),
+    (dict(world_size=2, matmul_sizes=()), "calibrate\\(matmul_sizes=\\(\\)\\): give matrix sizes"),
+    (dict(world_size=2, seconds_per_size=float("nan")), "give a finite number of seconds > 0"),
+])
+def test_bad_arguments_start_nothing(kwargs, message, refuse_worlds):
+    with pytest.raises(sk.UsageError, match=message):
+        measure(**kwargs)
+
+
+def test_per_process_throughput_is_the_slowest_rank_at_the_best_size():
+    per_rank = [[(64, 5.0), (128, 9.0), (256, 8.0)], [(64, 6.0), (128, 7.0), (256, 7.5)]]
+    assert calibrate_module._best_matmul(per_rank) == (256, 7.5)
+    assert calibrate_module._best_matmul([None, None]) is None
+
+
+def test_measurements_make_a_one_node_hardware(monkeypatch):
+    """float16 that does not run takes bfloat16's figure, said in a note; inter = intra node."""
+    link = Link(bandwidth=1e9, latency=1e-4)
+    fits = {c: Fit(c, (64, 128), (1e-4, 2e-4), link, 0.0) for c in COLLECTIVES}
+    matmul = {"float32": (256, 3e10), "bfloat16": (512, 5e10), "float16": None}
+    monkeypatch.setattr(calibrate_module, "LocalWorld", lambda *a, **k: contextlib.nullcontext())
+    monkeypatch.setattr(calibrate_module, "_run", lambda *args: (matmul, fits))
+    result = measure(3)
+    hw = result.hardware
+    assert hw.flops == {"float32": 3e10, "bfloat16": 5e10, "float16": 5e10}
+    assert hw.devices_per_node == 3 and hw.inter_node == hw.intra_node == {c: link for c in COLLECTIVES}
+    assert hw.matmul_efficiency == 1.0 and hw.reserved == 0 and hw.name == "local-3-gloo"
+    assert any("float16" in note and "bfloat16's figure" in note for note in result.notes)
+    assert any("/ 3 processes" in note for note in result.notes)
+
+
+# -- one real run on a 2-process world, shared by the CLI and API checks ---------------------------
+
+@pytest.fixture(scope="module")
+def calibrated(tmp_path_factory):
+    """``shardkit calibrate --world 2 --out f.yaml``: (the Calibration measured, the file, stdout,
+    the progress calls)."""
+    out = tmp_path_factory.mktemp("calibrate") / "local.yaml"
+    seen: dict = {"progress": []}
+
+    def spy(*args, progress, **kwargs):
+        def record(done, total, what):
+            seen["progress"].append((done, total, what))
+            progress(done, total, what)
+
+        seen["calibration"] = measure(*args, progress=record, **kwargs)
+        return seen["calibration"]
+
+    stdout = io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(stdout):
+        patch.setattr(calibrate_cli, "measure", spy)
+        code = main(["calibrate", "--world", "2", "--out", str(out)])
+    assert code == 0
+    return seen["calibration"], out, stdout.getvalue(), seen["progress"]
+
+
+@pytest.mark.world
+def test_calibrate_writes_a_loadable_file_of_measured_figures(calibrated):
+    calibration, out, stdout, progress = calibrated
+    hw = Hardware.load(out)
+    assert hw == calibration.hardware and sk.Hardware is Hardware
+    assert hw.name == "local-2-gloo" and hw.devices_per_node == 2 and hw.inter_node == hw.intra_node
+    assert hw.matmul_efficiency == 1.0 and hw.reserved == 0 and 0 < hw.memory
+    assert all(hw.flops[d] > 1e7 for d in DTYPES)
+    for collective, fit in calibration.fits.items():
+        steps, factor = ring_terms(collective, 2)
+        assert fit.sizes == calibrate_module.MESSAGE_SIZES and all(t > 0 for t in fit.times)
+        assert fit.times[-1] > fit.times[0]  # 4 MiB takes longer than 4 KiB
+        assert fit.link == hw.link(collective, False) == fit_alpha_beta(fit.sizes, fit.times, factor, steps)
+        assert fit.residual == fit_residual(fit.link, fit.sizes, fit.times, factor, steps)
+    assert [p[0] for p in progress] == list(range(len(progress))) and progress[-1] == (7, 7, "done")
+    assert calibration.seconds < 60  # about 10 s; a sweep that no longer stops in time fails
+    for row in ("matmul float32", "gloo all_reduce", "gloo all_gather", "gloo p2p", "fit residual", "memory"):
+        assert row in stdout
+    assert f"wrote {out}" in stdout
+
+
+@pytest.mark.world
+def test_calibrate_without_out_prints_the_file(calibrated, monkeypatch, capsys):
+    calibration = calibrated[0]
+    monkeypatch.setattr(calibrate_cli, "measure", lambda *args, **kwargs: calibration)
+    assert main(["calibrate", "--world", "2"]) == 0
+    captured = capsys.readouterr()
+    assert Hardware.from_dict(yaml.safe_load(captured.out)) == calibration.hardware
+    assert "gloo all_reduce" in captured.err and "gloo" not in captured.out.replace("local-2-gloo", "")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--world", "1"], "--world 1: collectives need at least 2 processes"),
+    (["--out", "hw.txt"], "--out 'hw.txt': a hardware file ends in .json, .yaml, .yml"),
+    (["--out", "no/such/folder/hw.yaml"], "folder 'no/such/folder' does not exist"),
+    (["--name", ""], "--name must be a non-empty name"),
+])
+def test_bad_flags_exit_2_before_measuring(argv, message, monkeypatch, capsys):
+    monkeypatch.setattr(calibrate_cli, "measure", lambda *a, **k: pytest.fail("measured although a flag is bad"))
+    assert main(["calibrate", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_the_default_world_is_the_one_train_starts():
+    parser = build_parser()
+    train = parser.parse_args(["train"])
+    _, train_world = plan_from_args(train, model_from_flag(train.model))
+    args = parser.parse_args(["calibrate"])
+    assert args.world == train_world and args.out is None and args.name is None
