@@ -101,6 +101,13 @@ def test_bad_arguments_start_nothing(kwargs, message, refuse_worlds):
         measure(**kwargs)
 
 
+def test_under_torchrun_calibrate_refuses_rather_than_measure_another_world(refuse_worlds, monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(sk.UsageError, match="run it outside torchrun"):
+        measure(2)
+
+
 def test_per_process_throughput_is_the_slowest_rank_at_the_best_size():
     per_rank = [[(64, 5.0), (128, 9.0), (256, 8.0)], [(64, 6.0), (128, 7.0), (256, 7.5)]]
     assert calibrate_module._best_matmul(per_rank) == (256, 7.5)

@@ -253,3 +253,11 @@ def test_ring_terms_and_link_seconds():
         ring_terms("p2p", 0)
     link = Link(bandwidth=2e9, latency=1e-5)
     assert link.seconds(4e9, factor=1.5, steps=3) == pytest.approx(3e-5 + 3.0)
+
+
+def test_the_documented_file_loads(tmp_path):
+    text = (Path(__file__).resolve().parents[1] / "docs" / "hardware.md").read_text()
+    block = text.split("```yaml\n", 1)[1].split("```", 1)[0]
+    path = tmp_path / "doc.yaml"
+    path.write_text(block)
+    assert Hardware.load(path).to_dict() == {**PRESETS["a100-80g"].to_dict(), "name": "my-cluster"}

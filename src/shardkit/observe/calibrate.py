@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from ..plan.errors import UsageError
 from ..planner.hardware import COLLECTIVES, DTYPES, Hardware, Link, ring_terms
+from ..runtime.torchrun import in_torchrun
 from ..runtime.world import LocalWorld, launch
 
 #: Matrix sizes (n of an n x n x n product) and message sizes (bytes, the whole tensor as in
@@ -237,6 +238,8 @@ def _check_arguments(world_size: int, matmul_sizes: Sequence[int], message_sizes
     if world is not None and (world.size != world_size or world.backend != "gloo"):
         problems.append(f"calibrate(world=...): the world has {world.size} {world.backend} processes; "
                         f"give a gloo world of world_size={world_size}")
+    if in_torchrun():  # launch would run the jobs on torchrun's world, not on the local one measured
+        problems.append("calibrate measures a local world of its own: run it outside torchrun")
     if problems:
         raise UsageError("; ".join(problems))
 
