@@ -76,6 +76,8 @@ _EXPORTS = {
     "ValidationReport": "shardkit.planner.validate",
     "explain_plan": "shardkit.planner.explain",
     "estimate_memory": "shardkit.planner.explain",
+    "analyse": "shardkit.planner.analysis",
+    "ModelAnalysis": "shardkit.planner.analysis",
 }
 
 __all__ = sorted(_EXPORTS)
