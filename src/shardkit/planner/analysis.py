@@ -34,8 +34,8 @@ from ..plan import LayoutMap, Mesh, PlanError, UsageError, param_shapes, resolve
 from ..plan.hf_plan import hf_tp_plan
 from .catalogue import catalogue_config
 from .dataflow import trace
-from .measure import COMPONENTS, Measurement, Tally, block_names, measure
-from .tensor_parallel import AxisPlan, plan_axis
+from .measure import COMPONENTS, Measurement, Tally, block_names, first_blocks, measure
+from .tensor_parallel import AxisPlan, plan_axis, tensor_parallel_problems
 
 #: Blocks built from a config: two, so tensors every block saves alike can be told apart.
 BLOCKS_BUILT = 2
@@ -139,7 +139,7 @@ def analyse(model: nn.Module | GPTConfig | str | Any, *, seq_len: int | None = N
     if not isinstance(config, GPTConfig) and not hasattr(config, "to_json_string"):
         raise UsageError(f"analyse(model): expected an nn.Module, a transformers config, a GPTConfig or a "
                          f"catalogue name, got {type(model).__name__}")
-    return _from_config(_Keyed(_config_key(config), (config, name)), seq_len, tp, dtype, _Keyed(repr(rules), rules))
+    return _from_config(_Keyed(_config_key(config), (config, name)), seq_len, tp, dtype, _Keyed(_rules_key(rules), rules))
 
 
 # -- arguments and caching ------------------------------------------------------------------------
@@ -167,6 +167,10 @@ class _Keyed:
     value: Any = field(compare=False, hash=False)
 
 
+def _rules_key(rules: LayoutMap | None) -> str:
+    return "" if rules is None else f"{rules!r} strict={rules.strict}"
+
+
 def _config_key(config: Any) -> str:
     if isinstance(config, GPTConfig):
         return repr(config)
@@ -179,13 +183,15 @@ _MODULE_CACHE: weakref.WeakKeyDictionary[nn.Module, dict[tuple, ModelAnalysis]] 
 
 def _from_module(model: nn.Module, seq_len: int | None, tp: int, dtype: torch.dtype | None,
                  rules: LayoutMap | None) -> ModelAnalysis:
-    """Cached per module while it lives, keyed also by its parameters' names, shapes and dtypes."""
+    """Cached per module while it lives, keyed also by its parameters' names, shapes and dtypes and
+    its transformers attention implementation."""
     signature = tuple((n, tuple(p.shape), p.dtype) for n, p in model.named_parameters())
-    key = (signature, seq_len, tp, dtype, repr(rules))
+    attention = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    key = (signature, attention, seq_len, tp, dtype, _rules_key(rules))
     cached = _MODULE_CACHE.setdefault(model, {})
     if key not in cached:
         cached[key] = _analyse_module(model, type(model).__name__, len(block_names(model)), seq_len, tp, dtype,
-                                      rules, whole=True)
+                                      rules)
     return cached[key]
 
 
@@ -196,7 +202,7 @@ def _from_config(source: _Keyed, seq_len: int | None, tp: int, dtype: torch.dtyp
     model, layers = _built(source)
     label = name or (f"gpt(dim={config.dim}, layers={config.layers})" if isinstance(config, GPTConfig)
                      else getattr(config, "model_type", type(config).__name__))
-    return _analyse_module(model, label, layers, seq_len, tp, dtype, rules.value, whole=False)
+    return _analyse_module(model, label, layers, seq_len, tp, dtype, rules.value)
 
 
 @functools.lru_cache(maxsize=32)
@@ -220,11 +226,15 @@ def _built(source: _Keyed) -> tuple[nn.Module, int]:
 
 # -- the analysis -----------------------------------------------------------------------------------
 def _analyse_module(model: nn.Module, name: str, layers: int, seq_len: int | None, tp: int,
-                    dtype: torch.dtype | None, rules: LayoutMap | None, *, whole: bool) -> ModelAnalysis:
-    """``whole``: ``model`` is the whole model; else it holds fewer blocks than its ``layers`` (built
-    from a config), each like the first."""
+                    dtype: torch.dtype | None, rules: LayoutMap | None) -> ModelAnalysis:
+    """``layers``: the model's blocks; ``model`` may hold fewer (built from a config), each like the first."""
     family = family_of(model)
-    blocks = block_names(model)
+    with first_blocks(model, BLOCKS_BUILT) as blocks:
+        return _analyse_blocks(model, family, blocks, name, layers, seq_len, tp, dtype, rules)
+
+
+def _analyse_blocks(model: nn.Module, family: Family, blocks: list[str], name: str, layers: int, seq_len: int | None,
+                    tp: int, dtype: torch.dtype | None, rules: LayoutMap | None) -> ModelAnalysis:
     if not family.takes_token_ids(model) or not blocks:
         raise UsageError(f"analyse(): {type(model).__name__} is not a language model shardkit can analyse: it needs "
                          f"token ids in and repeated blocks (the children of an nn.ModuleList); "
@@ -250,8 +260,9 @@ def _analyse_module(model: nn.Module, name: str, layers: int, seq_len: int | Non
                      f"attention, or attention dropout, which torch's CPU flash kernel does not take); a GPU flash "
                      f"kernel would save only its output and log-sum-exp")
     parts = measured.parts
-    total = sum(p.numel() for p in model.parameters()) if whole else \
-        parts["embedding"].global_params + parts["head"].global_params + layers * parts["block.0"].global_params
+    total = parts["embedding"].global_params + parts["head"].global_params + \
+        sum(parts[f"block.{i}"].global_params for i in range(measured.blocks)) + \
+        (layers - measured.blocks) * parts["block.0"].global_params  # the blocks that did not run are like the first
     attention = next(iter(family.attentions(model)), None)
     return ModelAnalysis(
         name=name, seq_len=seq_len, tp=tp,
@@ -259,7 +270,7 @@ def _analyse_module(model: nn.Module, name: str, layers: int, seq_len: int | Non
         layers=layers, head=_part("head", parts["head"], seq_len),
         hidden=_hidden(model, family), heads=attention.heads if attention else 0,
         kv_heads=attention.kv_heads if attention else 0, vocab=family.vocab_size(model) or 0,
-        intermediate=_intermediate(model, blocks[0]), dtype=dtype, tied=_tied(model, family), total_params=total,
+        intermediate=_intermediate(model, family, blocks[0]), dtype=dtype, tied=_tied(model, family), total_params=total,
         family=_family_label(model, family), head_dim=attention.head_dim if attention else 0,
         notes=tuple(notes), _rules=rules)
 
@@ -285,6 +296,9 @@ def _axis_plan(model: nn.Module, family: Family, rules: LayoutMap | None, tp: in
                         f"pass rules=LayoutMap([...]) with 'tp' in them, or tp=1")
     try:
         layouts = resolve_layouts(param_shapes(model), rules, Mesh(tp=tp)).params
+    except PlanError as exc:  # sizes tp does not divide; head counts too, so one error names every size
+        raise PlanError([f"{where}: {p}" for p in exc.problems + tensor_parallel_problems(model, tp)]) from None
+    try:
         flow = trace(model, family.example_inputs(model, seq_len=8),
                      {n for n, m in model.named_modules() if is_linear(m)})
         plan = plan_axis(model, layouts, "tp", tp, family, flow)
@@ -339,14 +353,16 @@ def _hidden(model: nn.Module, family: Family) -> int:
     return embedding.embedding_dim if embedding is not None else 0
 
 
-def _intermediate(model: nn.Module, block: str) -> int:
-    """The widest output of a linear layer in the block outside its attention (the MLP's inner width)."""
+def _intermediate(model: nn.Module, family: Family, block: str) -> int:
+    """The MLP's inner width: the config's, else the widest output of a linear layer of the block
+    outside its attention."""
     config = getattr(model, "config", None)
     width = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None)
     if isinstance(width, int):
         return width
-    widths = [m.weight.shape[linear_dims(m)[0]] for n, m in model.get_submodule(block).named_modules()
-              if is_linear(m) and "attn" not in n and "attention" not in n]
+    attentions = tuple(f"{a.name}." for a in family.attentions(model))
+    widths = [m.weight.shape[linear_dims(m)[0]] for n, m in model.named_modules()
+              if n.startswith(f"{block}.") and is_linear(m) and not n.startswith(attentions)]
     return max(widths, default=0)
 
 

@@ -92,6 +92,29 @@ def block_names(model: nn.Module) -> list[str]:
     return [f"{name}.{child}" if name else child for child, _ in longest.named_children()]
 
 
+def _shape_of(module: nn.Module) -> tuple:
+    return tuple((name, type(m).__name__, tuple((p, tuple(t.shape)) for p, t in m.named_parameters(recurse=False)))
+                 for name, m in module.named_modules())
+
+
+@contextmanager
+def first_blocks(model: nn.Module, count: int) -> Iterator[list[str]]:
+    """While open, the blocks' ``ModuleList`` holds only its first ``count`` blocks when every block
+    is alike (the same module classes, parameter names and shapes), so a deep model is measured at
+    the cost of a shallow one; yields the names of the blocks that run. Blocks that differ all run."""
+    names = block_names(model)
+    holder = model.get_submodule(names[0].rpartition(".")[0]) if names else None
+    if len(names) <= count or len({_shape_of(model.get_submodule(n)) for n in names}) > 1:
+        yield names
+        return
+    kept = holder._modules
+    holder._modules = dict(list(kept.items())[:count])
+    try:
+        yield names[:count]
+    finally:
+        holder._modules = kept
+
+
 class _Scopes:
     """Which component each module stands for: attentions (by the family), the MLP of a block (a
     child of a block with parameters that is neither its attention nor a norm)."""
@@ -284,4 +307,4 @@ def measure(model: nn.Module, family: Family, blocks: list[str], seq_len: int, d
     return Measurement(dict(recorder.parts), len(blocks), quadratic)
 
 
-__all__ = ["COMPONENTS", "Measurement", "Tally", "block_names", "measure"]
+__all__ = ["COMPONENTS", "Measurement", "Tally", "block_names", "first_blocks", "measure"]
