@@ -20,7 +20,7 @@ import copy
 import functools
 import json
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -39,6 +39,29 @@ from .tensor_parallel import AxisPlan, plan_axis, tensor_parallel_problems
 
 #: Blocks built from a config: two, so tensors every block saves alike can be told apart.
 BLOCKS_BUILT = 2
+
+
+class Components(Mapping[str, float]):
+    """Values per component, read-only (analyses are cached and shared between callers).
+
+    >>> Components({"mlp": 2.0})["mlp"]
+    2.0
+    """
+
+    def __init__(self, values: Mapping[str, float]):
+        self._values = dict(values)
+
+    def __getitem__(self, key: str) -> float:
+        return self._values[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __repr__(self) -> str:
+        return repr(self._values)
 
 
 @dataclass(frozen=True)
@@ -131,7 +154,7 @@ def analyse(model: nn.Module | GPTConfig | str | Any, *, seq_len: int | None = N
     >>> analyse("gpt-tiny", seq_len=16, tp=2).block.params
     25184
     """
-    tp, dtype = _checked(seq_len, tp, dtype, rules)
+    _check(seq_len, tp, dtype, rules)
     if isinstance(model, nn.Module):
         return _from_module(model, seq_len, tp, dtype, rules)
     name = model if isinstance(model, str) else None
@@ -143,7 +166,7 @@ def analyse(model: nn.Module | GPTConfig | str | Any, *, seq_len: int | None = N
 
 
 # -- arguments and caching ------------------------------------------------------------------------
-def _checked(seq_len: Any, tp: Any, dtype: Any, rules: Any) -> tuple[int, torch.dtype | None]:
+def _check(seq_len: Any, tp: Any, dtype: Any, rules: Any) -> None:
     problems = []
     if seq_len is not None and (not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1):
         problems.append(f"seq_len must be a positive integer (or None: the model's positions), got {seq_len!r}")
@@ -156,7 +179,6 @@ def _checked(seq_len: Any, tp: Any, dtype: Any, rules: Any) -> tuple[int, torch.
         problems.append(f"rules must be a shardkit LayoutMap (or None: the model's own), got {type(rules).__name__}")
     if problems:
         raise UsageError("analyse(): " + "; ".join(problems))
-    return tp, dtype
 
 
 @dataclass(frozen=True)
@@ -339,8 +361,8 @@ def _largest_block(measured: Measurement) -> tuple[Tally, str]:
 def _part(name: str, tally: Tally, seq_len: int) -> PartCost:
     saved = tally.saved_by_component()
     return PartCost(name, tally.params, tally.param_bytes,
-                    {c: tally.flops.get(c, 0.0) / seq_len for c in COMPONENTS},
-                    {c: saved.get(c, 0.0) / seq_len for c in COMPONENTS})
+                    Components({c: tally.flops.get(c, 0.0) / seq_len for c in COMPONENTS}),
+                    Components({c: saved.get(c, 0.0) / seq_len for c in COMPONENTS}))
 
 
 def _token_embedding(model: nn.Module, family: Family) -> nn.Embedding | None:
@@ -380,4 +402,4 @@ def _family_label(model: nn.Module, family: Family) -> str:
     return model_type if isinstance(model_type, str) and model_type else family.name
 
 
-__all__ = ["BLOCKS_BUILT", "ModelAnalysis", "PartCost", "analyse", "default_rules"]
+__all__ = ["BLOCKS_BUILT", "Components", "ModelAnalysis", "PartCost", "analyse", "default_rules"]
