@@ -98,8 +98,8 @@ def test_block_flops_are_twice_its_parameters_at_short_sequences_and_attention_g
     assert short.embedding.flops == 0 and short.head.flops_per_token["logits"] == 2 * 4096 * 128256
 
 
-@pytest.mark.parametrize("config", [GPTConfig(layers=3, seq_len=32), tiny_llama_config(num_hidden_layers=3)],
-                         ids=["gpt", "llama"])
+@pytest.mark.parametrize("config", [GPTConfig(layers=3, seq_len=32), tiny_llama_config(num_hidden_layers=3),
+                                    tiny_gpt2_config(n_layer=3)], ids=["gpt", "llama", "gpt2"])
 def test_a_tensor_parallel_rank_holds_and_computes_its_share(config):
     one, two = sk.analyse(config, seq_len=SEQ), sk.analyse(config, seq_len=SEQ, tp=2)
     hidden_bytes = one.hidden * 4  # fp32: the block input each rank keeps whole (norm outputs, residual)
@@ -111,7 +111,8 @@ def test_a_tensor_parallel_rank_holds_and_computes_its_share(config):
         (one.block.activations_per_token["mlp"] - hidden_bytes) / 2
     for component in ("attention_core", "attention", "mlp"):
         assert two.block.flops_per_token[component] == one.block.flops_per_token[component] / 2
-    assert two.head.flops == one.head.flops / 2  # the output layer is split over the vocabulary
+    # the output layer is split over the vocabulary, except GPT-2's, tied to its embedding and replicated
+    assert two.head.flops == (one.head.flops if one.tied else one.head.flops / 2)
     assert two.head.activations == one.head.activations  # ... and gathered: the loss sees every logit
     assert two.total_params == one.total_params
 
