@@ -78,6 +78,8 @@ _EXPORTS = {
     "estimate_memory": "shardkit.planner.explain",
     "Hardware": "shardkit.planner.hardware",
     "calibrate": "shardkit.observe.calibrate",
+    "analyse": "shardkit.planner.analysis",
+    "ModelAnalysis": "shardkit.planner.analysis",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -1,0 +1,405 @@
+"""``sk.analyse``: what a model costs per token, measured on fake tensors, without memory.
+
+A language model is three parts: the **embedding** (everything before the first block), one
+repeated **block**, and the **head** (everything after the last block: final norm, output
+layer, loss). For each part, and for what one tensor-parallel rank holds of it: parameters,
+forward FLOPs per token and bytes saved for backward per token, by component
+(:data:`~shardkit.planner.measure.COMPONENTS`). The numbers are measured by torch on one forward
+(:mod:`shardkit.planner.measure`), not computed from a formula, so they follow the model's code:
+grouped-query attention, gated MLPs, tied heads, dropout masks, the attention kernel.
+
+A config (transformers, or shardkit's :class:`~shardkit.models.gpt.GPTConfig`) or a catalogue
+name is built on the meta device with two blocks; a module is run as it is. Tensors saved by
+every block alike (rotary ``cos``/``sin``, made once before the blocks) are held once: they are
+counted in the embedding part. Results are cached, so asking again (another ``tp``) is cheap.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import weakref
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..families import Family, family_of
+from ..families.modules import is_linear, linear_dims
+from ..models.gpt import GPT, GPTConfig
+from ..plan import LayoutMap, Mesh, PlanError, UsageError, param_shapes, resolve_layouts
+from ..plan.hf_plan import hf_tp_plan
+from .catalogue import catalogue_config
+from .dataflow import trace
+from .measure import COMPONENTS, Measurement, Tally, block_names, first_blocks, measure
+from .tensor_parallel import AxisPlan, plan_axis, tensor_parallel_problems
+
+#: Blocks built from a config: two, so tensors every block saves alike can be told apart.
+BLOCKS_BUILT = 2
+
+
+class Components(Mapping[str, float]):
+    """Values per component, read-only (analyses are cached and shared between callers).
+
+    >>> Components({"mlp": 2.0})["mlp"]
+    2.0
+    """
+
+    def __init__(self, values: Mapping[str, float]):
+        self._values = dict(values)
+
+    def __getitem__(self, key: str) -> float:
+        return self._values[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __repr__(self) -> str:
+        return repr(self._values)
+
+
+@dataclass(frozen=True)
+class PartCost:
+    """One part of the model, as one tensor-parallel rank of degree ``tp`` computes it, for
+    sequences of ``seq_len`` tokens. ``params`` are the elements this rank holds (local shapes);
+    ``flops_per_token`` and ``activations_per_token`` (bytes saved for backward) have one entry
+    per component, zeros included.
+
+    >>> part = PartCost("block", 10, 40, {"mlp": 20.0, "norm": 0.0}, {"mlp": 8.0, "norm": 4.0})
+    >>> part.flops, part.activations
+    (20.0, 12.0)
+    """
+
+    name: str
+    params: int
+    param_bytes: int
+    flops_per_token: Mapping[str, float]
+    activations_per_token: Mapping[str, float]
+
+    @property
+    def flops(self) -> float:
+        """Forward FLOPs per token, all components."""
+        return float(sum(self.flops_per_token.values()))
+
+    @property
+    def activations(self) -> float:
+        """Bytes saved for backward per token, all components."""
+        return float(sum(self.activations_per_token.values()))
+
+
+@dataclass(frozen=True)
+class ModelAnalysis:
+    """What :func:`analyse` measured: the parts (at ``tp``), ``layers`` blocks, the model's sizes.
+
+    ``total_params``: the whole model at ``tp=1``, a tied output layer counted once. ``dtype``:
+    the parameters'. ``notes``: what the numbers rest on that a reader should know (blocks that
+    differ, an attention kernel that saves ``[seq, seq]`` probabilities).
+    """
+
+    name: str
+    seq_len: int
+    tp: int
+    embedding: PartCost
+    block: PartCost
+    layers: int
+    head: PartCost
+    hidden: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    intermediate: int
+    dtype: torch.dtype
+    tied: bool
+    total_params: int
+    family: str
+    head_dim: int = 0
+    notes: tuple[str, ...] = ()
+    _rules: LayoutMap | None = field(default=None, repr=False, compare=False)
+
+    def tp_rules(self) -> LayoutMap | None:
+        """The layout rules that split this model over ``tp`` (the reference GPT's ``GPT_RULES``,
+        transformers' own plan, GPT-2's rules, or those given to :func:`analyse`)."""
+        return self._rules
+
+    def flops_per_token(self) -> float:
+        """Forward FLOPs per token of the whole model on one rank: embedding, every block, head."""
+        return self.embedding.flops + self.layers * self.block.flops + self.head.flops
+
+    def activations_per_token(self) -> float:
+        """Bytes saved for backward per token on one rank: embedding, every block, head."""
+        return self.embedding.activations + self.layers * self.block.activations + self.head.activations
+
+
+def analyse(model: nn.Module | GPTConfig | str | Any, *, seq_len: int | None = None, tp: int = 1,
+            dtype: torch.dtype | None = None, rules: LayoutMap | None = None) -> ModelAnalysis:
+    """Parameters, FLOPs and saved activations per token of ``model``'s parts, for one rank of
+    tensor-parallel degree ``tp``, measured on fake tensors (no memory).
+
+    ``model``: an ``nn.Module`` (on the meta device is fine), a transformers config, a
+    :class:`~shardkit.models.gpt.GPTConfig` or a catalogue name (:data:`~shardkit.planner.catalogue.CATALOGUE`).
+    ``seq_len``: tokens per sequence (default: the model's positions). ``dtype``: of the parameters
+    (default: as built; float32 for configs). ``rules``: the layouts splitting it over ``tp``
+    (default: the model's own, :meth:`ModelAnalysis.tp_rules`). A ``tp`` the model's sizes do
+    not split is a :class:`PlanError` naming the sizes and the valid degrees.
+
+    >>> a = analyse("gpt-tiny", seq_len=16)
+    >>> a.layers, a.block.params, a.block.flops_per_token["mlp"] == 2 * 2 * 64 * 256
+    (2, 49984, True)
+    >>> analyse("gpt-tiny", seq_len=16, tp=2).block.params
+    25184
+    """
+    _check(seq_len, tp, dtype, rules)
+    if isinstance(model, nn.Module):
+        return _from_module(model, seq_len, tp, dtype, rules)
+    name = model if isinstance(model, str) else None
+    config = catalogue_config(model) if isinstance(model, str) else model
+    if not isinstance(config, GPTConfig) and not hasattr(config, "to_json_string"):
+        raise UsageError(f"analyse(model): expected an nn.Module, a transformers config, a GPTConfig or a "
+                         f"catalogue name, got {type(model).__name__}")
+    return _from_config(_Keyed(_config_key(config), (config, name)), seq_len, tp, dtype, _Keyed(_rules_key(rules), rules))
+
+
+# -- arguments and caching ------------------------------------------------------------------------
+def _check(seq_len: Any, tp: Any, dtype: Any, rules: Any) -> None:
+    problems = []
+    if seq_len is not None and (not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1):
+        problems.append(f"seq_len must be a positive integer (or None: the model's positions), got {seq_len!r}")
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+        problems.append(f"tp must be a positive integer, got {tp!r}")
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        problems.append(f"dtype must be a floating torch.dtype such as torch.bfloat16 (or None: as built), "
+                        f"got {dtype!r}")
+    if rules is not None and not isinstance(rules, LayoutMap):
+        problems.append(f"rules must be a shardkit LayoutMap (or None: the model's own), got {type(rules).__name__}")
+    if problems:
+        raise UsageError("analyse(): " + "; ".join(problems))
+
+
+@dataclass(frozen=True)
+class _Keyed:
+    """A value cached by a key that stands for it (configs and layout maps are not hashable)."""
+
+    key: str
+    value: Any = field(compare=False, hash=False)
+
+
+def _rules_key(rules: LayoutMap | None) -> str:
+    return "" if rules is None else f"{rules!r} strict={rules.strict}"
+
+
+def _config_key(config: Any) -> str:
+    if isinstance(config, GPTConfig):
+        return repr(config)
+    attention = getattr(config, "_attn_implementation", None)  # not in to_dict()
+    return f"{type(config).__name__}:{attention}:{json.dumps(config.to_dict(), sort_keys=True, default=str)}"
+
+
+_MODULE_CACHE: weakref.WeakKeyDictionary[nn.Module, dict[tuple, ModelAnalysis]] = weakref.WeakKeyDictionary()
+
+
+def _from_module(model: nn.Module, seq_len: int | None, tp: int, dtype: torch.dtype | None,
+                 rules: LayoutMap | None) -> ModelAnalysis:
+    """Cached per module while it lives, keyed also by its parameters' names, shapes and dtypes and
+    its transformers attention implementation."""
+    signature = tuple((n, tuple(p.shape), p.dtype) for n, p in model.named_parameters())
+    attention = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    key = (signature, attention, seq_len, tp, dtype, _rules_key(rules))
+    cached = _MODULE_CACHE.setdefault(model, {})
+    if key not in cached:
+        cached[key] = _analyse_module(model, type(model).__name__, len(block_names(model)), seq_len, tp, dtype,
+                                      rules)
+    return cached[key]
+
+
+@functools.lru_cache(maxsize=512)
+def _from_config(source: _Keyed, seq_len: int | None, tp: int, dtype: torch.dtype | None,
+                 rules: _Keyed) -> ModelAnalysis:
+    config, name = source.value
+    model, layers = _built(source)
+    label = name or (f"gpt(dim={config.dim}, layers={config.layers})" if isinstance(config, GPTConfig)
+                     else getattr(config, "model_type", type(config).__name__))
+    return _analyse_module(model, label, layers, seq_len, tp, dtype, rules.value)
+
+
+@functools.lru_cache(maxsize=32)
+def _built(source: _Keyed) -> tuple[nn.Module, int]:
+    """The model of a config with :data:`BLOCKS_BUILT` blocks, on the meta device, and its real block count."""
+    config, _ = source.value
+    if isinstance(config, GPTConfig):
+        with torch.device("meta"):
+            return GPT(replace(config, layers=min(config.layers, BLOCKS_BUILT))), config.layers
+    from transformers import AutoModelForCausalLM
+
+    layers = config.num_hidden_layers
+    small = copy.deepcopy(config)
+    small.num_hidden_layers = min(layers, BLOCKS_BUILT)
+    if isinstance(getattr(small, "layer_types", None), list):
+        small.layer_types = small.layer_types[:small.num_hidden_layers]
+    implementation = getattr(config, "_attn_implementation", None) or "sdpa"
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(small, attn_implementation=implementation), layers
+
+
+# -- the analysis -----------------------------------------------------------------------------------
+def _analyse_module(model: nn.Module, name: str, layers: int, seq_len: int | None, tp: int,
+                    dtype: torch.dtype | None, rules: LayoutMap | None) -> ModelAnalysis:
+    """``layers``: the model's blocks; ``model`` may hold fewer (built from a config), each like the first."""
+    family = family_of(model)
+    with first_blocks(model, BLOCKS_BUILT) as blocks:
+        return _analyse_blocks(model, family, blocks, name, layers, seq_len, tp, dtype, rules)
+
+
+def _analyse_blocks(model: nn.Module, family: Family, blocks: list[str], name: str, layers: int, seq_len: int | None,
+                    tp: int, dtype: torch.dtype | None, rules: LayoutMap | None) -> ModelAnalysis:
+    if not family.takes_token_ids(model) or not blocks:
+        raise UsageError(f"analyse(): {type(model).__name__} is not a language model shardkit can analyse: it needs "
+                         f"token ids in and repeated blocks (the children of an nn.ModuleList); "
+                         f"{'it has no ModuleList' if not blocks else 'its first layer is not an nn.Embedding'}")
+    positions = family.max_positions(model)
+    if seq_len is None and positions is None:
+        raise UsageError(f"analyse(): {type(model).__name__} does not say how many positions it takes; pass seq_len")
+    seq_len = seq_len or positions
+    if positions is not None and seq_len > positions:
+        raise UsageError(f"analyse(seq_len={seq_len}): {type(model).__name__} takes at most {positions} positions; "
+                         f"pass seq_len <= {positions} or a config with more positions")
+    dtype = dtype or next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    rules = rules if rules is not None else default_rules(model, family)
+    plan = None if tp == 1 else _axis_plan(model, family, rules, tp)
+    measured = measure(model, family, blocks, seq_len, dtype, plan)
+    _share(measured)
+    notes = []
+    block, differ = _largest_block(measured)
+    if differ:
+        notes.append(f"blocks differ ({differ}); the block shown is the largest")
+    if measured.quadratic:
+        notes.append(f"the attention saves [heads, {seq_len}, {seq_len}] probabilities (a math kernel: eager "
+                     f"attention, or attention dropout, which torch's CPU flash kernel does not take); a GPU flash "
+                     f"kernel would save only its output and log-sum-exp")
+    parts = measured.parts
+    total = parts["embedding"].global_params + parts["head"].global_params + \
+        sum(parts[f"block.{i}"].global_params for i in range(measured.blocks)) + \
+        (layers - measured.blocks) * parts["block.0"].global_params  # the blocks that did not run are like the first
+    attention = next(iter(family.attentions(model)), None)
+    return ModelAnalysis(
+        name=name, seq_len=seq_len, tp=tp,
+        embedding=_part("embedding", parts["embedding"], seq_len), block=_part("block", block, seq_len),
+        layers=layers, head=_part("head", parts["head"], seq_len),
+        hidden=_hidden(model, family), heads=attention.heads if attention else 0,
+        kv_heads=attention.kv_heads if attention else 0, vocab=family.vocab_size(model) or 0,
+        intermediate=_intermediate(model, family, blocks[0]), dtype=dtype, tied=_tied(model, family), total_params=total,
+        family=_family_label(model, family), head_dim=attention.head_dim if attention else 0,
+        notes=tuple(notes), _rules=rules)
+
+
+def default_rules(model: nn.Module, family: Family) -> LayoutMap | None:
+    """The rules shardkit knows for ``model``: the reference GPT's, GPT-2's, or transformers' own plan."""
+    from ..models.gpt import GPT_RULES
+    from ..models.hf import GPT2_RULES
+
+    if family.name == "gpt":
+        return GPT_RULES
+    if family.name == "gpt2" and any(n.startswith("transformer.h.") for n, _ in model.named_parameters()):
+        return GPT2_RULES
+    return LayoutMap.from_hf(model) if hf_tp_plan(model) else None
+
+
+def _axis_plan(model: nn.Module, family: Family, rules: LayoutMap | None, tp: int) -> AxisPlan:
+    """The tensor-parallel plan of one ``tp`` rank, checked as the validator checks it."""
+    where = f"analyse(tp={tp})"
+    if rules is None or "tp" not in rules.axes():
+        raise PlanError(f"{where}: no layout rules split {type(model).__name__} over 'tp' "
+                        f"({'none known' if rules is None else f'the rules use axes {sorted(rules.axes())}'}); "
+                        f"pass rules=LayoutMap([...]) with 'tp' in them, or tp=1")
+    try:
+        layouts = resolve_layouts(param_shapes(model), rules, Mesh(tp=tp)).params
+    except PlanError as exc:  # sizes tp does not divide; head counts too, so one error names every size
+        raise PlanError([f"{where}: {p}" for p in exc.problems + tensor_parallel_problems(model, tp)]) from None
+    try:
+        flow = trace(model, family.example_inputs(model, seq_len=8),
+                     {n for n, m in model.named_modules() if is_linear(m)})
+        plan = plan_axis(model, layouts, "tp", tp, family, flow)
+    except PlanError as exc:
+        raise PlanError([f"{where}: {p}" for p in exc.problems]) from None
+    if not plan.splits:
+        raise PlanError(f"{where}: the rules split no parameter of {type(model).__name__} over 'tp'")
+    return plan
+
+
+def _share(measured: Measurement) -> None:
+    """Count each saved storage once, where it is first held: storages every block saves alike (made
+    before the blocks: rotary ``cos``/``sin``) in the embedding part; a storage an earlier part saved
+    too (the token ids, saved by the embedding and again as the loss's targets) in that part only."""
+    parts = measured.parts
+    blocks = [parts[f"block.{i}"] for i in range(measured.blocks)]
+    embedding, head = parts["embedding"], parts["head"]
+    common = set(blocks[0].saved).intersection(*(b.saved for b in blocks[1:])) if len(blocks) > 1 else set()
+    for key in common:
+        embedding.saved.setdefault(key, blocks[0].saved[key])
+    for block in blocks:
+        for key in set(block.saved) & set(embedding.saved):
+            del block.saved[key]
+    earlier = set(embedding.saved).union(*(b.saved for b in blocks))
+    for key in set(head.saved) & earlier:
+        del head.saved[key]
+
+
+def _largest_block(measured: Measurement) -> tuple[Tally, str]:
+    blocks = [measured.parts[f"block.{i}"] for i in range(measured.blocks)]
+    sizes = [(sum(b.saved_by_component().values()), sum(b.flops.values()), b.params) for b in blocks]
+    largest = max(range(len(blocks)), key=lambda i: sizes[i])
+    differ = "" if len(set(sizes)) == 1 else \
+        f"saved bytes, FLOPs and parameters per block range over {sorted(set(sizes))[0]} .. {sorted(set(sizes))[-1]}"
+    return blocks[largest], differ
+
+
+def _part(name: str, tally: Tally, seq_len: int) -> PartCost:
+    saved = tally.saved_by_component()
+    return PartCost(name, tally.params, tally.param_bytes,
+                    Components({c: tally.flops.get(c, 0.0) / seq_len for c in COMPONENTS}),
+                    Components({c: saved.get(c, 0.0) / seq_len for c in COMPONENTS}))
+
+
+def _token_embedding(model: nn.Module, family: Family) -> nn.Embedding | None:
+    vocab = family.vocab_size(model)
+    return next((m for m in model.modules() if isinstance(m, nn.Embedding) and m.num_embeddings == vocab), None)
+
+
+def _hidden(model: nn.Module, family: Family) -> int:
+    embedding = _token_embedding(model, family)
+    return embedding.embedding_dim if embedding is not None else 0
+
+
+def _intermediate(model: nn.Module, family: Family, block: str) -> int:
+    """The MLP's inner width: the config's, else the widest output of a linear layer of the block
+    outside its attention."""
+    config = getattr(model, "config", None)
+    width = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None)
+    if isinstance(width, int):
+        return width
+    attentions = tuple(f"{a.name}." for a in family.attentions(model))
+    widths = [m.weight.shape[linear_dims(m)[0]] for n, m in model.named_modules()
+              if n.startswith(f"{block}.") and is_linear(m) and not n.startswith(attentions)]
+    return max(widths, default=0)
+
+
+def _tied(model: nn.Module, family: Family) -> bool:
+    embedding = _token_embedding(model, family)
+    if embedding is None:
+        return False
+    users = [m for m in model.modules() if m is not embedding and any(p is embedding.weight for p in m.parameters(
+        recurse=False))]
+    return bool(users)
+
+
+def _family_label(model: nn.Module, family: Family) -> str:
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    return model_type if isinstance(model_type, str) and model_type else family.name
+
+
+__all__ = ["BLOCKS_BUILT", "Components", "ModelAnalysis", "PartCost", "analyse", "default_rules"]

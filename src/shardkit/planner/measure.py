@@ -1,0 +1,310 @@
+"""One forward of a language model on fake tensors, measured: FLOPs and bytes saved for backward,
+per part (before the blocks, each block, after them) and per component, with no memory used.
+
+torch does the counting: :class:`~torch.utils.flop_counter.FlopCounterMode` counts FLOPs (matrix
+products, convolutions, attention kernels; elementwise ops count 0), and
+:func:`torch.autograd.graph.saved_tensors_hooks` sees every tensor autograd saves for backward.
+What shardkit adds is the attribution: forward hooks on every module keep the stack of modules
+running, which says the part and the component of each FLOP and of each saved tensor.
+
+The forward runs on :class:`~torch._subclasses.fake_tensor.FakeTensorMode` tensors on the CPU
+device, not on meta tensors: torch picks attention kernels by device, and on meta
+``scaled_dot_product_attention`` runs its math path, which saves the ``[heads, seq, seq]``
+probabilities, while CPU and GPU run a flash kernel that saves only the output and its log-sum-exp.
+Fake CPU tensors dispatch as CPU tensors do, with shapes only. torch's counter has no formula for
+the CPU flash kernel, so it is given the one torch uses for the GPU flash kernel.
+
+A tensor-parallel rank is measured at its local shapes: split parameters get local stand-ins, the
+family's attribute changes are applied (local head counts), and where torch's styles gather an
+output (a column-parallel layer with no row-parallel partner) or split an input locally, a hook
+makes the same shapes, so a rank's FLOPs and saved bytes are what it computes and keeps.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode, flop_registry
+
+from ..families import Family
+from ..families.modules import is_conv1d, is_linear, is_norm
+from ..families.on_meta import swapped
+from .tensor_parallel import COLWISE, DTENSOR, EMBED_COLWISE, ROWWISE, AxisPlan, aliases
+
+COMPONENTS = ("attention_core", "attention", "mlp", "norm", "embedding", "logits", "other")
+_aten = torch.ops.aten
+
+
+def _cpu_flash_flops(*args: object, **kwargs: object) -> int:
+    """torch's count for the GPU flash kernel, which takes (query, key, value, ...) as the CPU one does."""
+    return flop_registry[_aten._scaled_dot_product_flash_attention](*args, **kwargs)
+
+
+_cpu_flash_flops._get_raw = True  # type: ignore[attr-defined]  # called as registered formulas are
+#: FLOP formulas torch's counter lacks.
+_EXTRA_FLOPS = {_aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash_flops}
+#: Attention kernels that keep only their output and log-sum-exp for backward.
+_FUSED_ATTENTION = (_aten._scaled_dot_product_flash_attention_for_cpu, _aten._scaled_dot_product_flash_attention,
+                    _aten._scaled_dot_product_efficient_attention, _aten._scaled_dot_product_cudnn_attention)
+
+
+@dataclass
+class Tally:
+    """What one part holds and computes: parameters (elements, this rank's and whole), FLOPs by
+    component, and saved storages ``{storage id: (bytes, component)}``, each counted once."""
+
+    params: int = 0
+    param_bytes: int = 0
+    global_params: int = 0
+    flops: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    saved: dict[int, tuple[int, str]] = field(default_factory=dict)
+
+    def saved_by_component(self) -> dict[str, float]:
+        out: dict[str, float] = defaultdict(float)
+        for nbytes, component in self.saved.values():
+            out[component] += nbytes
+        return out
+
+
+@dataclass
+class Measurement:
+    """Tallies of ``embedding``, ``block.0`` ... ``block.{n-1}`` and ``head``; ``quadratic``: the
+    attention ran as separate matrix products (a math kernel, saving ``[heads, seq, seq]`` tensors),
+    not as a fused kernel."""
+
+    parts: dict[str, Tally]
+    blocks: int
+    quadratic: bool = False
+
+
+def block_names(model: nn.Module) -> list[str]:
+    """The repeated blocks: the children of the longest ``ModuleList`` (``layers``, GPT-2's ``h``)."""
+    lists = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
+    if not lists:
+        return []
+    name, longest = max(lists, key=lambda item: len(item[1]))
+    return [f"{name}.{child}" if name else child for child, _ in longest.named_children()]
+
+
+def _shape_of(module: nn.Module) -> tuple:
+    return tuple((name, type(m).__name__, tuple((p, tuple(t.shape)) for p, t in m.named_parameters(recurse=False)))
+                 for name, m in module.named_modules())
+
+
+@contextmanager
+def first_blocks(model: nn.Module, count: int) -> Iterator[list[str]]:
+    """While open, the blocks' ``ModuleList`` holds only its first ``count`` blocks when every block
+    is alike (the same module classes, parameter names and shapes), so a deep model is measured at
+    the cost of a shallow one; yields the names of the blocks that run. Blocks that differ all run."""
+    names = block_names(model)
+    holder = model.get_submodule(names[0].rpartition(".")[0]) if names else None
+    if len(names) <= count or len({_shape_of(model.get_submodule(n)) for n in names}) > 1:
+        yield names
+        return
+    kept = holder._modules
+    holder._modules = dict(list(kept.items())[:count])
+    try:
+        yield names[:count]
+    finally:
+        holder._modules = kept
+
+
+class _Scopes:
+    """Which component each module stands for: attentions (by the family), the MLP of a block (a
+    child of a block with parameters that is neither its attention nor a norm)."""
+
+    def __init__(self, model: nn.Module, family: Family, blocks: list[str]):
+        self.modules = dict(model.named_modules())
+        self.attentions = {a.name for a in family.attentions(model)}
+        self.mlps = set()
+        for block in blocks:
+            for child, module in self.modules[block].named_children():
+                name = f"{block}.{child}"
+                if name not in self.attentions and not is_norm(module) and next(module.parameters(), None) is not None:
+                    self.mlps.add(name)
+
+    def component(self, stack: list[str], part: str) -> str:
+        inner = self.modules[stack[-1]] if stack else None
+        for name in reversed(stack):
+            if name in self.attentions:
+                return "attention" if is_linear(inner) and stack[-1] != name else "attention_core"
+        if inner is not None and is_norm(inner):
+            return "norm"
+        if any(name in self.mlps for name in stack):
+            return "mlp"
+        if isinstance(inner, nn.Embedding):
+            return "embedding"
+        return "logits" if part == "head" else "other"
+
+
+class _Recorder:
+    """Module hooks keeping the running stack; FLOPs and saved tensors booked to (part, component)."""
+
+    def __init__(self, model: nn.Module, scopes: _Scopes, blocks: list[str], counter: FlopCounterMode,
+                 fixed: set[int], params: dict[str, tuple[int, int, int]], canonical: dict[str, str]):
+        self.scopes, self.blocks, self.counter, self.fixed = scopes, {b: i for i, b in enumerate(blocks)}, counter, fixed
+        self.params, self.canonical = params, canonical
+        self.parts: dict[str, Tally] = defaultdict(Tally)
+        self.stack: list[str] = []
+        self.passed_block = False
+        self.counted = 0.0
+        self.owner: dict[str, str] = {}
+
+    def part(self) -> str:
+        block = next((n for n in reversed(self.stack) if n in self.blocks), None)
+        if block is not None:
+            return f"block.{self.blocks[block]}"
+        return "head" if self.passed_block else "embedding"
+
+    def book_flops(self) -> None:
+        total = float(sum(self.counter.flop_counts["Global"].values()))
+        if total != self.counted:
+            part = self.part()
+            self.parts[part].flops[self.scopes.component(self.stack, part)] += total - self.counted
+            self.counted = total
+
+    def enter(self, name: str, module: nn.Module) -> None:
+        self.book_flops()
+        self.stack.append(name)
+        part = self.part()
+        prefix = f"{name}." if name else ""
+        for pname, _ in module.named_parameters(recurse=False):
+            canonical = self.canonical[prefix + pname]
+            if canonical not in self.owner:
+                self.owner[canonical] = part
+                local, nbytes, whole = self.params[canonical]
+                tally = self.parts[part]
+                tally.params += local
+                tally.param_bytes += nbytes
+                tally.global_params += whole
+
+    def leave(self, name: str) -> None:
+        self.book_flops()
+        self.stack.pop()
+        if name in self.blocks:
+            self.passed_block = True
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        key = storage._cdata
+        if key not in self.fixed:
+            part = self.part()
+            component = self.scopes.component(self.stack, part)
+            self.parts[part].saved.setdefault(key, (storage.nbytes(), component))
+        return tensor
+
+    @contextmanager
+    def hooks(self) -> Iterator[None]:
+        handles = []
+        for name, module in self.scopes.modules.items():
+            handles.append(module.register_forward_pre_hook(lambda m, _a, n=name: self.enter(n, m)))
+            handles.append(module.register_forward_hook(lambda _m, _a, _o, n=name: self.leave(n)))
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+
+@contextmanager
+def _local_shard(model: nn.Module, plan: AxisPlan | None) -> Iterator[None]:
+    """Make a model running on local stand-ins behave, at its boundaries, as one rank does under
+    torch's styles: attribute changes set (local head counts, GPT-2 ``Conv1D.nf``), gathered
+    outputs back to full width, locally split inputs cut to this rank's width.
+
+    The validator's one-shard run (:func:`shardkit.planner.model_checks.shard_problems`) keeps
+    full weights inside split modules, since it looks for reshapes, not costs; here the weights
+    themselves are local, so each split module computes exactly this rank's share."""
+    if plan is None:
+        yield
+        return
+    modules = dict(model.named_modules())
+    saved = []
+    handles = []
+    changes = [(modules[c.module], c.attribute, c.local) for c in plan.changes]
+    for split in plan.splits.values():
+        module, size = modules[split.name], plan.size
+        if split.kind == COLWISE and is_conv1d(module):
+            changes.append((module, "nf", module.nf // size))
+        if (split.kind == COLWISE and split.gather_output) or split.kind == EMBED_COLWISE:
+            handles.append(module.register_forward_hook(
+                lambda _m, _a, out, n=size: out.repeat(*([1] * (out.dim() - 1)), n)))
+        elif split.kind == ROWWISE and split.replicated_input:
+            handles.append(module.register_forward_pre_hook(
+                lambda _m, args, n=size: (args[0].narrow(-1, 0, args[0].shape[-1] // n).contiguous(), *args[1:])))
+    for module, attribute, value in changes:
+        saved.append((module, attribute, getattr(module, attribute)))
+        setattr(module, attribute, value)
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        for module, attribute, value in saved:
+            setattr(module, attribute, value)
+
+
+def _local_dims(model: nn.Module, plan: AxisPlan | None) -> dict[str, int]:
+    """``{canonical parameter name: dim split}`` of the parameters this rank holds a slice of."""
+    if plan is None:
+        return {}
+    canonical = aliases(model)
+    return {canonical[f"{split.name}.{p}" if split.name else p]: dim for split in plan.splits.values()
+            if split.kind != DTENSOR for p, dim in split.placements.items() if dim is not None}
+
+
+def measure(model: nn.Module, family: Family, blocks: list[str], seq_len: int, dtype: torch.dtype,
+            plan: AxisPlan | None = None) -> Measurement:
+    """Run ``model`` once on token ids ``[1, seq_len]`` (fake CPU tensors, train mode) and, when its
+    output is logits over its vocabulary, the cross-entropy loss; see the module docstring."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    canonical = aliases(model)
+    split_dims = _local_dims(model, plan)
+    size = plan.size if plan is not None else 1
+    vocab = family.vocab_size(model)
+    modes = [m.training for m in model.modules()]
+    with ExitStack() as stack:
+        stack.enter_context(FakeTensorMode())
+        tensors: dict[str, torch.Tensor] = {}
+        params: dict[str, tuple[int, int, int]] = {}
+        for name, p in model.named_parameters():
+            shape = list(p.shape)
+            if name in split_dims:
+                shape[split_dims[name]] //= size
+            kind = dtype if p.is_floating_point() else p.dtype
+            tensors[name] = torch.empty(shape, dtype=kind, device="cpu", requires_grad=p.requires_grad)
+            params[name] = (tensors[name].numel(), tensors[name].numel() * tensors[name].element_size(), p.numel())
+        for name, b in model.named_buffers():
+            tensors[name] = torch.empty(b.shape, dtype=b.dtype, device="cpu")  # as built (rotary frequencies stay fp32)
+        fixed = {t.untyped_storage()._cdata for t in tensors.values()}
+        counter = FlopCounterMode(display=False, custom_mapping=_EXTRA_FLOPS)
+        recorder = _Recorder(model, _Scopes(model, family, blocks), blocks, counter, fixed, params, canonical)
+        ids = torch.zeros(1, seq_len, dtype=torch.long)
+        stack.enter_context(swapped(model, tensors))
+        stack.enter_context(_local_shard(model, plan))
+        stack.enter_context(recorder.hooks())
+        stack.enter_context(counter)
+        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t))
+        model.train()
+        try:
+            output = model(ids)
+            logits = output if isinstance(output, torch.Tensor) else getattr(output, "logits", None)
+            if isinstance(logits, torch.Tensor) and logits.dim() == 3 and logits.shape[-1] == vocab:
+                F.cross_entropy(logits.reshape(-1, vocab), ids.reshape(-1))
+            recorder.book_flops()
+        finally:
+            for module, mode in zip(model.modules(), modes):
+                module.training = mode
+    fused = any(op in counter.flop_counts["Global"] for op in _FUSED_ATTENTION)
+    quadratic = not fused and any(t.flops.get("attention_core") for t in recorder.parts.values())
+    return Measurement(dict(recorder.parts), len(blocks), quadratic)
+
+
+__all__ = ["COMPONENTS", "Measurement", "Tally", "block_names", "first_blocks", "measure"]
