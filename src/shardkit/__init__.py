@@ -76,6 +76,7 @@ _EXPORTS = {
     "ValidationReport": "shardkit.planner.validate",
     "explain_plan": "shardkit.planner.explain",
     "estimate_memory": "shardkit.planner.explain",
+    "infer_tp_rules": "shardkit.planner.tp_infer",
 }
 
 __all__ = sorted(_EXPORTS)
