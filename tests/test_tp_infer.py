@@ -11,8 +11,10 @@ from model_zoo import (
     build_bert,
     build_gemma,
     build_gpt2,
+    build_gptj,
     build_llama_tied,
     build_mistral,
+    build_neox,
     build_phi3,
     build_qwen2,
     loss,
@@ -38,7 +40,8 @@ def _layouts(model: nn.Module, rules: sk.LayoutMap, axis: str = "tp") -> dict:
 # -- equal to transformers' own plans ----------------------------------------------------------------
 
 WITH_PLANS = {"llama": build_tiny_llama, "llama tied": build_llama_tied, "qwen2 (q/k/v biases)": build_qwen2,
-              "mistral": build_mistral, "gemma (tied)": build_gemma, "phi3 (packed)": build_phi3}
+              "mistral": build_mistral, "gemma (tied)": build_gemma, "phi3 (packed)": build_phi3,
+              "gpt-neox (packed head by head)": build_neox, "gpt-j": build_gptj}
 
 
 @pytest.mark.parametrize("name", list(WITH_PLANS))
