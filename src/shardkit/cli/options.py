@@ -25,6 +25,7 @@ from ..models.registry import BUILDER_PATH_FORM, MODELS, ModelEntry, is_builder_
 from ..plan import LayoutMap, Mesh, Plan, PlanError, UsageError
 from ..plan.files import read_file
 from ..plan.pipeline import SCHEDULES, SPLITS, pipeline_from_args
+from ..planner.tp_infer import infer_tp_rules
 
 DEFAULT_MESH = "fsdp=2,tp=2"
 #: Where a model given by its builder path gets layout rules from.
@@ -192,8 +193,6 @@ def inferred_rules(name: str, entry: ModelEntry, mesh: Mesh) -> LayoutMap | None
     dataflow (:func:`shardkit.planner.tp_infer.infer_tp_rules`), said on stderr with every rule."""
     if "tp" not in mesh:
         return None
-    from ..planner.tp_infer import infer_tp_rules
-
     try:
         rules = infer_tp_rules(meta_model_from_flag(name, entry))
     except PlanError as exc:
