@@ -35,6 +35,24 @@ class TinyLM(nn.Module):
         return self.lm_head(x)
 
 
+class HeadOnlyLM(nn.Module):
+    """Embeddings straight into the head: no two linear layers, so no tensor-parallel rules to infer."""
+
+    def __init__(self, vocab: int = 256, positions: int = 32, dim: int = 16):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.pos_embed = nn.Embedding(positions, dim)
+        self.lm_head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.embed(idx) + self.pos_embed(torch.arange(idx.shape[1], device=idx.device)))
+
+
+def build_head_only_lm() -> HeadOnlyLM:
+    torch.manual_seed(0)
+    return HeadOnlyLM()
+
+
 def build_tiny_lm() -> TinyLM:
     torch.manual_seed(0)
     return TinyLM()

@@ -80,6 +80,7 @@ _EXPORTS = {
     "calibrate": "shardkit.observe.calibrate",
     "analyse": "shardkit.planner.analysis",
     "ModelAnalysis": "shardkit.planner.analysis",
+    "infer_tp_rules": "shardkit.planner.tp_infer",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -25,6 +25,7 @@ from ..models.registry import BUILDER_PATH_FORM, MODELS, ModelEntry, is_builder_
 from ..plan import LayoutMap, Mesh, Plan, PlanError, UsageError
 from ..plan.files import read_file
 from ..plan.pipeline import SCHEDULES, SPLITS, pipeline_from_args
+from ..planner.tp_infer import infer_tp_rules
 
 DEFAULT_MESH = "fsdp=2,tp=2"
 #: Where a model given by its builder path gets layout rules from.
@@ -173,7 +174,7 @@ def plan_from_args(args: argparse.Namespace, entry: ModelEntry) -> tuple[Plan, i
         plan = Plan.load(args.plan)
     else:
         mesh = _parse_mesh_flag(DEFAULT_MESH if args.mesh is None else args.mesh)
-        rules = load_rules(args.rules) if args.rules is not None else entry.rules_for(mesh)
+        rules = load_rules(args.rules) if args.rules is not None else entry.rules_for(mesh) or inferred_rules(args.model, entry, mesh)
         plan = Plan(mesh=mesh, rules=rules)
     world_size = args.world_size
     if world_size is None:
@@ -185,6 +186,23 @@ def plan_from_args(args: argparse.Namespace, entry: ModelEntry) -> tuple[Plan, i
         pipeline = pipeline_from_args(plan.mesh, args.schedule, args.microbatches, args.split, args.split_points)
         plan = replace(plan, pipeline=pipeline)
     return plan, world_size
+
+
+def inferred_rules(name: str, entry: ModelEntry, mesh: Mesh) -> LayoutMap | None:
+    """With a ``tp`` axis and no built-in or transformers rules: the rules inferred from the model's
+    dataflow (:func:`shardkit.planner.tp_infer.infer_tp_rules`), said on stderr with every rule."""
+    if "tp" not in mesh:
+        return None
+    try:
+        rules = infer_tp_rules(meta_model_from_flag(name, entry))
+    except PlanError as exc:
+        raise PlanError(f"mesh axis 'tp': model {name!r} has no built-in layout rules and no transformers "
+                        f"tensor-parallel plan, and none could be inferred from its dataflow: {exc}; "
+                        f"{RULES_HINT}") from None
+    print(f"tensor-parallel rules inferred from the model's dataflow: {len(rules)} rules", file=sys.stderr)
+    for pattern, layout in rules.items():
+        print(f"  {pattern}  {layout}", file=sys.stderr)
+    return rules
 
 
 def _parse_mesh_flag(text: str) -> Mesh:

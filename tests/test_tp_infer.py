@@ -1,0 +1,252 @@
+"""sk.infer_tp_rules: tensor-parallel rules from a model's dataflow on meta. Where transformers has a
+plan, the inferred rules give every parameter its layout; where it has none, they equal one process
+(sk.verify, tp=2 and fsdp=2 x tp=2); a model with nothing to pair is refused with the reason."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from model_zoo import (
+    build_bert,
+    build_gemma,
+    build_gpt2,
+    build_gptj,
+    build_llama_tied,
+    build_mistral,
+    build_neox,
+    build_phi3,
+    build_qwen2,
+    loss,
+    tokens,
+)
+from torch import nn
+
+import shardkit as sk
+from shardkit.models.gpt import GPT_RULES, build_tiny_gpt
+from shardkit.models.hf import build_tiny_llama
+from shardkit.plan.layout import resolve_layouts
+from shardkit.planner.meta import meta_model
+from shardkit.planner.tensor_parallel import aliases
+
+
+def _layouts(model: nn.Module, rules: sk.LayoutMap, axis: str = "tp") -> dict:
+    """The resolved layout of every parameter name; a tied alias has its first name's (as validate has)."""
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    params = resolve_layouts(shapes, rules, sk.Mesh(**{axis: 2})).params
+    return {name: params[first].layout for name, first in aliases(model).items()}
+
+
+# -- equal to transformers' own plans ----------------------------------------------------------------
+
+WITH_PLANS = {"llama": build_tiny_llama, "llama tied": build_llama_tied, "qwen2 (q/k/v biases)": build_qwen2,
+              "mistral": build_mistral, "gemma (tied)": build_gemma, "phi3 (packed)": build_phi3,
+              "gpt-neox (packed head by head)": build_neox, "gpt-j": build_gptj}
+
+
+@pytest.mark.parametrize("name", list(WITH_PLANS))
+def test_inferred_rules_equal_transformers_plan_on_every_parameter(name):
+    model = meta_model(WITH_PLANS[name])
+    inferred, theirs = _layouts(model, sk.infer_tp_rules(model)), _layouts(model, sk.LayoutMap.from_hf(model))
+    assert inferred == theirs
+    assert sum(layout is not None for layout in theirs.values()) >= 9  # their plan splits the model
+
+
+def test_another_axis_name_is_used_throughout():
+    model = meta_model(build_tiny_llama)
+    inferred = _layouts(model, sk.infer_tp_rules(model, axis="model"), "model")
+    assert inferred == _layouts(model, sk.LayoutMap.from_hf(model, axis="model"), "model")
+    assert inferred["lm_head.weight"] == ("model", None)
+
+
+# -- models with no plan: what is split, and that it equals one process --------------------------------
+
+class MLPStack(nn.Module):
+    """A hand-written MLP stack: four Linears in a row, then a replicated head."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.ModuleList([nn.Linear(16, 64), nn.Linear(64, 16), nn.Linear(16, 32), nn.Linear(32, 16)])
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.fc:
+            x = F.gelu(layer(x))
+        return self.head(x)
+
+
+def build_mlp_stack() -> MLPStack:
+    torch.manual_seed(0)
+    return MLPStack()
+
+
+def mse(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(output, targets)
+
+
+def _features() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(2)
+    return torch.randn(8, 16, generator=generator), torch.randn(8, 4, generator=generator)
+
+
+COL, ROW = ("tp", None), (None, "tp")
+CONV_COL, CONV_ROW = ROW, COL  # GPT-2's Conv1D stores [in, out]
+NO_PLAN = {  # model: (builder, batch, loss, {parameter: inferred layout} for what is split)
+    "gpt2": (build_gpt2, tokens(), loss, {
+        **{f"transformer.h.{i}.{m}.weight": CONV_COL for i in (0, 1) for m in ("attn.c_attn", "mlp.c_fc")},
+        **{f"transformer.h.{i}.{m}.bias": ("tp",) for i in (0, 1) for m in ("attn.c_attn", "mlp.c_fc")},
+        **{f"transformer.h.{i}.{m}.c_proj.weight": CONV_ROW for i in (0, 1) for m in ("attn", "mlp")},
+        "transformer.wte.weight": COL, "lm_head.weight": COL}),  # lm_head is wte (tied)
+    "bert": (build_bert, tokens(), loss, {
+        **{f"bert.encoder.layer.{i}.{m}.weight": COL for i in (0, 1) for m in
+           ("attention.self.query", "attention.self.key", "attention.self.value", "intermediate.dense")},
+        **{f"bert.encoder.layer.{i}.{m}.bias": ("tp",) for i in (0, 1) for m in
+           ("attention.self.query", "attention.self.key", "attention.self.value", "intermediate.dense")},
+        **{f"bert.encoder.layer.{i}.{m}.weight": ROW for i in (0, 1) for m in ("attention.output.dense",
+                                                                                 "output.dense")},
+    }),  # the decoder's bias is cls.predictions.bias (another module's): it and the tied embedding stay whole
+    "shardkit gpt": (build_tiny_gpt, tokens(), loss, {
+        **{n: lay for n, lay in _layouts(build_tiny_gpt(), GPT_RULES).items() if lay is not None},
+        "embed.weight": COL}),
+    "mlp stack": (build_mlp_stack, _features(), mse, {
+        "fc.0.weight": COL, "fc.0.bias": ("tp",), "fc.1.weight": ROW,
+        "fc.2.weight": COL, "fc.2.bias": ("tp",), "fc.3.weight": ROW}),
+}
+
+
+@pytest.mark.parametrize("name", list(NO_PLAN))
+def test_inferred_rules_split_what_megatron_splits(name):
+    build, _, _, expected = NO_PLAN[name]
+    model = meta_model(build)
+    rules = sk.infer_tp_rules(model)
+    assert list(rules.items())[-1] == (".*", None)
+    assert {n: lay for n, lay in _layouts(model, rules).items() if lay is not None} == expected
+
+
+VERIFIED = [(name, mesh) for name in NO_PLAN for mesh in ("tp=2", "fsdp=2,tp=2")]
+
+
+@pytest.mark.parametrize("name, mesh", VERIFIED, ids=[f"{n}-{m}" for n, m in VERIFIED])
+def test_inferred_rules_equal_one_process(world, name, mesh):
+    build, batch, loss_fn, _ = NO_PLAN[name]
+    plan = sk.Plan(sk.Mesh.parse(mesh), sk.infer_tp_rules(meta_model(build)))
+    result = sk.verify(build, plan, batch, loss_fn=loss_fn, steps=2, world=world(plan.mesh.size))
+    assert result.ok, result
+
+
+def test_packed_projections_are_split_as_whole_parts_by_validate():
+    model = meta_model(build_gpt2)
+    report = sk.validate(sk.Plan(sk.Mesh(tp=2), sk.infer_tp_rules(model)), model)
+    splits = report.facts.tensor_parallel["tp"].splits
+    assert splits["transformer.h.0.attn.c_attn"].packed == 3  # [q | k | v], each rank its heads of each
+    phi3 = meta_model(build_phi3)
+    splits = sk.validate(sk.Plan(sk.Mesh(tp=2), sk.infer_tp_rules(phi3)), phi3).facts.tensor_parallel["tp"].splits
+    assert splits["model.layers.0.mlp.gate_up_proj"].packed == 2  # chunked in two: [gate | up]
+    assert splits["model.layers.0.self_attn.qkv_proj"].gather_output  # sliced at global offsets: gathered
+
+
+# -- what does not pair ----------------------------------------------------------------------------
+
+class Residual(nn.Module):
+    """``x + down(relu(up(x)))`` twice, then a norm and a head: up/down pair inside each block;
+    a down's output is a residual, which no Linear may take split."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.ModuleDict({"up": nn.Linear(8, 32), "down": nn.Linear(32, 8)})
+                                    for _ in range(2))
+        self.norm = nn.LayerNorm(8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block["down"](torch.relu(block["up"](x)))
+        return self.head(self.norm(x))
+
+
+def test_residuals_norms_and_the_output_are_not_split():
+    rules = sk.infer_tp_rules(Residual(), example_inputs=(torch.zeros(2, 5, 8),))
+    assert list(rules.items()) == [(r"blocks\.\d+\.down\.weight", ROW), (r"blocks\.\d+\.up\.bias", ("tp",)),
+                                   (r"blocks\.\d+\.up\.weight", COL), (".*", None)]
+
+
+class Norms(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.norm, self.b = nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.norm(self.a(x)))
+
+
+class Fork(nn.Module):
+    """``a``'s output enters two Linears: splitting it for one would hand the other a shard."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        return self.b(h) * self.c(h)
+
+
+REFUSED = {
+    "a single Linear": (nn.Linear(4, 4), "its output reaches the model's output"),
+    "a conv net": (nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 2, 3)),
+                   "the forward runs no nn.Linear or Conv1D"),
+    "a norm between two Linears": (Norms(), "'a': its output meets parameter 'norm.weight' in layer_norm"),
+    "an output entering two Linears": (Fork(), "'a': its output enters 2 linear layers (['b', 'c'])"),
+}
+REFUSED_INPUTS = {"a conv net": (torch.zeros(1, 3, 8, 8),)}
+
+
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_a_model_with_nothing_to_pair_is_refused_with_the_reason(name):
+    model, reason = REFUSED[name]
+    inputs = REFUSED_INPUTS.get(name, (torch.zeros(2, model.a.in_features if hasattr(model, "a") else 4),))
+    with pytest.raises(sk.PlanError, match="no column/row pair found") as info:
+        sk.infer_tp_rules(model, example_inputs=inputs)
+    assert reason in str(info.value) and type(model).__name__ in str(info.value)
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(sk.UsageError, match="model must be an nn.Module, got dict"):
+        sk.infer_tp_rules({})
+    with pytest.raises(sk.UsageError, match="axis must be a mesh axis name"):
+        sk.infer_tp_rules(nn.Linear(2, 2), axis="")
+    with pytest.raises(sk.UsageError, match="example_inputs=...\\): must be a tuple"):
+        sk.infer_tp_rules(nn.Linear(2, 2), example_inputs=torch.zeros(1, 2))
+    with pytest.raises(sk.PlanError, match=r"fails on meta tensors with example inputs of shapes \[\[1, 3\]\]"):
+        sk.infer_tp_rules(nn.Linear(2, 2), example_inputs=(torch.zeros(1, 3),))
+
+
+# -- the command line -------------------------------------------------------------------------------
+
+def _cli(argv: list[str], capsys) -> tuple[int, str, str]:
+    from shardkit.cli import main
+
+    code = main(argv)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_explain_infers_rules_for_a_model_without_any_and_says_so(capsys, no_processes):
+    code, out, err = _cli(["explain", "--model", "cli_models:build_tiny_lm", "--mesh", "tp=2"], capsys)
+    assert code == 0
+    lines = err.splitlines()
+    assert lines[0] == "tensor-parallel rules inferred from the model's dataflow: 6 rules"
+    assert lines[1:] == [r"  down_proj\.weight  (None, 'tp')", r"  embed\.weight  ('tp', None)",
+                         r"  lm_head\.weight  ('tp', None)", r"  up_proj\.bias  ('tp',)",
+                         r"  up_proj\.weight  ('tp', None)", "  .*  None"]
+    assert "up_proj.weight" in out and "colwise" in out and "vocab-parallel" in out
+
+
+@pytest.mark.parametrize("model", ["gpt-tiny", "cli_models:build_tiny_lm"])
+def test_rules_are_inferred_only_with_a_tp_axis_and_no_rules(capsys, no_processes, model):
+    for mesh in ("fsdp=2", "dp=2"):
+        code, _, err = _cli(["explain", "--model", model, "--mesh", mesh], capsys)
+        assert code == 0 and err == ""
+    if model == "gpt-tiny":  # built-in rules
+        code, _, err = _cli(["explain", "--model", model, "--mesh", "tp=2"], capsys)
+        assert code == 0 and err == ""
