@@ -1,0 +1,305 @@
+"""Is the planner right, and fast? Its predictions against runs and against published figures.
+
+1. **The local world** (4 gloo processes on this machine, its hardware measured by
+   ``sk.calibrate`` in the same run): every plan ``sk.autoshard`` finds feasible for a
+   reference GPT (one per degree choice, with its best options) is run a few steps; the
+   measured step time is set against the predicted one (Spearman's rank correlation), and the
+   chosen plan's measured throughput against the best measured. A fixed set of plans covering
+   fsdp, tp, pipeline schedules, sp and recompute is run for memory: the estimate's total
+   against the measured peak of live tensors (torch's profiler, ``TensorMemoryPeak``: CPU's
+   analogue of ``torch.cuda.max_memory_allocated``).
+2. **Published figures**: the ZeRO paper's model-state memory (Rajbhandari et al. 2020,
+   Figure 1: 7.5B parameters on 64 devices) and Megatron-LM's Table 1 (Narayanan et al. SC'21:
+   predicted memory and predicted TFLOP/s per GPU against the published, on ``a100-80g``).
+3. **Speed**: ``sk.autoshard("llama3-405b", ...)`` over 1,024 and 16,384 devices, against the
+   named baseline of estimating every option of the same space with no pruning.
+
+    python benchmarks/planner.py [--steps 4] [--skip-local]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+import shardkit as sk
+from shardkit.models.gpt import GPT, GPTConfig, gpt_loss
+from shardkit.observe.memory import TensorMemoryPeak
+from shardkit.plan.text import format_bytes
+from shardkit.planner.autoshard import autoshard
+from shardkit.planner.catalogue import MEGATRON_SEQ_LEN, MEGATRON_TABLE1
+from shardkit.planner.estimate import estimate
+
+WORLD = 4
+CONFIG = GPTConfig(vocab=1024, layers=4, dim=256, heads=8, seq_len=128)
+BATCH = 8
+console = Console()
+
+
+def build() -> GPT:
+    torch.manual_seed(0)
+    return GPT(CONFIG)
+
+
+def _batch():
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, CONFIG.vocab, (BATCH, CONFIG.seq_len + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+# -- 1. the local world ------------------------------------------------------------------------------
+
+def run_plan(ctx, steps: int) -> dict:
+    """Peak tensor memory over sharding and two steps, then the median time of ``steps`` more."""
+    import torch.distributed as dist
+
+    inputs, targets = ctx.shard_batch(*_batch())
+    with TensorMemoryPeak() as memory:
+        model = sk.shard(sk.meta_model(build), ctx.plan, ctx)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        for _ in range(2):
+            optimizer.zero_grad()
+            model.step(inputs, targets, gpt_loss)
+            optimizer.step()
+    times = []
+    for _ in range(steps):
+        dist.barrier()
+        start = time.perf_counter()
+        optimizer.zero_grad()
+        model.step(inputs, targets, gpt_loss)
+        optimizer.step()
+        dist.barrier()
+        times.append(time.perf_counter() - start)
+    return {"peak": memory.peak_bytes(), "step": statistics.median(times)}
+
+
+def _spearman(xs: list[float], ys: list[float]) -> float:
+    def ranks(values):
+        order = sorted(range(len(values)), key=values.__getitem__)
+        out = [0.0] * len(values)
+        for rank, index in enumerate(order):
+            out[index] = float(rank)
+        return out
+
+    rx, ry = ranks(xs), ranks(ys)
+    n = len(xs)
+    return 1 - 6 * sum((a - b) ** 2 for a, b in zip(rx, ry)) / (n * (n * n - 1))
+
+
+MEMORY_PLANS = {
+    "fsdp=4": sk.Plan(sk.Mesh(fsdp=4)),
+    "fsdp=4 no reshard": sk.Plan(sk.Mesh(fsdp=4), fsdp=sk.FSDPOptions(reshard_after_forward=False)),
+    "fsdp=4 full recompute": sk.Plan(sk.Mesh(fsdp=4), recompute="full"),
+    "fsdp=4 selective": sk.Plan(sk.Mesh(fsdp=4), recompute="selective"),
+    "dp=4": sk.Plan(sk.Mesh(dp=4)),
+    "fsdp=2 tp=2 sp": None,  # filled with the model's rules below
+    "tp=4": None,
+    "dp=2 sp=2": sk.Plan(sk.Mesh(dp=2, sp=2)),
+    "pp=2 1f1b m=4 fsdp=2": sk.Plan(sk.Mesh(pp=2, fsdp=2), pipeline=sk.Pipeline(schedule="1f1b", microbatches=4)),
+    "pp=4 gpipe m=4": sk.Plan(sk.Mesh(pp=4), pipeline=sk.Pipeline(schedule="gpipe", microbatches=4)),
+    "pp=2 interleaved m=4 dp=2": sk.Plan(sk.Mesh(pp=2, dp=2), pipeline=sk.Pipeline(
+        schedule="interleaved-1f1b", microbatches=4, virtual_stages=2)),
+}
+
+
+def local_world(steps: int) -> None:
+    from shardkit.models.gpt import GPT_RULES
+
+    console.rule("1. the local world")
+    hw = sk.calibrate(WORLD)
+    console.print(f"calibrated: float32 {hw.peak_flops('float32') / 1e9:.1f} GFLOP/s per process, all-reduce "
+                  f"{hw.link('all_reduce', False).bandwidth / 2**30:.2f} GiB/s")
+    model = sk.meta_model(build)
+    candidates = autoshard(model, devices=WORLD, hardware=hw, global_batch=BATCH, seq_len=CONFIG.seq_len,
+                           top=1000, param_dtype=None)
+    plans = dict(MEMORY_PLANS)
+    plans["fsdp=2 tp=2 sp"] = sk.Plan(sk.Mesh(fsdp=2, tp=2), rules=GPT_RULES, sequence_parallel=True)
+    plans["tp=4"] = sk.Plan(sk.Mesh(tp=4), rules=GPT_RULES)
+    measured = []
+    with sk.LocalWorld(WORLD) as world:
+        for index, c in enumerate(candidates):
+            result = max(world.run(run_plan, steps, plan=c.plan), key=lambda r: r["step"])
+            measured.append(result)
+            console.print(f"  candidate {index + 1}/{len(candidates)} {_describe(c.plan)}: predicted "
+                          f"{c.estimate.step_time * 1e3:.0f} ms, measured {result['step'] * 1e3:.0f} ms")
+        memory_rows = []
+        for name, plan in plans.items():
+            predicted = estimate(model, plan, batch_size=BATCH, seq_len=CONFIG.seq_len, hardware=hw)
+            peak = max(r["peak"] for r in world.run(run_plan, 1, plan=plan))
+            memory_rows.append((name, predicted, peak))
+    predicted = [c.estimate.step_time for c in candidates]
+    steps_measured = [m["step"] for m in measured]
+    best = min(steps_measured)
+    table = Table("#", "plan", "predicted step", "measured step", "predicted / measured", "measured peak",
+                  "predicted memory", title=f"every feasible plan ({len(candidates)}), ranked by prediction")
+    for index, (c, m) in enumerate(zip(candidates, measured)):
+        table.add_row(str(index + 1), _describe(c.plan), f"{c.estimate.step_time * 1e3:.0f} ms",
+                      f"{m['step'] * 1e3:.0f} ms", f"{c.estimate.step_time / m['step']:.2f}",
+                      format_bytes(m["peak"], digits=1), format_bytes(c.estimate.memory["total"], digits=1))
+    console.print(table)
+    console.print(f"chosen plan's measured throughput / best measured: {best / steps_measured[0]:.2f}; "
+                  f"Spearman(predicted, measured step time) = {_spearman(predicted, steps_measured):.2f} "
+                  f"over {len(candidates)} plans")
+    table = Table("plan", "predicted", "measured peak", "predicted / measured", "within 10%",
+                  title="memory: estimate against the measured peak of live tensors (max over ranks)")
+    within = 0
+    for name, e, peak in memory_rows:
+        ratio = e.memory["total"] / peak
+        within += abs(ratio - 1) <= 0.10
+        table.add_row(name, format_bytes(e.memory["total"], digits=2), format_bytes(peak, digits=2),
+                      f"{ratio:.3f}", "yes" if abs(ratio - 1) <= 0.10 else "no")
+    console.print(table)
+    console.print(f"{within} of {len(memory_rows)} plans within 10%")
+
+
+def _describe(plan: sk.Plan) -> str:
+    mesh = " ".join(f"{a}={s}" for a, s in plan.mesh.items())
+    extra = []
+    if plan.pipeline is not None:
+        extra.append(f"{plan.pipeline.schedule} m={plan.pipeline.microbatches}")
+    if plan.recompute != "none":
+        extra.append(f"recompute={plan.recompute}")
+    if plan.mesh.size_of("fsdp") > 1 and not plan.fsdp.reshard_after_forward:
+        extra.append("no reshard")
+    if plan.sequence_parallel:
+        extra.append("SP")
+    return " ".join([mesh, *extra])
+
+
+# -- 2. published figures ------------------------------------------------------------------------------
+
+ZERO_PUBLISHED_GB = {"baseline (dp=64)": 120.0, "P_os (optimizer states sharded)": 31.4,
+                     "P_os+g (FSDP2, reshard_after_forward=False)": 16.6, "P_os+g+p (fsdp=64)": 1.9}
+
+
+def zero_figure() -> None:
+    console.rule("2a. ZeRO, Figure 1: model states of 7.5B parameters on 64 devices (GB)")
+    model = "megatron-7.5b"  # 7.47B parameters
+    plans = {"baseline (dp=64)": sk.Plan(sk.Mesh(dp=64), fsdp=sk.FSDPOptions(param_dtype="bfloat16")),
+             "P_os+g (FSDP2, reshard_after_forward=False)": sk.Plan(sk.Mesh(fsdp=64), fsdp=sk.FSDPOptions(
+                 reshard_after_forward=False, param_dtype="bfloat16")),
+             "P_os+g+p (fsdp=64)": sk.Plan(sk.Mesh(fsdp=64), fsdp=sk.FSDPOptions(param_dtype="bfloat16"))}
+    table = Table("ZeRO stage", "published", "sharded states", "gathered", "compared", "ratio")
+    for name, published in ZERO_PUBLISHED_GB.items():
+        plan = plans.get(name)
+        if plan is None:
+            table.add_row(name, f"{published}", "torch's FSDP2 has no optimizer-only sharding", "", "", "-")
+            continue
+        e = estimate(model, plan, batch_size=64, seq_len=MEGATRON_SEQ_LEN, hardware="a100-80g")
+        states = sum(e.memory[k] for k in ("parameters", "gradients", "optimizer")) / 1e9
+        gathered = e.memory["gathered"] / 1e9
+        # ZeRO-2 holds the whole fp16 parameters (its 2 Psi term): FSDP2 without resharding holds them
+        # gathered; ZeRO-3's figure leaves out the working set of gathered units
+        compared = states + (gathered if not plan.fsdp.reshard_after_forward else 0.0)
+        table.add_row(name, f"{published}", f"{states:.2f}", f"{gathered:.2f}", f"{compared:.2f}",
+                      f"{compared / published:.2f}")
+    console.print(table)
+    console.print("model states only (parameters, gradients, optimizer; fp32 master weights and AdamW, bf16 "
+                  "compute: 16 bytes per parameter, as the paper's mixed-precision Adam); 'gathered' is FSDP2's "
+                  "working set of unsharded units, which the paper's figure leaves out for stage 3")
+
+
+def megatron_table() -> None:
+    console.rule("2b. Megatron-LM SC'21 Table 1 on a100-80g: memory and TFLOP/s per GPU")
+    ratios = []
+    table = Table("model", "tp", "pp", "dp", "GPUs", "batch", "memory/GPU", "fits 80 GB", "predicted TFLOP/s",
+                  "published", "predicted / published")
+    for row in MEGATRON_TABLE1:
+        mesh = {"pp": row.pp, "dp": row.dp, "tp": row.tp}
+        m = row.batch // row.dp
+        # without a pipeline Megatron accumulates gradients over m micro-batches of one sequence:
+        # one micro-batch step is estimated, and its time counted m times
+        batch, repeats = (row.batch, 1) if row.pp > 1 else (row.dp, m)
+        plan = sk.Plan(sk.Mesh(**{k: v for k, v in mesh.items() if v > 1} or {"dp": 1}),
+                       rules=_megatron_rules(row) if row.tp > 1 else None,
+                       fsdp=sk.FSDPOptions(param_dtype="float16", reduce_dtype="float32"),
+                       pipeline=sk.Pipeline(schedule="1f1b", microbatches=m) if row.pp > 1 else None,
+                       sequence_parallel=False, recompute="full")
+        e = estimate(row.name, plan, batch_size=batch, seq_len=MEGATRON_SEQ_LEN, hardware="a100-80g")
+        data = e.step_time_parts.get("dp", 0.0)  # the gradient all-reduce runs once per step
+        flops = _megatron_flops(row) / ((e.step_time - data) * repeats + data) / row.gpus / 1e12
+        ratios.append(flops / row.tflops_per_gpu)
+        table.add_row(row.name, str(row.tp), str(row.pp), str(row.dp), str(row.gpus), str(row.batch),
+                      format_bytes(e.memory["total"], digits=1), "yes" if e.fits else "no", f"{flops:.0f}",
+                      f"{row.tflops_per_gpu:.0f}", f"{flops / row.tflops_per_gpu:.2f}")
+    console.print(table)
+    console.print(f"predicted / published TFLOP/s per GPU: {min(ratios):.2f} to {max(ratios):.2f} (geometric mean "
+                  f"{statistics.geometric_mean(ratios):.2f}). TFLOP/s as the paper counts them (its eq. 3: "
+                  f"96 B s l h^2 (1 + s/6h + V/16lh), the recomputed forward included); 1F1B, full recompute, "
+                  f"micro-batch size 1, fp16 compute")
+
+
+def _megatron_rules(row):
+    from shardkit.planner.analysis import analyse
+
+    return analyse(row.name, seq_len=MEGATRON_SEQ_LEN).tp_rules()
+
+
+def _megatron_flops(row) -> float:
+    from shardkit.planner.catalogue import MEGATRON_VOCAB
+
+    b, s, h, layers, v = row.batch, MEGATRON_SEQ_LEN, row.hidden, row.layers, MEGATRON_VOCAB
+    return 96 * b * s * layers * h * h * (1 + s / (6 * h) + v / (16 * layers * h))
+
+
+# -- 3. speed ----------------------------------------------------------------------------------------------
+
+def speed() -> None:
+    console.rule("3. autoshard's speed: llama3-405b, global batch 2048 x 8192 tokens, h100-80g")
+    table = Table("devices", "options estimated", "autoshard", "best plan", "baseline: every option, no pruning",
+                  "speed-up")
+    for devices in (1024, 16384):
+        start = time.perf_counter()
+        candidates = autoshard("llama3-405b", devices=devices, hardware="h100-80g", global_batch=2048,
+                               seq_len=8192)
+        took = time.perf_counter() - start
+        baseline = _exhaustive("llama3-405b", devices) if devices == 1024 else None
+        table.add_row(str(devices), f"{candidates.considered:,}", f"{took:.2f} s", _describe(candidates[0].plan),
+                      "-" if baseline is None else f"{baseline[1]:,} options in {baseline[0]:.2f} s",
+                      "-" if baseline is None else f"{baseline[0] / took:.1f}x")
+    console.print(table)
+
+
+def _exhaustive(model: str, devices: int) -> tuple[float, int]:
+    """Every option of every degree choice estimated (no early exit): the naive planner."""
+    from shardkit.planner import autoshard as search
+
+    start = time.perf_counter()
+    s = search._Search(model, devices, sk.Hardware.preset("h100-80g"), 2048, 8192, search.AXES, "adamw", "auto")
+    count = 0
+    for tp in s._degrees("tp", devices):
+        costs = s._costs(tp)
+        if costs is None:
+            continue
+        for pp in s._degrees("pp", devices // tp):
+            for sp in s._degrees("sp", devices // (tp * pp)):
+                data = devices // (tp * pp * sp)
+                if 2048 % data or pp > s.whole.layers:
+                    continue
+                for dp in search._divisors(data):
+                    base = search.Setting(dp=dp, fsdp=data // dp, tp=tp, pp=pp, sp=sp)
+                    for setting in s._options(base):
+                        search.evaluate(costs, setting, 2048, s.hw)
+                        count += 1
+    return time.perf_counter() - start, count
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--skip-local", action="store_true", help="only the published figures and the speed")
+    args = parser.parse_args()
+    speed()
+    zero_figure()
+    megatron_table()
+    if not args.skip_local:
+        local_world(args.steps)
+
+
+if __name__ == "__main__":
+    main()

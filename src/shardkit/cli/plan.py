@@ -1,0 +1,153 @@
+"""``shardkit plan``: the best plans for a model on a number of devices, before any device is used.
+
+::
+
+    shardkit plan --model llama3-70b --devices 64 --hardware h100-80g --global-batch 512 --seq 8192
+    shardkit plan --model gpt-small --local --out plan.yaml
+
+Prints the ranked candidates (degrees, memory by component, step time, tokens/s, MFU and why),
+then the families of plans refused and why, and writes the best with ``--out``. ``--local``
+plans for the local world of CPU processes as it really runs: its hardware is measured by
+``shardkit calibrate`` (once; kept in ``LOCAL_HARDWARE_DIR``; ``--recalibrate`` measures again).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+from pathlib import Path
+from typing import Any
+
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from ..plan import UsageError
+from ..plan.text import format_bytes
+from ..planner.autoshard import AXES, Candidates, autoshard
+from ..planner.catalogue import CATALOGUE
+from ..planner.estimate import OPTIMIZER_STATES
+from ..planner.hardware import PRESETS, Hardware, hardware
+from .options import model_from_flag, path, positive_int
+
+#: Where ``--local`` keeps the calibrated hardware of the local world (one file per world size).
+LOCAL_HARDWARE_DIR = Path(os.environ.get("SHARDKIT_CACHE", Path.home() / ".cache" / "shardkit"))
+DEFAULT_LOCAL_WORLD = 4
+_TABLE_STYLE: dict[str, Any] = dict(box=box.SIMPLE_HEAD, title_justify="left", pad_edge=False, show_edge=False)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "plan", help="rank the plans of a model on N devices by estimated step time (no processes started)",
+        description="Estimate every plan of a model (dp, fsdp, tp, pp, sp degrees, micro-batches, schedule, "
+                    "recompute, resharding) on N devices of a hardware and print the best, with memory per "
+                    "device by component, step time, tokens/s and MFU, and the families refused and why.")
+    parser.add_argument("--model", required=True, metavar="NAME",
+                        help=f"a catalogue name ({', '.join(sorted(CATALOGUE))}), a registered model, or a "
+                             f"builder as package.module:function")
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--devices", type=positive_int, metavar="N", help="number of devices")
+    where.add_argument("--local", action="store_true",
+                       help=f"the local world of CPU processes (--world-size, default {DEFAULT_LOCAL_WORLD}), "
+                            f"with hardware measured by shardkit calibrate")
+    parser.add_argument("--world-size", type=positive_int, metavar="N", help="processes of the local world (--local)")
+    parser.add_argument("--recalibrate", action="store_true", help="measure the local world again (--local)")
+    parser.add_argument("--hardware", metavar="PRESET|FILE",
+                        help=f"a preset ({', '.join(PRESETS)}; default h100-80g) or a hardware file")
+    parser.add_argument("--global-batch", type=positive_int, required=True, metavar="N",
+                        help="sequences per optimizer step, over all devices")
+    parser.add_argument("--seq", type=positive_int, required=True, metavar="N", help="sequence length in tokens")
+    parser.add_argument("--axes", metavar="AXES", help=f"axes to search, comma-separated (default: {','.join(AXES)})")
+    parser.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATES), default="adamw")
+    parser.add_argument("--top", type=positive_int, default=10, metavar="N", help="candidates shown (default 10)")
+    parser.add_argument("--out", type=path, metavar="FILE", help="write the best plan (.yaml or .json)")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    model = planner_model(args.model)
+    if args.local:
+        if args.hardware is not None:
+            raise UsageError("--local measures the local world's hardware; drop --hardware (or use --devices)")
+        devices = args.world_size or DEFAULT_LOCAL_WORLD
+        hw = local_hardware(devices, recalibrate=args.recalibrate)
+    else:
+        for flag, given in (("--world-size", args.world_size), ("--recalibrate", args.recalibrate)):
+            if given:
+                raise UsageError(f"{flag} is for --local; with --devices give the hardware with --hardware")
+        devices, hw = args.devices, hardware(args.hardware or "h100-80g")
+    axes = None if args.axes is None else parse_axes(args.axes)
+    candidates = autoshard(model, devices=devices, hardware=hw, global_batch=args.global_batch, seq_len=args.seq,
+                           axes=axes, top=args.top, optimizer=args.optimizer)
+    print(candidates_text(candidates, args.model, devices, hw), end="")
+    if args.out is not None:
+        candidates[0].plan.save(args.out)
+        print(f"wrote the best plan to {args.out}")
+    return 0
+
+
+def planner_model(name: str) -> Any:
+    """What ``--model`` names for the planner: a catalogue name as is, else the model built on meta."""
+    if name in CATALOGUE:
+        return name
+    return model_from_flag(name).on_meta()
+
+
+def parse_axes(text: str) -> tuple[str, ...]:
+    axes = tuple(a.strip() for a in text.split(","))
+    if not text.strip() or any(not a for a in axes):
+        raise UsageError(f"--axes {text!r}: give axis names separated by commas, e.g. dp,tp,pp")
+    return axes
+
+
+def local_hardware(world_size: int, recalibrate: bool = False) -> Hardware:
+    """The local world's hardware: measured once by ``shardkit calibrate`` and kept, or measured now."""
+    file = LOCAL_HARDWARE_DIR / f"local-{world_size}.yaml"
+    if file.exists() and not recalibrate:
+        return Hardware.load(file)
+    from ..observe.calibrate import calibrate
+
+    print(f"measuring the local world of {world_size} processes (shardkit calibrate); kept in {file}")
+    measured = calibrate(world_size)
+    file.parent.mkdir(parents=True, exist_ok=True)
+    measured.save(file)
+    return measured
+
+
+def candidates_text(candidates: Candidates, model: str, devices: int, hw: Hardware, width: int = 200) -> str:
+    """The candidates and the refused families as tables."""
+    console = Console(record=True, width=width, file=io.StringIO(), color_system=None, markup=False, highlight=False)
+    console.print(f"Plans for {model} on {devices} x {hw.name} ({format_bytes(hw.memory, digits=1)} each): "
+                  f"{candidates.considered:,} options estimated, best {len(candidates)} shown\n")
+    table = Table("#", "mesh", "pipeline", "recompute", "reshard", "params+grads+optim", "activations", "other",
+                  "memory", "step", "tokens/s", "MFU", "why", title="candidates (fastest first)", **_TABLE_STYLE)
+    for index, c in enumerate(candidates):
+        plan, e = c.plan, c.estimate
+        mem = e.memory
+        state = mem["parameters"] + mem["gradients"] + mem["optimizer"]
+        other = mem["total"] - state - mem["activations"]
+        pipeline = (f"{plan.pipeline.schedule} m={plan.pipeline.microbatches}" if plan.pipeline else "-")
+        table.add_row(str(index + 1), _mesh(plan), pipeline, plan.recompute,
+                      str(plan.fsdp.reshard_after_forward) if plan.mesh.size_of("fsdp") > 1 else "-",
+                      format_bytes(state, digits=1), format_bytes(mem["activations"], digits=1),
+                      format_bytes(other, digits=1), format_bytes(mem["total"], digits=1),
+                      _seconds(e.step_time), f"{e.tokens_per_s:,.0f}", f"{100 * e.mfu:.1f}%", c.reason)
+    console.print(table)
+    if candidates.rejected:
+        refused = Table("family", "why not", title="\nrefused", **_TABLE_STYLE)
+        for r in candidates.rejected:
+            refused.add_row(r.family, r.reason)
+        console.print(refused)
+    return "\n".join(line.rstrip() for line in console.export_text().splitlines()) + "\n"
+
+
+def _mesh(plan) -> str:
+    return " ".join(f"{a}={s}" for a, s in plan.mesh.items())
+
+
+def _seconds(value: float) -> str:
+    return f"{value:.3g} s" if value >= 1 else f"{value * 1e3:.3g} ms"
+
+
+__all__ = ["candidates_text", "local_hardware", "parse_axes", "planner_model"]

@@ -1,0 +1,425 @@
+"""``sk.estimate``: memory per device and step time of a plan, before any device is used.
+
+The model's costs are *measured* on the meta device by :func:`shardkit.planner.analysis.analyse`
+(parameters, forward FLOPs and bytes saved for backward per token, by component, as one
+tensor-parallel rank computes them); this module turns them into bytes per device and seconds
+per step for a plan, a batch and a :class:`~shardkit.planner.hardware.Hardware`. Every term is
+stated here (docs/planner.md has the same list with the reasons):
+
+Memory (the most loaded device; a pipeline's first and last stages are both evaluated):
+
+- ``parameters``, ``gradients``: the device's share of its stage's tensor-parallel-local
+  parameters (divided by the FSDP shards, ``fsdp x sp``), in the parameters' dtype; FSDP2 keeps
+  sharded parameters and gradients in that dtype under mixed precision.
+- ``optimizer``: the optimizer's states per parameter (AdamW: 2) in the parameters' dtype.
+- ``gathered``: FSDP's unsharded units in the compute dtype: the unit being computed and the
+  prefetched next one, plus one unit's unsharded gradients before the reduce-scatter; with
+  ``reshard_after_forward=False`` the whole stage stays gathered between forward and backward.
+- ``activations``: bytes saved for backward per token (measured) x tokens per micro-batch x
+  micro-batches in flight on the device (no pipeline: 1; GPipe: m; 1F1B: min(m, p);
+  interleaved: min(m, p)(1 + (p-1)/(p v))); Megatron sequence parallel divides the norm and
+  residual terms by ``tp``; context parallel (``sp``) divides the tokens; recompute
+  ``selective`` drops the attention core, ``full`` keeps each block's input only, plus one
+  block recomputed at a time.
+- ``logits``: the transient of the loss's backward (the logits' gradient, as large as the
+  logits); under tensor parallel shardkit's column-parallel head gathers the whole vocabulary.
+- ``buffers``: communication buffers: a pipeline's send/receive of one micro-batch's hidden
+  states each way per local stage.
+- ``overhead``: the allocator's slack, ``ALLOCATOR_OVERHEAD`` of the above, and the device's
+  ``reserved`` bytes.
+
+Step time (alpha-beta per collective on the link its group spans: within a node when the
+group's ranks are consecutive and fit in one, else across nodes):
+
+- ``compute``: 3 x forward FLOPs (backward = 2 x forward), plus the recomputed forward, over
+  ``peak FLOP/s x matmul_efficiency`` in the compute dtype;
+- ``bubble``: a pipeline's idle share, ``(p-1)/(m v)`` of the compute (zero-bubble schedules: a
+  third of it; ``sequential``: ``p-1`` stages idle);
+- ``tp``: per block two all-reduces forward and two backward of the block's hidden states
+  (Megatron SP: the same bytes as all-gathers and reduce-scatters), plus the head's gathered
+  logits, not overlapped;
+- ``dp`` / ``fsdp``: gradient all-reduce (DDP), or all-gathers and reduce-scatter (FSDP; HSDP
+  adds an all-reduce of the shard), overlapped with compute except the first unit's gather;
+- ``pp``: point-to-point of each micro-batch's hidden states, forward and backward;
+- ``sp``: ring attention's key/value passes, overlapped with the attention core.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..plan import Mesh, Plan, PlanError, UsageError
+from ..plan.text import format_bytes
+from .analysis import ModelAnalysis, analyse
+from .hardware import Hardware, Link, hardware, ring_terms
+
+#: Optimizer states per parameter, each the parameter's shape and dtype.
+OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd-momentum": 1, "sgd": 0}
+#: Allocator slack over the tensors' own bytes (CUDA's caching allocator rounds and fragments;
+#: glibc's malloc keeps arenas): 5 %, within the 10 % the estimate is held to.
+ALLOCATOR_OVERHEAD = 0.05
+MESH_ORDER = ("pp", "dp", "fsdp", "sp", "tp")
+MEMORY_KEYS = ("parameters", "gradients", "optimizer", "gathered", "activations", "logits", "buffers", "overhead")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """What a plan costs per device and per step.
+
+    ``memory``: bytes on the most loaded device by component (``MEMORY_KEYS``) and ``total``.
+    ``step_time``: seconds per optimizer step; ``step_time_parts``: its parts (``compute``,
+    ``bubble`` and the communication not hidden behind compute, by axis). ``mfu``: the model's
+    training FLOPs (no recompute) per second over the devices' peak in the compute dtype.
+    """
+
+    plan: Plan
+    batch_size: int
+    seq_len: int
+    hardware: Hardware
+    memory: Mapping[str, int]
+    step_time: float
+    step_time_parts: Mapping[str, float]
+    tokens_per_s: float
+    mfu: float
+    notes: tuple[str, ...] = ()
+
+    @property
+    def fits(self) -> bool:
+        """Whether the most loaded device's total fits the hardware's memory."""
+        return self.memory["total"] <= self.hardware.memory
+
+    def summary(self) -> str:
+        """Memory by component, step time by part, tokens/s and MFU, as plain text lines."""
+        memory = ", ".join(f"{k} {format_bytes(self.memory[k], digits=2)}" for k in MEMORY_KEYS if self.memory[k])
+        parts = ", ".join(f"{k} {_seconds(v)}" for k, v in self.step_time_parts.items() if v > 0)
+        lines = [f"memory per device: {format_bytes(self.memory['total'], digits=2)} of "
+                 f"{format_bytes(self.hardware.memory, digits=2)} on {self.hardware.name} ({memory})",
+                 f"step time: {_seconds(self.step_time)} ({parts}); {self.tokens_per_s:,.0f} tokens/s; "
+                 f"MFU {100 * self.mfu:.1f}%"]
+        return "\n".join(lines + list(self.notes))
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One point of the plan space, as the estimator reads it (built from a Plan, or by autoshard)."""
+
+    dp: int = 1
+    fsdp: int = 1
+    tp: int = 1
+    pp: int = 1
+    sp: int = 1
+    sequence_parallel: bool = False
+    schedule: str = "1f1b"
+    microbatches: int = 1
+    virtual: int = 1
+    recompute: str = "none"
+    reshard: bool = True
+    compute_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    order: tuple[str, ...] = field(default=MESH_ORDER)
+
+    @property
+    def devices(self) -> int:
+        return self.dp * self.fsdp * self.tp * self.pp * self.sp
+
+    @property
+    def data(self) -> int:
+        return self.dp * self.fsdp
+
+    def size(self, axis: str) -> int:
+        return getattr(self, axis)
+
+    @classmethod
+    def of(cls, plan: Plan) -> Setting:
+        mesh = plan.mesh
+        pipeline = plan.pipeline
+        return cls(
+            dp=mesh.size_of("dp"), fsdp=mesh.size_of("fsdp"), tp=mesh.size_of("tp"), pp=mesh.size_of("pp"),
+            sp=mesh.size_of("sp"), sequence_parallel=plan.sequence_parallel,
+            schedule=pipeline.schedule if pipeline else "1f1b",
+            microbatches=pipeline.microbatches if pipeline else 1,
+            virtual=pipeline.virtual_stages if pipeline else 1,
+            recompute=getattr(plan, "recompute", "none"), reshard=plan.fsdp.reshard_after_forward,
+            compute_dtype=_DTYPES[plan.fsdp.param_dtype] if plan.fsdp.param_dtype else None,
+            reduce_dtype=_DTYPES[plan.fsdp.reduce_dtype] if plan.fsdp.reduce_dtype else None,
+            order=tuple(mesh.names))
+
+
+def estimate(model: Any, plan: Plan, *, batch_size: int, seq_len: int, hardware: str | Hardware = "h100-80g",
+             optimizer: str = "adamw", world_size: int | None = None) -> Estimate:
+    """Memory per device and step time of training ``model`` under ``plan``, without running it.
+
+    ``model``: an ``nn.Module`` (the meta device is fine), a transformers config or a catalogue
+    name (``shardkit.planner.catalogue``); ``batch_size``: the global batch in sequences;
+    ``hardware``: a preset name, a hardware file or a :class:`Hardware`.
+
+    >>> import shardkit as sk
+    >>> e = sk.estimate("gpt-small", sk.Plan(sk.Mesh(fsdp=4)), batch_size=8, seq_len=128, hardware="a100-80g")
+    >>> e.memory["optimizer"] == 2 * e.memory["parameters"], e.fits
+    (True, True)
+    """
+    if optimizer not in OPTIMIZER_STATES:
+        raise UsageError(f"estimate(optimizer={optimizer!r}) is unknown; valid: {sorted(OPTIMIZER_STATES)}")
+    hw = _hardware(hardware)
+    plan = plan.resolved(world_size) if world_size is not None else plan
+    setting = Setting.of(plan)
+    problems = plan.problems() + plan.batch_problems(batch_size, seq_len)
+    if problems:
+        raise PlanError(problems)
+    costs = Costs.of(model, seq_len, setting.tp, dtype=None)
+    memory, parts = evaluate(costs, setting, batch_size, hw, optimizer)
+    return costs.estimate(plan, setting, batch_size, hw, memory, parts)
+
+
+def _hardware(spec: str | Hardware) -> Hardware:
+    return hardware(spec)
+
+
+# -- the model's measured costs --------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Numbers:
+    """A tensor-parallel rank's measured costs as plain numbers (per token unless said), read once
+    so that estimating a candidate is arithmetic only."""
+
+    layers: int
+    hidden: int
+    vocab: int
+    kv_bytes: int  # keys + values per token of one block, per rank (elements, times 2)
+    itemsize: int
+    block_params: int
+    embedding_params: int
+    head_params: int
+    tied: bool
+    block_flops: float
+    core_flops: float
+    embedding_flops: float
+    head_flops: float
+    block_saved: float  # bytes one block saves for backward
+    block_split_by_sp: float  # of which norms and residual terms (split over tp by Megatron SP)
+    block_core: float  # of which the attention core
+    embedding_act: float
+    head_act: float
+
+    @classmethod
+    def of(cls, a: ModelAnalysis) -> Numbers:
+        acts = a.block.activations_per_token
+        return cls(a.layers, a.hidden, a.vocab, 2 * a.kv_heads * (a.hidden // a.heads), a.dtype.itemsize,
+                   a.block.params, a.embedding.params, a.head.params, a.tied, a.block.flops,
+                   a.block.flops_per_token["attention_core"], a.embedding.flops, a.head.flops,
+                   a.block.activations, acts["norm"] + acts["other"], acts["attention_core"],
+                   a.embedding.activations, a.head.activations)
+
+
+@dataclass(frozen=True)
+class Costs:
+    """The analyses one setting needs: at its ``tp`` degree, and whole (``tp=1``) for MFU."""
+
+    local: ModelAnalysis
+    whole: ModelAnalysis
+    seq_len: int
+    numbers: Numbers
+
+    @classmethod
+    def of(cls, model: Any, seq_len: int, tp: int, dtype: torch.dtype | None) -> Costs:
+        local = analyse(model, seq_len=seq_len, tp=tp, dtype=dtype)
+        return cls(local, analyse(model, seq_len=seq_len, tp=1, dtype=dtype), seq_len, Numbers.of(local))
+
+    def estimate(self, plan: Plan, setting: Setting, batch_size: int, hw: Hardware,
+                 memory: dict[str, int], parts: dict[str, float]) -> Estimate:
+        step = sum(parts.values())
+        tokens = batch_size * self.seq_len
+        whole = self.whole
+        model_flops = 3 * tokens * (whole.embedding.flops + whole.layers * whole.block.flops + whole.head.flops)
+        peak = hw.peak_flops(setting.compute_dtype or whole.dtype) * setting.devices
+        notes = []
+        if memory["total"] > hw.memory:
+            notes.append(f"does not fit: needs {format_bytes(memory['total'], digits=2)} of "
+                         f"{format_bytes(hw.memory, digits=2)} per device")
+        return Estimate(plan, batch_size, self.seq_len, hw, memory, step, parts, tokens / step,
+                        model_flops / (step * peak), tuple(notes))
+
+
+# -- the arithmetic ---------------------------------------------------------------------------------
+
+def evaluate(costs: Costs, s: Setting, batch_size: int, hw: Hardware,
+             optimizer: str = "adamw") -> tuple[dict[str, int], dict[str, float]]:
+    """``(memory by component with total, step time by part)`` of one setting: plain arithmetic on
+    measured costs, fast enough for autoshard to call for every candidate."""
+    return memory_of(costs, s, batch_size, hw, optimizer), time_of(costs, s, batch_size, hw)
+
+
+def _blocks_per_device(n: Numbers, s: Setting) -> int:
+    return -(-n.layers // (s.pp * s.virtual)) * s.virtual
+
+
+def _tokens_per_microbatch(s: Setting, batch_size: int, seq_len: int) -> float:
+    return batch_size / (s.dp * s.fsdp) / s.microbatches * seq_len / s.sp
+
+
+def _inflight(s: Setting) -> float:
+    """Micro-batches whose activations the first pipeline device holds at its peak."""
+    if s.pp == 1:
+        return 1.0
+    m, p = s.microbatches, s.pp
+    if s.schedule == "1f1b":
+        return float(min(m, p))
+    if s.schedule == "interleaved-1f1b":
+        return min(m, p) * (1 + (p - 1) / (p * s.virtual))
+    return float(m)  # gpipe, sequential (m = 1), zero-bubble schedules: bounded by m
+
+
+def memory_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer: str = "adamw") -> dict[str, int]:
+    """Bytes on the most loaded device by component, and ``total``."""
+    n = costs.numbers
+    master = n.itemsize
+    compute = s.compute_dtype.itemsize if s.compute_dtype is not None else master
+    reduce = s.reduce_dtype.itemsize if s.reduce_dtype is not None else compute
+    scale = compute / master  # activations were measured in the parameters' dtype
+    shards = s.fsdp * s.sp if s.fsdp > 1 else 1
+    blocks = _blocks_per_device(n, s)
+    tokens = _tokens_per_microbatch(s, batch_size, costs.seq_len)
+    block_saved = _block_saved(n, s)
+    if s.recompute == "full":  # the block's input only
+        block_act = n.hidden * master / (s.tp if s.sequence_parallel else 1)
+    elif s.recompute == "selective":
+        block_act = block_saved - n.block_core
+    else:
+        block_act = block_saved
+    states = OPTIMIZER_STATES[optimizer]
+    best: dict[str, int] | None = None
+    # the first device holds the embedding and the most micro-batches; the last holds the head
+    for first, last in ((True, False), (False, True)) if s.pp > 1 else ((True, True),):
+        params = blocks * n.block_params + (n.embedding_params if first else 0) + (n.head_params if last else 0)
+        if n.tied and first and last:
+            params -= min(n.embedding_params, n.head_params)
+        stored = -(-params // shards) * master
+        gathered = 0
+        if shards > 1:
+            unit = max(n.block_params, n.embedding_params if first else 0, n.head_params if last else 0)
+            gathered = (params if not s.reshard else 2 * unit) * compute + unit * reduce
+        per_token = blocks * block_act + (n.embedding_act if first else 0) + (n.head_act if last else 0)
+        held = per_token * tokens * (_inflight(s) if first else 1.0)
+        if s.recompute == "full":  # one block's activations rebuilt at a time during backward
+            held += block_saved * tokens
+        memory = {"parameters": stored, "gradients": stored, "optimizer": states * stored, "gathered": int(gathered),
+                  "activations": int(held * scale),
+                  "logits": int(n.vocab * compute * tokens) if last else 0,
+                  "buffers": int(2 * s.virtual * tokens * n.hidden * compute) if s.pp > 1 else 0}
+        memory["overhead"] = int(ALLOCATOR_OVERHEAD * sum(memory.values())) + hw.reserved
+        memory["total"] = sum(memory.values())
+        if best is None or memory["total"] > best["total"]:
+            best = memory
+    assert best is not None
+    return best
+
+
+def _block_saved(n: Numbers, s: Setting) -> float:
+    """Bytes per token one block saves for backward with no recompute (Megatron SP: norm and
+    residual terms split over tp)."""
+    if s.sequence_parallel and s.tp > 1:
+        return n.block_saved - n.block_split_by_sp * (1 - 1 / s.tp)
+    return n.block_saved
+
+
+def time_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware) -> dict[str, float]:
+    """Seconds per step by part: compute, bubble, and the communication not hidden, by axis."""
+    n = costs.numbers
+    dtype = s.compute_dtype if s.compute_dtype is not None else costs.local.dtype
+    flops_rate = hw.peak_flops(dtype) * hw.matmul_efficiency
+    itemsize = dtype.itemsize
+    m, p, v = s.microbatches, s.pp, s.virtual
+    blocks = _blocks_per_device(n, s)
+    tokens = _tokens_per_microbatch(s, batch_size, costs.seq_len)
+    recompute = n.core_flops if s.recompute == "selective" else n.block_flops if s.recompute == "full" else 0.0
+    stage_flops = 3 * max(n.embedding_flops, n.head_flops) + blocks * (3 * n.block_flops + recompute)
+    compute = m * tokens * stage_flops / flops_rate
+    parts = {"compute": compute, "bubble": _bubble(s) * compute}
+    hidden_bytes = tokens * n.hidden * itemsize
+    shape = (s.order, s.dp, s.fsdp, s.tp, s.pp, s.sp)
+    # tensor parallel: 2 all-reduces forward + 2 backward per block (+2 when the forward runs again)
+    if s.tp > 1:
+        all_reduce = _collective("all_reduce", hidden_bytes, s.tp, _link(hw, shape, ("tp",), "all_reduce"))
+        head = _collective("all_gather", tokens * n.vocab * itemsize, s.tp, _link(hw, shape, ("tp",), "all_gather"))
+        per_block = (4 + (2 if s.recompute == "full" else 0)) * all_reduce
+        parts["tp"] = m * (blocks * per_block + head + 2 * all_reduce)
+    # data parallel: gradients (DDP) or parameters and gradients (FSDP), hidden behind compute
+    stage_params = blocks * n.block_params + max(n.embedding_params, n.head_params)
+    reduce = s.reduce_dtype.itemsize if s.reduce_dtype is not None else itemsize
+    if s.fsdp > 1:
+        shards = s.fsdp * s.sp
+        link = _link(hw, shape, ("fsdp", "sp"), "all_gather")
+        gather = _collective("all_gather", stage_params * itemsize, shards, link)
+        comm = (2 if s.reshard else 1) * gather * (m if s.reshard and p > 1 else 1)
+        comm += _collective("all_gather", stage_params * reduce, shards, link)
+        if s.dp > 1:
+            comm += _collective("all_reduce", stage_params * reduce / shards, s.dp,
+                                _link(hw, shape, ("dp",), "all_reduce"))
+        parts["fsdp"] = max(0.0, comm - compute) + gather * n.block_params / max(stage_params, 1)
+    elif s.dp > 1:
+        comm = _collective("all_reduce", stage_params * reduce, s.dp, _link(hw, shape, ("dp",), "all_reduce"))
+        parts["dp"] = max(0.0, comm - compute * 2 / 3) + comm / max(blocks, 1)
+    # pipeline: each micro-batch's hidden states sent forward and their gradients back
+    if p > 1:
+        link = _link(hw, shape, ("pp",), "p2p")
+        parts["pp"] = 2 * (m * v + p - 1) * (link.latency + hidden_bytes / link.bandwidth)
+    # context parallel: keys and values go around the ring, behind the attention core
+    if s.sp > 1:
+        link = _link(hw, shape, ("sp",), "p2p")
+        ring = 3 * (s.sp - 1) * (link.latency + tokens * n.kv_bytes * itemsize / link.bandwidth)
+        core = 3 * tokens * n.core_flops / flops_rate
+        parts["sp"] = m * blocks * max(0.0, ring - core)
+    return parts
+
+
+def _bubble(s: Setting) -> float:
+    if s.pp == 1:
+        return 0.0
+    if s.schedule == "sequential":
+        return float(s.pp - 1)
+    fraction = (s.pp - 1) / (s.microbatches * s.virtual)
+    return fraction / 3 if s.schedule in ("zero-bubble", "zbv") else fraction
+
+
+@functools.lru_cache(maxsize=4096)
+def _link(hw: Hardware, shape: tuple, axes: tuple[str, ...], collective: str) -> Link:
+    """The link a group over ``axes`` uses: within a node when its ranks are consecutive and fit in one.
+
+    ``shape``: ``(mesh axis order, dp, fsdp, tp, pp, sp)``."""
+    order, sizes = shape[0], dict(zip(("dp", "fsdp", "tp", "pp", "sp"), shape[1:]))
+    order = [a for a in order if a in sizes]
+    present = [order.index(a) for a in axes if a in order]
+    innermost = max(present) if present else len(order) - 1
+    stride = math.prod(sizes[a] for a in order[innermost + 1:])
+    span = math.prod(sizes[a] for a in axes)
+    return hw.link(collective, across_nodes=stride * span > hw.devices_per_node)
+
+
+def _collective(name: str, size: float, n: int, link: Link) -> float:
+    if n <= 1:
+        return 0.0
+    steps, factor = ring_terms(name, n)
+    return link.seconds(size, factor=factor, steps=steps)
+
+
+def _seconds(value: float) -> str:
+    if value >= 1:
+        return f"{value:.2f} s"
+    if value >= 1e-3:
+        return f"{value * 1e3:.1f} ms"
+    return f"{value * 1e6:.0f} us"
+
+
+def mesh_of(s: Setting) -> Mesh:
+    """The mesh of a setting in the canonical order (pp, dp, fsdp, sp, tp: tp innermost, within a node)."""
+    return Mesh(**{a: s.size(a) for a in MESH_ORDER if s.size(a) > 1} or {"dp": 1})
+
+
+__all__ = ["ALLOCATOR_OVERHEAD", "Estimate", "OPTIMIZER_STATES", "Setting", "estimate", "evaluate", "memory_of", "mesh_of", "time_of"]
