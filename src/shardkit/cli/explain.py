@@ -6,6 +6,10 @@ plan flags of ``shardkit train``, so a plan can be explained before it is traine
     shardkit explain --model llama-70b --mesh fsdp=-1,tp=8 --world-size 64
     shardkit explain --model gpt-tiny --plan plan.yaml
     shardkit explain --model mypkg.models:build --mesh fsdp=2,tp=2 --rules rules.yaml
+
+After the tables comes the plan's estimate (``sk.estimate``): memory per device by component,
+step time by part, tokens/s and MFU for ``--batch-size`` sequences of ``--seq-len`` tokens on
+``--hardware``.
 """
 
 from __future__ import annotations
@@ -13,7 +17,10 @@ from __future__ import annotations
 import argparse
 
 from ..models.registry import MODELS
+from ..plan import PlanError, UsageError
+from ..planner.estimate import estimate
 from ..planner.explain import explain_plan
+from ..planner.hardware import PRESETS
 from .options import (
     add_model_option,
     add_plan_options,
@@ -26,6 +33,8 @@ from .options import (
 
 DEFAULT_MODEL = "gpt-tiny"
 DEFAULT_WIDTH = 180
+DEFAULT_HARDWARE = "h100-80g"
+DEFAULT_BATCH = 8
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -37,6 +46,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_plan_options(parser)
     parser.add_argument("--width", type=positive_int, default=DEFAULT_WIDTH, metavar="N",
                         help=f"text width of the tables (default: {DEFAULT_WIDTH})")
+    cost = parser.add_argument_group("the estimate (sk.estimate)")
+    cost.add_argument("--hardware", default=DEFAULT_HARDWARE, metavar="PRESET|FILE",
+                      help=f"a preset ({', '.join(PRESETS)}; default {DEFAULT_HARDWARE}) or a hardware file")
+    cost.add_argument("--batch-size", type=positive_int, default=DEFAULT_BATCH, metavar="N",
+                      help=f"global batch in sequences (default: {DEFAULT_BATCH})")
+    cost.add_argument("--seq-len", type=positive_int, metavar="N", help="tokens per sequence (default: the model's)")
     parser.set_defaults(func=run)
 
 
@@ -47,4 +62,23 @@ def run(args: argparse.Namespace) -> int:
     with rules_hint(args):
         text = explain_plan(plan, model, world_size=world_size, width=args.width)
     print(text, end="")
+    print(estimate_text(args, plan, model, entry.seq_len, world_size))
     return 0
+
+
+def estimate_text(args: argparse.Namespace, plan, model, positions: int | None, world_size: int) -> str:
+    """The estimate's lines, or why there is none (a model sk.estimate cannot analyse)."""
+    seq_len = args.seq_len or positions
+    if seq_len is None:
+        return "\nestimate: pass --seq-len N (the model's positions are not known)"
+    try:
+        e = estimate(model, plan, batch_size=args.batch_size, seq_len=seq_len, hardware=args.hardware,
+                     world_size=world_size)
+    except PlanError as exc:
+        return f"\nestimate: none for --batch-size {args.batch_size} x --seq-len {seq_len}: {exc}"
+    except UsageError as exc:
+        if "hardware" in str(exc):
+            raise
+        return f"\nestimate: none ({exc})"
+    return (f"\nestimate (sk.estimate) on {e.hardware.name}, {args.batch_size} sequences x {seq_len} tokens per "
+            f"step:\n{e.summary()}")

@@ -29,6 +29,8 @@ from ..plan.plan import RECOMPUTE
 from ..planner.tp_infer import infer_tp_rules
 
 DEFAULT_MESH = "fsdp=2,tp=2"
+#: ``shardkit train --plan auto``: the planner chooses the plan (``sk.autoshard`` on the calibrated local world).
+AUTO_PLAN = "auto"
 #: Where a model given by its builder path gets layout rules from.
 RULES_HINT = "pass --rules FILE (see docs/your-model.md)"
 _NO_RULE = "is used by no layout rule"  # the problem Plan.problems() reports for an unsplit model axis
@@ -146,7 +148,8 @@ def add_plan_options(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup
     """``--plan``, ``--mesh``, ``--rules``, ``--world-size``, ``--recompute`` and the pipeline flags; returns the
     pipeline group."""
     parser.add_argument("--plan", type=path, metavar="FILE",
-                        help="a whole plan file (.json, .yaml, .yml); replaces --mesh, --rules and the pipeline flags")
+                        help="a whole plan file (.json, .yaml, .yml); replaces --mesh, --rules and the pipeline flags "
+                             f"(shardkit train: '{AUTO_PLAN}' lets the planner choose)")
     parser.add_argument("--mesh", metavar="AXES",
                         help=f"mesh axes such as 'fsdp=2,tp=2' (default: {DEFAULT_MESH}); one axis may be -1")
     parser.add_argument("--rules", type=path, metavar="FILE",

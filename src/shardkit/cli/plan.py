@@ -8,7 +8,8 @@
 Prints the ranked candidates (degrees, memory by component, step time, tokens/s, MFU and why),
 then the families of plans refused and why, and writes the best with ``--out``. ``--local``
 plans for the local world of CPU processes as it really runs: its hardware is measured by
-``shardkit calibrate`` (once; kept in ``LOCAL_HARDWARE_DIR``; ``--recalibrate`` measures again).
+``shardkit calibrate`` (once, kept in ``$SHARDKIT_CACHE`` or ``~/.cache/shardkit``;
+``--recalibrate`` measures again).
 """
 
 from __future__ import annotations
@@ -31,8 +32,7 @@ from ..planner.estimate import OPTIMIZER_STATES
 from ..planner.hardware import PRESETS, Hardware, hardware
 from .options import model_from_flag, path, positive_int
 
-#: Where ``--local`` keeps the calibrated hardware of the local world (one file per world size).
-LOCAL_HARDWARE_DIR = Path(os.environ.get("SHARDKIT_CACHE", Path.home() / ".cache" / "shardkit"))
+#: The local world's size when none is given (the world ``shardkit train`` starts with no flags).
 DEFAULT_LOCAL_WORLD = 4
 _TABLE_STYLE: dict[str, Any] = dict(box=box.SIMPLE_HEAD, title_justify="left", pad_edge=False, show_edge=False)
 
@@ -103,7 +103,7 @@ def parse_axes(text: str) -> tuple[str, ...]:
 
 def local_hardware(world_size: int, recalibrate: bool = False) -> Hardware:
     """The local world's hardware: measured once by ``shardkit calibrate`` and kept, or measured now."""
-    file = LOCAL_HARDWARE_DIR / f"local-{world_size}.yaml"
+    file = local_hardware_dir() / f"local-{world_size}.yaml"
     if file.exists() and not recalibrate:
         return Hardware.load(file)
     from ..observe.calibrate import calibrate
@@ -113,6 +113,11 @@ def local_hardware(world_size: int, recalibrate: bool = False) -> Hardware:
     file.parent.mkdir(parents=True, exist_ok=True)
     measured.save(file)
     return measured
+
+
+def local_hardware_dir() -> Path:
+    """Where the calibrated hardware of local worlds is kept: ``$SHARDKIT_CACHE`` or ``~/.cache/shardkit``."""
+    return Path(os.environ.get("SHARDKIT_CACHE") or Path.home() / ".cache" / "shardkit")
 
 
 def candidates_text(candidates: Candidates, model: str, devices: int, hw: Hardware, width: int = 200) -> str:
@@ -150,4 +155,4 @@ def _seconds(value: float) -> str:
     return f"{value:.3g} s" if value >= 1 else f"{value * 1e3:.3g} ms"
 
 
-__all__ = ["candidates_text", "local_hardware", "parse_axes", "planner_model"]
+__all__ = ["candidates_text", "local_hardware", "local_hardware_dir", "parse_axes", "planner_model"]

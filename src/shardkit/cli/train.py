@@ -43,6 +43,7 @@ from ..runtime.materialize import open_weights
 from ..runtime.torchrun import in_torchrun
 from ..runtime.world import DEFAULT_TIMEOUT_S, LocalWorld, WorldError, launch
 from .options import (
+    AUTO_PLAN,
     add_model_option,
     add_plan_options,
     meta_model_from_flag,
@@ -142,11 +143,41 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def build_plan(args: argparse.Namespace) -> tuple[Plan, int]:
     """The plan and world size from the command line (not yet checked against the model)."""
-    plan, world_size = plan_from_args(args, model_from_flag(args.model))
+    if args.plan is not None and str(args.plan) == AUTO_PLAN:
+        plan, world_size = auto_plan(args)
+    else:
+        plan, world_size = plan_from_args(args, model_from_flag(args.model))
     if args.profile is not None and plan.pipeline is None:
         raise PlanError(f"--profile records the pipeline timeline (forward/backward per micro-batch and stage), but "
                         f"{plan.mesh!r} has no pipeline; add a 'pp' axis of size >= 2, e.g. --mesh pp=2")
     return plan, world_size
+
+
+def auto_plan(args: argparse.Namespace) -> tuple[Plan, int]:
+    """``--plan auto``: the fastest plan ``sk.autoshard`` finds for this model, batch and sequence on
+    the local world as calibrated (``shardkit calibrate``, measured once and kept)."""
+    from ..planner.autoshard import autoshard
+    from .plan import DEFAULT_LOCAL_WORLD, candidates_text, local_hardware
+
+    given = [flag for flag, value in {"--mesh": args.mesh, "--rules": args.rules, "--schedule": args.schedule,
+                                      "--microbatches": args.microbatches, "--split": args.split,
+                                      "--split-points": args.split_points, "--recompute": args.recompute}.items()
+             if value is not None]
+    if given:
+        raise PlanError(f"--plan auto chooses the whole plan, so {', '.join(given)} cannot be combined with it; "
+                        f"drop them, or give the plan yourself")
+    entry = model_from_flag(args.model)
+    model = meta_model_from_flag(args.model, entry)
+    positions = _check_token_sizes(args, entry, model)
+    seq_len = positions if args.seq_len is None else args.seq_len
+    world_size = args.world_size or DEFAULT_LOCAL_WORLD
+    hardware = local_hardware(world_size)
+    candidates = autoshard(model, devices=world_size, hardware=hardware, global_batch=args.batch_size,
+                           seq_len=seq_len, top=3, param_dtype=None)
+    print(candidates_text(candidates, args.model, world_size, hardware), end="", file=sys.stderr)
+    best = candidates[0]
+    print(f"shardkit train: --plan auto chose {best.plan.mesh!r}: {best.reason}", file=sys.stderr)
+    return best.plan, world_size
 
 
 def check_job(args: argparse.Namespace, plan: Plan, world_size: int) -> TrainJob:

@@ -163,6 +163,10 @@ class Plan:
                             "sequence over the tensor-parallel group); for context parallel use an 'sp' mesh axis")
         if self.pipeline is not None:
             problems.extend(self.pipeline.check_mesh(mesh))
+            if mesh.size_of("sp") > 1 and mesh.size_of("pp") > 1:
+                problems.append(f"context parallel (sp={mesh['sp']}) with a pipeline (pp={mesh['pp']}) is not supported: "
+                                f"a pipeline stage is not handed the global positions of its sequence chunk; use "
+                                f"the sp devices for dp, fsdp or tp instead")
             if self.recompute != "none" and self.pipeline.schedule in ("zero-bubble", "zbv"):
                 problems.append(f"recompute={self.recompute!r} with schedule {self.pipeline.schedule!r}: the schedule "
                                 f"runs each backward as an input pass and a weight pass, and torch's activation "

@@ -149,6 +149,9 @@ class _Search:
                     continue
                 for sp in self._degrees("sp", self.devices // (tp * pp)):
                     data = self.devices // (tp * pp * sp)
+                    if sp > 1 and pp > 1:
+                        self._reject("pp > 1 with sp > 1", "context parallel inside a pipeline stage is not supported")
+                        continue
                     if not self._sequence_fits(tp, sp):
                         continue
                     if self.batch % data:

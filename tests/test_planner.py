@@ -1,0 +1,207 @@
+"""sk.estimate and sk.autoshard: memory and time per plan before launch, ranked plans, refusals.
+
+Pure arithmetic on measured costs: no processes (the benchmark, benchmarks/planner.py, sets the
+predictions against runs)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+import shardkit as sk
+from shardkit.cli import main
+from shardkit.models.gpt import build_small_gpt
+from shardkit.planner.autoshard import autoshard
+from shardkit.planner.catalogue import CATALOGUE
+from shardkit.planner.estimate import MEMORY_KEYS, estimate
+
+A100 = "a100-80g"
+GIB = 2**30
+
+
+def _est(plan, model="gpt-small", batch=8, seq=128, hardware=A100, **kw):
+    return estimate(model, plan, batch_size=batch, seq_len=seq, hardware=hardware, **kw)
+
+
+# -- estimate: memory ---------------------------------------------------------------------------
+
+def test_estimate_has_every_component_and_they_add_up():
+    e = _est(sk.Plan(sk.Mesh(fsdp=4)))
+    assert {"parameters", "gradients", "optimizer", "activations", "total"} <= set(e.memory)
+    assert e.memory["total"] == sum(e.memory[k] for k in MEMORY_KEYS)
+    assert e.memory["optimizer"] == 2 * e.memory["parameters"] == 2 * e.memory["gradients"]
+    assert e.step_time == pytest.approx(sum(e.step_time_parts.values()))
+    assert e.tokens_per_s == pytest.approx(8 * 128 / e.step_time)
+    assert 0 < e.mfu <= 1
+
+
+def test_model_states_follow_the_zero_paper():
+    """Rajbhandari et al. 2020, Figure 1: 16 bytes per parameter with mixed-precision Adam; fully
+    sharded over 64 devices, 1/64 of it (7.5B parameters: 120 GB and 1.9 GB)."""
+    mixed = sk.FSDPOptions(param_dtype="bfloat16")
+    params = sk.analyse("megatron-7.5b", seq_len=2048).total_params
+    for mesh, share in ((sk.Mesh(dp=64), 1), (sk.Mesh(fsdp=64), 64)):
+        e = _est(sk.Plan(mesh, fsdp=mixed), model="megatron-7.5b", batch=64, seq=2048)
+        states = e.memory["parameters"] + e.memory["gradients"] + e.memory["optimizer"]
+        assert states == pytest.approx(16 * params / share, rel=0.01)
+
+
+def test_fsdp_shards_state_and_data_parallel_does_not():
+    dp, fsdp = _est(sk.Plan(sk.Mesh(dp=4))), _est(sk.Plan(sk.Mesh(fsdp=4)))
+    assert fsdp.memory["parameters"] == pytest.approx(dp.memory["parameters"] / 4, rel=0.01)
+    assert dp.memory["gathered"] == 0 < fsdp.memory["gathered"]
+    keep = _est(sk.Plan(sk.Mesh(fsdp=4), fsdp=sk.FSDPOptions(reshard_after_forward=False)))
+    assert keep.memory["gathered"] > fsdp.memory["gathered"]
+    assert keep.step_time <= fsdp.step_time  # no second all-gather in the backward (here hidden behind compute)
+
+
+def test_recompute_trades_activation_memory_for_time():
+    plans = {r: sk.Plan(sk.Mesh(fsdp=4), recompute=r) for r in ("none", "selective", "full")}
+    e = {r: _est(p, model="llama3-8b", batch=4, seq=4096, hardware="h100-80g") for r, p in plans.items()}
+    assert e["full"].memory["activations"] < e["selective"].memory["activations"] < e["none"].memory["activations"]
+    assert e["none"].step_time < e["selective"].step_time < e["full"].step_time
+
+
+def test_tensor_and_sequence_parallel_split_memory():
+    rules = sk.analyse("llama3-8b", seq_len=4096).tp_rules()
+    one = _est(sk.Plan(sk.Mesh(dp=1)), model="llama3-8b", batch=1, seq=4096, hardware="h100-80g")
+    tp = _est(sk.Plan(sk.Mesh(tp=8), rules=rules), model="llama3-8b", batch=1, seq=4096, hardware="h100-80g")
+    sp = _est(sk.Plan(sk.Mesh(tp=8), rules=rules, sequence_parallel=True), model="llama3-8b", batch=1, seq=4096,
+              hardware="h100-80g")
+    assert tp.memory["parameters"] < one.memory["parameters"] / 6  # norms stay whole
+    assert tp.memory["activations"] < one.memory["activations"]
+    assert sp.memory["activations"] < tp.memory["activations"]
+    assert tp.step_time_parts["tp"] > 0
+
+
+def test_pipeline_schedules_hold_different_micro_batches():
+    def pipe(schedule, m, v=1):
+        plan = sk.Plan(sk.Mesh(pp=4), pipeline=sk.Pipeline(schedule=schedule, microbatches=m, virtual_stages=v))
+        return _est(plan, model="llama3-8b", batch=16, seq=2048, hardware="h100-80g")
+
+    gpipe, one_f_one_b = pipe("gpipe", 16), pipe("1f1b", 16)
+    assert gpipe.memory["activations"] == pytest.approx(4 * one_f_one_b.memory["activations"], rel=0.05)
+    assert gpipe.step_time_parts["bubble"] == pytest.approx(3 / 16 * gpipe.step_time_parts["compute"])
+    interleaved = pipe("interleaved-1f1b", 16, 2)
+    assert interleaved.step_time_parts["bubble"] < one_f_one_b.step_time_parts["bubble"]
+
+
+def test_compute_dtype_halves_activations_and_speeds_up():
+    fp32 = _est(sk.Plan(sk.Mesh(fsdp=8)), model="llama3-8b", batch=8, seq=2048, hardware="h100-80g")
+    bf16 = _est(sk.Plan(sk.Mesh(fsdp=8), fsdp=sk.FSDPOptions(param_dtype="bfloat16")), model="llama3-8b", batch=8,
+                seq=2048, hardware="h100-80g")
+    assert bf16.memory["activations"] == pytest.approx(fp32.memory["activations"] / 2, rel=0.01)
+    assert bf16.memory["parameters"] == fp32.memory["parameters"]  # fp32 master weights
+    assert bf16.step_time < fp32.step_time / 5
+
+
+def test_links_across_nodes_are_slower():
+    rules = sk.analyse("llama3-8b", seq_len=2048).tp_rules()
+    plan = sk.Plan(sk.Mesh(tp=8), rules=rules)
+    eight = sk.Hardware.preset("h100-80g")
+    four = dataclasses.replace(eight, devices_per_node=4)
+    inside = _est(plan, model="llama3-8b", batch=1, seq=2048, hardware=eight)
+    across = _est(plan, model="llama3-8b", batch=1, seq=2048, hardware=four)
+    assert across.step_time_parts["tp"] > 2 * inside.step_time_parts["tp"]
+
+
+def test_estimate_accepts_a_module_and_refuses_bad_input():
+    model = sk.meta_model(build_small_gpt)
+    by_module = _est(sk.Plan(sk.Mesh(fsdp=4)), model=model)
+    by_name = _est(sk.Plan(sk.Mesh(fsdp=4)))
+    assert by_module.memory == by_name.memory
+    with pytest.raises(sk.UsageError, match=r"estimate\(optimizer='lion'\) is unknown; valid"):
+        _est(sk.Plan(sk.Mesh(fsdp=4)), optimizer="lion")
+    with pytest.raises(sk.PlanError, match="batch of 6 samples does not split evenly over 4"):
+        _est(sk.Plan(sk.Mesh(fsdp=4)), batch=6)
+    with pytest.raises(sk.UsageError, match="gpt-smal.*gpt-small"):
+        _est(sk.Plan(sk.Mesh(fsdp=4)), model="gpt-smal")
+    with pytest.raises(sk.UsageError, match="a100"):
+        _est(sk.Plan(sk.Mesh(fsdp=4)), hardware="a100")
+
+
+# -- autoshard ---------------------------------------------------------------------------------------
+
+def test_autoshard_ranks_plans_that_validate_and_fit():
+    candidates = autoshard("gpt-small", devices=4, hardware=A100, global_batch=8, seq_len=128)
+    assert len(candidates) >= 5
+    times = [c.estimate.step_time for c in candidates]
+    assert times == sorted(times)
+    model = sk.meta_model(build_small_gpt)
+    for c in candidates:
+        assert c.plan.mesh.size == 4 and c.estimate.fits and c.reason
+        sk.validate(c.plan, model)  # a plan sk.shard runs as is
+        assert not c.plan.batch_problems(8, 128)
+    assert candidates[0].reason.startswith("fastest")
+
+
+def test_autoshard_restricts_axes():
+    candidates = autoshard("gpt-small", devices=4, hardware=A100, global_batch=8, seq_len=128, axes=("dp", "tp"))
+    assert {a for c in candidates for a, s in c.plan.mesh.items() if s > 1} <= {"dp", "tp"}
+    with pytest.raises(sk.UsageError, match="unknown axes \\['zp'\\]"):
+        autoshard("gpt-small", devices=4, hardware=A100, global_batch=8, seq_len=128, axes=("dp", "zp"))
+
+
+def test_autoshard_names_the_families_it_refuses():
+    candidates = autoshard("llama3-70b", devices=64, hardware="h100-80g", global_batch=64, seq_len=4096, top=3)
+    reasons = {r.family: r.reason for r in candidates.rejected}
+    assert reasons["tp=16"] == ("tp=16 > 8 devices per node (tensor parallel communicates every block: it stays "
+                                "within a node)")
+    assert "does not divide the 8 KV heads" in reasons["tp=32"] or "devices per node" in reasons["tp=32"]
+    assert any("needs" in r and "of 79.6 GiB per device" in r for r in reasons.values())
+    assert all(c.estimate.fits for c in candidates)
+
+
+def test_autoshard_says_why_nothing_fits():
+    with pytest.raises(sk.PlanError, match=r"no plan fits: the smallest plan needs .* GiB per device on 8 devices "
+                                           r"\(.*\), because .*a100-80g device has 80.0 GiB"):
+        autoshard("llama3-405b", devices=8, hardware=A100, global_batch=8, seq_len=8192)
+
+
+def test_autoshard_refuses_bad_arguments():
+    for kwargs, message in (({"devices": 0}, "devices=0"), ({"global_batch": -1}, "global_batch=-1"),
+                            ({"axes": "dp"}, "axes='dp'"), ({"optimizer": "x"}, "optimizer='x'")):
+        args = dict(devices=4, hardware=A100, global_batch=8, seq_len=128) | kwargs
+        with pytest.raises(sk.UsageError, match=message):
+            autoshard("gpt-small", **args)
+
+
+def test_catalogue_names_are_plannable():
+    assert {"llama3-8b", "llama3-70b", "llama3-405b", "gpt3-175b", "megatron-1t", "gpt-small"} <= set(CATALOGUE)
+
+
+# -- the plan command ------------------------------------------------------------------------------
+
+def _run(argv, capsys):
+    try:
+        code = main(argv)
+    except SystemExit as exc:
+        code = exc.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_plan_command_prints_candidates_and_writes_the_best(tmp_path, capsys, no_processes):
+    out_file = tmp_path / "plan.yaml"
+    code, out, err = _run(["plan", "--model", "llama3-70b", "--devices", "64", "--hardware", "h100-80g",
+                           "--global-batch", "64", "--seq", "4096", "--top", "3", "--out", str(out_file)], capsys)
+    assert code == 0, err
+    assert "candidates (fastest first)" in out and "refused" in out and "tp=16 > 8 devices per node" in out
+    assert "MFU" in out and "tokens/s" in out
+    plan = sk.Plan.load(out_file)
+    assert plan.mesh.size == 64
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "llama3-70b", "--devices", "8", "--global-batch", "8", "--seq", "128", "--axes", ""], "--axes ''"),
+    (["--model", "llama9", "--devices", "8", "--global-batch", "8", "--seq", "128"], "llama9"),
+    (["--model", "gpt-small", "--local", "--hardware", "a100-80g", "--global-batch", "8", "--seq", "128"],
+     "--local measures"),
+    (["--model", "gpt-small", "--devices", "4", "--world-size", "4", "--global-batch", "8", "--seq", "128"],
+     "--world-size is for --local"),
+    (["--model", "gpt-small", "--devices", "4", "--hardware", "tpu", "--global-batch", "8", "--seq", "128"], "tpu"),
+])
+def test_plan_command_refuses_bad_flags(argv, message, capsys, no_processes):
+    code, out, err = _run(["plan", *argv], capsys)
+    assert code == 2 and message in err
