@@ -47,6 +47,8 @@ _EXPORTS = {
     "unshard_sequence": "shardkit.runtime.ring_attention",
     "sequence_positions": "shardkit.runtime.ring_attention",
     "check_sequence_length": "shardkit.plan.sequence",
+    "recompute": "shardkit.runtime.recompute",
+    "held_activations": "shardkit.runtime.recompute",
     # grouped collectives (within the groups of a ReplicaGrouping, or of its transpose)
     "all_reduce": "shardkit.runtime.collectives",
     "all_gather": "shardkit.runtime.collectives",

@@ -25,6 +25,7 @@ from ..models.registry import BUILDER_PATH_FORM, MODELS, ModelEntry, is_builder_
 from ..plan import LayoutMap, Mesh, Plan, PlanError, UsageError
 from ..plan.files import read_file
 from ..plan.pipeline import SCHEDULES, SPLITS, pipeline_from_args
+from ..plan.plan import RECOMPUTE
 from ..planner.tp_infer import infer_tp_rules
 
 DEFAULT_MESH = "fsdp=2,tp=2"
@@ -142,7 +143,8 @@ def _naming_model_flag(name: str) -> Iterator[None]:
 # -- the plan flags ---------------------------------------------------------------------------
 
 def add_plan_options(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
-    """``--plan``, ``--mesh``, ``--rules``, ``--world-size`` and the pipeline flags; returns the pipeline group."""
+    """``--plan``, ``--mesh``, ``--rules``, ``--world-size``, ``--recompute`` and the pipeline flags; returns the
+    pipeline group."""
     parser.add_argument("--plan", type=path, metavar="FILE",
                         help="a whole plan file (.json, .yaml, .yml); replaces --mesh, --rules and the pipeline flags")
     parser.add_argument("--mesh", metavar="AXES",
@@ -151,6 +153,9 @@ def add_plan_options(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup
                         help="JSON/YAML file: a list of [regex, layout] pairs (default: the model's rules)")
     parser.add_argument("--world-size", type=positive_int, metavar="N",
                         help="number of processes (default: the mesh size; needed for a -1 axis)")
+    parser.add_argument("--recompute", choices=list(RECOMPUTE),
+                        help="activation recompute per block: full, or selective (the attention core only); "
+                             "default: none")
     pipe = parser.add_argument_group("pipeline (with a 'pp' mesh axis)")
     pipe.add_argument("--schedule", choices=list(SCHEDULES), help="pipeline schedule (default: 1f1b)")
     pipe.add_argument("--microbatches", type=positive_int, metavar="N",
@@ -166,8 +171,8 @@ def plan_from_args(args: argparse.Namespace, entry: ModelEntry) -> tuple[Plan, i
     pipeline_flags = {"--schedule": args.schedule, "--microbatches": args.microbatches, "--split": args.split,
                       "--split-points": args.split_points}
     if args.plan is not None:
-        given = [flag for flag, value in {"--mesh": args.mesh, "--rules": args.rules, **pipeline_flags}.items()
-                 if value is not None]
+        given = [flag for flag, value in {"--mesh": args.mesh, "--rules": args.rules, "--recompute": args.recompute,
+                                          **pipeline_flags}.items() if value is not None]
         if given:
             raise PlanError(f"--plan is a whole plan, so {', '.join(given)} cannot be combined with it; "
                             f"edit the plan file or drop --plan")
@@ -175,7 +180,7 @@ def plan_from_args(args: argparse.Namespace, entry: ModelEntry) -> tuple[Plan, i
     else:
         mesh = _parse_mesh_flag(DEFAULT_MESH if args.mesh is None else args.mesh)
         rules = load_rules(args.rules) if args.rules is not None else entry.rules_for(mesh) or inferred_rules(args.model, entry, mesh)
-        plan = Plan(mesh=mesh, rules=rules)
+        plan = Plan(mesh=mesh, rules=rules, recompute=args.recompute or "none")
     world_size = args.world_size
     if world_size is None:
         if not plan.mesh.is_resolved:

@@ -17,6 +17,8 @@ from .replicas import ReplicaGrouping
 from .sequence import sequence_problems
 
 _DTYPES = ("float32", "bfloat16", "float16")
+#: Activation recompute per repeated block: nothing, the whole block, or its attention core only.
+RECOMPUTE = ("none", "full", "selective")
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,13 @@ class FSDPOptions:
         return cls(**dict(data))
 
 
+def _recompute(value: Any, where: str) -> str:
+    """``value`` if it is exactly one of :data:`RECOMPUTE` (``True``, ``"Full"`` or ``"true"`` are errors)."""
+    if not isinstance(value, str) or value not in RECOMPUTE:
+        raise PlanError(f"{where} must be one of {list(RECOMPUTE)}, got {type(value).__name__} {value!r}")
+    return value
+
+
 def param_shapes(model: Any) -> dict[str, tuple[int, ...]]:
     """``{dotted name: shape}`` of a module's parameters (works on the meta device), or a copy of a mapping."""
     if isinstance(model, Mapping):
@@ -75,6 +84,10 @@ def param_shapes(model: Any) -> dict[str, tuple[int, ...]]:
 class Plan:
     """How a model is split: mesh, layout rules, FSDP options, pipeline, replica groups.
 
+    ``recompute``: activation recompute per repeated block (``"none"``, ``"full"``: each block's
+    activations are recomputed in the backward; ``"selective"``: only its attention core,
+    Korthikanti et al. 2022); see ``docs/recompute.md``.
+
     A plan is data: it checks its own fields here, and what it can know without a model with
     :meth:`problems`; ``sk.validate(plan, model)`` adds every check against the model.
 
@@ -89,6 +102,7 @@ class Plan:
     pipeline: Pipeline | None = None
     replicas: ReplicaGrouping | None = None
     sequence_parallel: bool = False
+    recompute: str = "none"
 
     def __post_init__(self) -> None:
         if not isinstance(self.mesh, Mesh):
@@ -104,6 +118,7 @@ class Plan:
                 raise PlanError(f"Plan({name}=...) must be a {kind.__name__}{'' if name == 'fsdp' else ' or None'}, "
                                 f"got {type(value).__name__}")
         boolean(self.sequence_parallel, "Plan(sequence_parallel=...)")
+        _recompute(self.recompute, "Plan(recompute=...)")
 
     def __getattr__(self, name: str) -> Any:
         if name in ("validate", "explain"):
@@ -119,7 +134,7 @@ class Plan:
     def problems(self) -> list[str]:
         """What is wrong with this (resolved) plan that is known without a model: axes no rule
         uses, a ``pp`` axis without a pipeline, HSDP axis order, Megatron SP without ``tp``, the
-        pipeline's and the replica groups' fit to the mesh. Layouts need the parameter shapes:
+        pipeline's and the replica groups' fit to the mesh, recompute with a zero-bubble schedule. Layouts need the parameter shapes:
         ``sk.validate(plan, model)`` runs these checks and every check against the model.
 
         >>> Plan(mesh=Mesh(tp=2)).problems()
@@ -148,6 +163,11 @@ class Plan:
                             "sequence over the tensor-parallel group); for context parallel use an 'sp' mesh axis")
         if self.pipeline is not None:
             problems.extend(self.pipeline.check_mesh(mesh))
+            if self.recompute != "none" and self.pipeline.schedule in ("zero-bubble", "zbv"):
+                problems.append(f"recompute={self.recompute!r} with schedule {self.pipeline.schedule!r}: the schedule "
+                                f"runs each backward as an input pass and a weight pass, and torch's activation "
+                                f"checkpointing recomputes a block once per backward, so the weight pass fails; use "
+                                f"schedule '1f1b', 'interleaved-1f1b' or 'gpipe', or recompute='none'")
         if self.replicas is not None:
             problems.extend(self.replicas.check_mesh(mesh))
         return problems
@@ -185,6 +205,7 @@ class Plan:
             "pipeline": None if self.pipeline is None else self.pipeline.to_dict(),
             "replicas": None if self.replicas is None else self.replicas.to_dict(),
             "sequence_parallel": self.sequence_parallel,
+            "recompute": self.recompute,
         }
 
     @classmethod
@@ -214,6 +235,7 @@ class Plan:
             replicas=None if replicas is None else ReplicaGrouping.from_dict(
                 mapping(replicas, "plan field 'replicas'", "{replication_factor: 4, group_size: 2}")),
             sequence_parallel=boolean(data.get("sequence_parallel", False), "plan field 'sequence_parallel'"),
+            recompute=_recompute(data.get("recompute", "none"), "plan field 'recompute'"),
         )
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -242,4 +264,4 @@ class Plan:
         path.write_text(self.to_yaml() if path.suffix in (".yaml", ".yml") else self.to_json() + "\n")
 
 
-__all__ = ["FSDPOptions", "Plan", "param_shapes"]
+__all__ = ["RECOMPUTE", "FSDPOptions", "Plan", "param_shapes"]

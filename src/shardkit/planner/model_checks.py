@@ -34,12 +34,15 @@ from .tensor_parallel import (
 @dataclass(frozen=True)
 class ModelFacts:
     """What the checks learned that the runtime applies: the family, the tensor-parallel plan of
-    every model axis, and the parameters no forward uses (``None`` when the forward could not be
-    run on meta: no example input known)."""
+    every model axis, the parameters no forward uses (``None`` when the forward could not be
+    run on meta: no example input known), and what activation recompute applies to: the
+    repeated blocks and the attention modules inside them (:func:`recompute_targets`)."""
 
     family: str
     tensor_parallel: dict[str, AxisPlan] = field(default_factory=dict)
     unused_parameters: tuple[str, ...] | None = None
+    blocks: tuple[str, ...] = ()
+    attentions: tuple[str, ...] = ()
 
 
 def analyse_model(plan: Plan, model: nn.Module, layouts: dict[str, ParamLayout],
@@ -63,7 +66,53 @@ def analyse_model(plan: Plan, model: nn.Module, layouts: dict[str, ParamLayout],
     if mesh.size_of("sp") > 1:
         problems += family.context_parallel_problems(model)
     unused = tuple(flow.unused) if flow.ran else None
-    return ModelFacts(family.name, axis_plans, unused), problems
+    blocks, attentions = recompute_targets(model, family) if plan.recompute != "none" else ((), ())
+    return ModelFacts(family.name, axis_plans, unused, blocks, attentions), problems
+
+
+# -- activation recompute ------------------------------------------------------------------------------
+def recompute_targets(model: nn.Module, family: Family | None = None) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``(blocks, attentions)``: the model's repeated blocks, the children of its outermost
+    ``nn.ModuleList``s (the layers FSDP also wraps one by one; for the reference GPT and
+    transformers' causal LMs, the family's block units), and the attention modules the
+    family knows inside them.
+
+    >>> from shardkit.models.gpt import build_tiny_gpt
+    >>> recompute_targets(build_tiny_gpt())
+    (('layers.0', 'layers.1'), ('layers.0.attn', 'layers.1.attn'))
+    """
+    blocks: list[str] = []
+    for name, module in model.named_modules():
+        inside = any(name.startswith(f"{b}.") for b in blocks)
+        if isinstance(module, nn.ModuleList) and not inside:
+            blocks += [f"{name}.{child}" if name else child for child, _ in module.named_children()]
+    family = family or family_of(model)
+    attentions = [a.name for a in family.attentions(model) if any(a.name.startswith(f"{b}.") for b in blocks)]
+    return tuple(blocks), tuple(attentions)
+
+
+def recompute_problems(model: nn.Module, mode: str, family: Family | None = None) -> list[str]:
+    """Why ``Plan(recompute=mode)`` cannot apply to ``model``: no repeated blocks, or for
+    ``"selective"`` no attention shardkit knows inside them (empty: it can).
+
+    >>> recompute_problems(nn.Sequential(nn.Linear(2, 2)), "selective")[0][:46]
+    "recompute='selective' needs repeated blocks (t"
+    """
+    if mode == "none":
+        return []
+    family = family or family_of(model)
+    blocks, attentions = recompute_targets(model, family)
+    name = type(model).__name__
+    if not blocks:
+        return [f"recompute={mode!r} needs repeated blocks (the children of an nn.ModuleList, such as a "
+                f"transformer's layers), but {name} has none; use recompute='none' or keep the layers in an "
+                f"nn.ModuleList"]
+    if mode == "selective" and not attentions:
+        return [f"recompute='selective' recomputes the attention core of each block, but shardkit knows no "
+                f"attention module in the blocks of {name} (family {family.name!r}; known: the reference GPT's "
+                f"attention with attention_fn, transformers' *Attention modules); use recompute='full', which "
+                f"recomputes whole blocks"]
+    return []
 
 
 # -- one shard at its local shapes ------------------------------------------------------------------
@@ -149,4 +198,4 @@ def _first_line(exc: BaseException) -> Any:
     return text[0] if text else ""
 
 
-__all__ = ["ModelFacts", "analyse_model", "shard_problems"]
+__all__ = ["ModelFacts", "analyse_model", "recompute_problems", "recompute_targets", "shard_problems"]

@@ -18,7 +18,7 @@ from torch import nn
 
 from ..plan import Mesh, Plan, PlanError, PlanWarning, UsageError, param_shapes, resolve_layouts
 from ..plan.layout import LayoutResolution
-from .model_checks import ModelFacts, analyse_model
+from .model_checks import ModelFacts, analyse_model, recompute_problems
 from .stages import assign_stages
 from .tensor_parallel import aliases
 
@@ -66,6 +66,7 @@ def validate(plan: Plan, model: Any, world_size: int | None = None, *,
         layouts = None
     facts = None
     if isinstance(model, nn.Module):
+        problems += recompute_problems(model, plan.recompute)
         if plan.pipeline is not None:
             try:
                 assign_stages(model, plan.pipeline, mesh, example_inputs)

@@ -6,7 +6,10 @@ The steps after validation, top to bottom, in a fixed order:
    torch's styles, ties re-tied (:mod:`shardkit.runtime.tensor_parallel`); tensor parallel
    needs whole weights, so it comes before data parallel;
 2. context parallel on ``sp``: attention becomes ring attention (``context_parallel``);
-3. data parallel over :meth:`Meshes.data`: ``fully_shard`` over ``fsdp`` (HSDP with ``dp``),
+3. activation recompute per block (``Plan(recompute=...)``, :mod:`shardkit.runtime.recompute`):
+   after the blocks' final forward is in place, before FSDP2, so its hooks stay outside the
+   checkpointed region;
+4. data parallel over :meth:`Meshes.data`: ``fully_shard`` over ``fsdp`` (HSDP with ``dp``),
    each block on its own unless it shares parameters with the rest of the model; over ``dp``
    alone, DDP (torch's composable ``replicate``, in place) when every parameter is used and
    nothing else is asked, else FSDP2's ``replicate`` (tensor parallel, mixed precision,
@@ -27,6 +30,7 @@ from .context import Context
 from .materialize import WeightSource, load_weights, materialize
 from .meshes import DataMesh, meshes_for
 from .precision import Precision
+from .recompute import apply_recompute
 from .tensor_parallel import apply_tensor_parallel
 
 _MIXINS: dict[tuple[type, type], type] = {}
@@ -73,6 +77,8 @@ def parallelize(module: nn.Module, plan: Plan, ctx: Context, layouts: dict[str, 
         from .context_parallel import enable_context_parallel
 
         enable_context_parallel(module, meshes.axis("sp"))
+    if plan.recompute != "none":  # after tensor and context parallel, before FSDP2 wraps the blocks (torchtitan's order)
+        apply_recompute(module, plan.recompute, facts.blocks, facts.attentions)
     data = meshes.data()
     ddp = data is not None and _uses_ddp(module, plan, data, facts)
     if on_meta and (data is None or ddp):
