@@ -11,9 +11,11 @@ the setting of Korthikanti et al., where selective recompute pays off).
   (``sk.held_activations``: every storage made in the forward and still alive after it,
   whatever keeps it: autograd, a checkpoint's inputs, a selective checkpoint's cache), with the
   logits and loss; ratio against ``none``.
-- **step**: forward + backward, median over ``--steps`` steps after one warm-up; ratio against ``none``.
+- **step**: forward + backward, median over ``--steps`` steps after one warm-up, the three modes
+  taking turns step by step (so a change in the machine's load falls on all alike); ratio
+  against ``none``.
 
-    python benchmarks/recompute.py [--steps 10] [--batch 8] [--seq 128]
+    python benchmarks/recompute.py [--steps 20] [--batch 8] [--seq 128]
 """
 
 from __future__ import annotations
@@ -47,26 +49,32 @@ def build(attention: str) -> torch.nn.Module:
     return model
 
 
-def measure(attention: str, mode: str, tokens: torch.Tensor, steps: int) -> tuple[int, float]:
-    """(bytes held after one forward, median step seconds)."""
-    model = sk.recompute(build(attention), mode)
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+def held_bytes(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> int:
+    """Bytes the forward leaves alive for the backward (then runs the backward, a warm-up)."""
     with sk.held_activations() as held:
         loss = gpt_loss(model(inputs), targets)
-    held_bytes = held.bytes
+    alive = held.bytes
     loss.backward()
-    times = []
+    return alive
+
+
+def step_seconds(models: dict[str, torch.nn.Module], inputs: torch.Tensor, targets: torch.Tensor,
+                 steps: int) -> dict[str, float]:
+    """Median forward + backward time per mode; the modes take turns step by step, so a change in the
+    machine's load falls on all of them alike."""
+    times: dict[str, list[float]] = {mode: [] for mode in models}
     for _ in range(steps):
-        model.zero_grad(set_to_none=True)
-        start = time.perf_counter()
-        gpt_loss(model(inputs), targets).backward()
-        times.append(time.perf_counter() - start)
-    return held_bytes, statistics.median(times)
+        for mode, model in models.items():
+            model.zero_grad(set_to_none=True)
+            start = time.perf_counter()
+            gpt_loss(model(inputs), targets).backward()
+            times[mode].append(time.perf_counter() - start)
+    return {mode: statistics.median(t) for mode, t in times.items()}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=128)
     args = parser.parse_args()
@@ -75,12 +83,15 @@ def main() -> None:
     print(f"small GPT (4 layers, dim 128, 4 heads), batch {args.batch} x {args.seq} tokens, 1 thread, "
           f"median of {args.steps} steps")
     print(f"{'attention':<10} {'recompute':<10} {'held MiB':>9} {'held / none':>12} {'step ms':>8} {'step / none':>12}")
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
     for attention in ("sdpa", "math"):
-        results = {mode: measure(attention, mode, tokens, args.steps) for mode in MODES}
-        base_bytes, base_time = results["none"]
-        for mode, (held, seconds) in results.items():
-            print(f"{attention:<10} {mode:<10} {held / 2**20:>9.2f} {held / base_bytes:>12.3f} {seconds * 1e3:>8.1f} "
-                  f"{seconds / base_time:>12.3f}")
+        models = {mode: sk.recompute(build(attention), mode) for mode in MODES}
+        held = {mode: held_bytes(model, inputs, targets) for mode, model in models.items()}
+        seconds = step_seconds(models, inputs, targets, args.steps)
+        for mode in MODES:
+            base_bytes, base_time = held["none"], seconds["none"]
+            print(f"{attention:<10} {mode:<10} {held[mode] / 2**20:>9.2f} {held[mode] / base_bytes:>12.3f} "
+                  f"{seconds[mode] * 1e3:>8.1f} {seconds[mode] / base_time:>12.3f}")
 
 
 if __name__ == "__main__":

@@ -245,7 +245,7 @@ CASES = {  # id: (mesh, plan fields, GPT rules?)
     "pp2-gpipe": ("pp=2", {"pipeline": PIPE_GPIPE}, False),
     "fsdp2xtp2": ("fsdp=2,tp=2", {}, True),
 }
-LLAMA_CASES = ("fsdp2", "tp2-megatron-sp", "sp2", "pp2-1f1b", "fsdp2xtp2")
+LLAMA_CASES = ("fsdp2", "tp2-megatron-sp", "sp2", "pp2-1f1b")
 
 
 def _plan(case: str, mode: str, rules) -> Plan:
