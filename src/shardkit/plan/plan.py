@@ -163,6 +163,10 @@ class Plan:
                             "sequence over the tensor-parallel group); for context parallel use an 'sp' mesh axis")
         if self.pipeline is not None:
             problems.extend(self.pipeline.check_mesh(mesh))
+            if self.sequence_parallel and mesh.size_of("pp") > 1:
+                problems.append(f"sequence_parallel=True with a pipeline (pp={mesh['pp']}) is not supported: a stage's "
+                                f"residual stream would mix sequence-split DTensors with plain tensors; use "
+                                f"sequence_parallel=False with pp, or no pipeline")
             if mesh.size_of("sp") > 1 and mesh.size_of("pp") > 1:
                 problems.append(f"context parallel (sp={mesh['sp']}) with a pipeline (pp={mesh['pp']}) is not supported: "
                                 f"a pipeline stage is not handed the global positions of its sequence chunk; use "

@@ -215,7 +215,9 @@ class _Search:
                         pipelines.append(("interleaved-1f1b", m, 2))
                 else:
                     pipelines.append(("gpipe", m, 1))
-        common = dict(sequence_parallel=base.tp > 1, compute_dtype=self.compute_dtype, order=MESH_ORDER)
+        # Megatron sequence parallel whenever tp splits the blocks (not inside a pipeline: refused there)
+        common = dict(sequence_parallel=base.tp > 1 and base.pp == 1, compute_dtype=self.compute_dtype,
+                      order=MESH_ORDER)
         for reshard in reshards:
             for schedule, m, v in pipelines:
                 for recompute in _RECOMPUTE:
