@@ -194,6 +194,17 @@ def test_sequence_parallel_needs_tp():
         validate(sk.Plan(mesh=sk.Mesh(fsdp=2), sequence_parallel=True), SHAPES)
 
 
+def test_sequence_splits_are_refused_inside_a_pipeline():
+    """Both failed inside the workers before (a stage gets no global positions; SP's DTensors meet a
+    stage's plain tensors): refused before launch."""
+    pipeline = sk.Pipeline(microbatches=2)
+    problems = sk.Plan(mesh=sk.Mesh(pp=2, sp=2), pipeline=pipeline).problems()
+    assert any("context parallel (sp=2) with a pipeline (pp=2) is not supported" in p for p in problems)
+    problems = sk.Plan(mesh=sk.Mesh(pp=2, tp=2), rules=[(".*", None)], pipeline=pipeline,
+                       sequence_parallel=True).problems()
+    assert any("sequence_parallel=True with a pipeline (pp=2) is not supported" in p for p in problems)
+
+
 def test_hsdp_needs_dp_before_fsdp():
     with pytest.raises(PlanError, match="'dp' must come before \\['fsdp'\\]"):
         validate(sk.Plan(mesh=sk.Mesh(fsdp=2, dp=2)), SHAPES)

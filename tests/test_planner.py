@@ -205,3 +205,19 @@ def test_plan_command_prints_candidates_and_writes_the_best(tmp_path, capsys, no
 def test_plan_command_refuses_bad_flags(argv, message, capsys, no_processes):
     code, out, err = _run(["plan", *argv], capsys)
     assert code == 2 and message in err
+
+
+def test_train_plan_auto_plans_prints_and_trains(tmp_path, monkeypatch, capsys):
+    """``--plan auto`` on the local world as calibrated (a kept hardware file: nothing measured here)."""
+    monkeypatch.setenv("SHARDKIT_CACHE", str(tmp_path))
+    sk.Hardware.preset("a100-80g").save(tmp_path / "local-2.yaml")
+    code, out, err = _run(["train", "--plan", "auto", "--model", "gpt-tiny", "--world-size", "2", "--steps", "2",
+                           "--batch-size", "4", "--data-mb", "0.05"], capsys)
+    assert code == 0, err
+    assert "candidates (fastest first)" in err and "--plan auto chose Mesh(" in err
+    assert "step 2" in out or "2 steps" in out
+
+
+def test_train_plan_auto_refuses_plan_flags(capsys, no_processes):
+    code, out, err = _run(["train", "--plan", "auto", "--mesh", "dp=2"], capsys)
+    assert code == 2 and "--plan auto chooses the whole plan, so --mesh cannot be combined with it" in err

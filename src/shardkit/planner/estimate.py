@@ -31,17 +31,22 @@ Memory (the most loaded device; a pipeline's first and last stages are both eval
 Step time (alpha-beta per collective on the link its group spans: within a node when the
 group's ranks are consecutive and fit in one, else across nodes):
 
-- ``compute``: 3 x forward FLOPs (backward = 2 x forward), plus the recomputed forward, over
-  ``peak FLOP/s x matmul_efficiency`` in the compute dtype;
+- ``compute``: per micro-batch, matmul FLOPs over ``peak FLOP/s x matmul_efficiency`` in the
+  compute dtype, plus the bytes the other operators read and write over ``memory_bandwidth``,
+  plus operator calls x ``op_overhead``; the backward costs twice the forward, recompute runs
+  the forward (``full``) or the attention core (``selective``: its share of the block's FLOPs,
+  bytes and calls) again;
 - ``bubble``: a pipeline's idle share, ``(p-1)/(m v)`` of the compute (zero-bubble schedules: a
   third of it; ``sequential``: ``p-1`` stages idle);
 - ``tp``: per block two all-reduces forward and two backward of the block's hidden states
   (Megatron SP: the same bytes as all-gathers and reduce-scatters), plus the head's gathered
   logits, not overlapped;
-- ``dp`` / ``fsdp``: gradient all-reduce (DDP), or all-gathers and reduce-scatter (FSDP; HSDP
-  adds an all-reduce of the shard), overlapped with compute except the first unit's gather;
+- ``dp`` / ``fsdp``: gradient all-reduce in DDP's 25 MiB buckets, or per FSDP unit an all-gather
+  forward, another backward (with resharding) and a reduce-scatter (HSDP adds an all-reduce of
+  the shard); ``overlap`` of it runs while the backward computes, except the last bucket / the
+  first unit's gather;
 - ``pp``: point-to-point of each micro-batch's hidden states, forward and backward;
-- ``sp``: ring attention's key/value passes, overlapped with the attention core.
+- ``sp``: ring attention's key/value passes, ``overlap`` of them behind the attention core.
 """
 
 from __future__ import annotations
@@ -64,6 +69,8 @@ OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd-momentum": 1, "sgd": 0}
 #: Allocator slack over the tensors' own bytes (CUDA's caching allocator rounds and fragments;
 #: glibc's malloc keeps arenas): 5 %, within the 10 % the estimate is held to.
 ALLOCATOR_OVERHEAD = 0.05
+#: DDP's default bucket: gradients are all-reduced in pieces of this many bytes.
+DDP_BUCKET_BYTES = 25 * 2**20
 MESH_ORDER = ("pp", "dp", "fsdp", "sp", "tp")
 MEMORY_KEYS = ("parameters", "gradients", "optimizer", "gathered", "activations", "logits", "buffers", "overhead")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -202,20 +209,35 @@ class Numbers:
     core_flops: float
     embedding_flops: float
     head_flops: float
+    block_traffic: float  # bytes non-matmul ops read and write
+    core_traffic: float  # of which the attention core's (what selective recompute runs again)
+    embedding_traffic: float
+    head_traffic: float
+    block_ops: int  # operator calls of one forward (per micro-batch, not per token)
+    core_ops: int
+    embedding_ops: int
+    head_ops: int
     block_saved: float  # bytes one block saves for backward
     block_split_by_sp: float  # of which norms and residual terms (split over tp by Megatron SP)
     block_core: float  # of which the attention core
+    block_core_recomputed: float  # of which selective recompute frees (not q, k, v and the output)
     embedding_act: float
     head_act: float
 
     @classmethod
     def of(cls, a: ModelAnalysis) -> Numbers:
         acts = a.block.activations_per_token
+        core = a.block.flops_per_token["attention_core"]
+        share = core / a.block.flops if a.block.flops else 0.0  # the attention core's share, for traffic and ops
+        head_dim = a.head_dim or a.hidden // a.heads
+        qkvo = 2 * (a.heads + a.kv_heads) // a.tp * head_dim * a.dtype.itemsize
         return cls(a.layers, a.hidden, a.vocab, 2 * a.kv_heads * (a.hidden // a.heads), a.dtype.itemsize,
-                   a.block.params, a.embedding.params, a.head.params, a.tied, a.block.flops,
-                   a.block.flops_per_token["attention_core"], a.embedding.flops, a.head.flops,
-                   a.block.activations, acts["norm"] + acts["other"], acts["attention_core"],
-                   a.embedding.activations, a.head.activations)
+                   a.block.params, a.embedding.params, a.head.params, a.tied, a.block.flops, core,
+                   a.embedding.flops, a.head.flops, a.block.traffic_per_token, share * a.block.traffic_per_token,
+                   a.embedding.traffic_per_token, a.head.traffic_per_token, a.block.ops, round(share * a.block.ops),
+                   a.embedding.ops, a.head.ops, a.block.activations, acts["norm"] + acts["other"],
+                   acts["attention_core"], max(0.0, acts["attention_core"] - qkvo), a.embedding.activations,
+                   a.head.activations)
 
 
 @dataclass(frozen=True)
@@ -264,15 +286,15 @@ def _tokens_per_microbatch(s: Setting, batch_size: int, seq_len: int) -> float:
     return batch_size / (s.dp * s.fsdp) / s.microbatches * seq_len / s.sp
 
 
-def _inflight(s: Setting) -> float:
-    """Micro-batches whose activations the first pipeline device holds at its peak."""
+def _inflight(s: Setting, device: int) -> float:
+    """Micro-batches whose activations pipeline device ``device`` holds at its peak."""
     if s.pp == 1:
         return 1.0
     m, p = s.microbatches, s.pp
     if s.schedule == "1f1b":
-        return float(min(m, p))
+        return float(min(m, p - device))
     if s.schedule == "interleaved-1f1b":
-        return min(m, p) * (1 + (p - 1) / (p * s.virtual))
+        return min(m, p - device) * (1 + (p - 1) / (p * s.virtual))
     return float(m)  # gpipe, sequential (m = 1), zero-bubble schedules: bounded by m
 
 
@@ -289,8 +311,8 @@ def memory_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer
     block_saved = _block_saved(n, s)
     if s.recompute == "full":  # the block's input only
         block_act = n.hidden * master / (s.tp if s.sequence_parallel else 1)
-    elif s.recompute == "selective":
-        block_act = block_saved - n.block_core
+    elif s.recompute == "selective":  # the core's own tensors go; q, k, v and its output stay (the
+        block_act = block_saved - n.block_core_recomputed  # projections keep them)
     else:
         block_act = block_saved
     states = OPTIMIZER_STATES[optimizer]
@@ -304,9 +326,11 @@ def memory_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer
         gathered = 0
         if shards > 1:
             unit = max(n.block_params, n.embedding_params if first else 0, n.head_params if last else 0)
-            gathered = (params if not s.reshard else 2 * unit) * compute + unit * reduce
+            # a pipeline turns gradient sync off until its last micro-batch: the stage's gradients
+            # accumulate unsharded
+            gathered = (params if not s.reshard else 2 * unit) * compute + (params if s.pp > 1 else unit) * reduce
         per_token = blocks * block_act + (n.embedding_act if first else 0) + (n.head_act if last else 0)
-        held = per_token * tokens * (_inflight(s) if first else 1.0)
+        held = per_token * tokens * _inflight(s, 0 if first else s.pp - 1)
         if s.recompute == "full":  # one block's activations rebuilt at a time during backward
             held += block_saved * tokens
         memory = {"parameters": stored, "gradients": stored, "optimizer": states * stored, "gathered": int(gathered),
@@ -338,45 +362,60 @@ def time_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware) -> dict[str
     m, p, v = s.microbatches, s.pp, s.virtual
     blocks = _blocks_per_device(n, s)
     tokens = _tokens_per_microbatch(s, batch_size, costs.seq_len)
-    recompute = n.core_flops if s.recompute == "selective" else n.block_flops if s.recompute == "full" else 0.0
-    stage_flops = 3 * max(n.embedding_flops, n.head_flops) + blocks * (3 * n.block_flops + recompute)
-    compute = m * tokens * stage_flops / flops_rate
+    # the backward costs about twice the forward; recompute runs (part of) the forward again
+    again = {"none": (0.0, 0.0, 0.0), "selective": (n.core_flops, n.core_traffic, n.core_ops),
+             "full": (n.block_flops, n.block_traffic, n.block_ops)}[s.recompute]
+    ends = (n.embedding_flops + n.head_flops, n.embedding_traffic + n.head_traffic, n.embedding_ops + n.head_ops) \
+        if p == 1 else (max(n.embedding_flops, n.head_flops), max(n.embedding_traffic, n.head_traffic),
+                        max(n.embedding_ops, n.head_ops))
+    flops = 3 * ends[0] + blocks * (3 * n.block_flops + again[0])
+    traffic = 3 * ends[1] + blocks * (3 * n.block_traffic + again[1])
+    ops = 3 * ends[2] + blocks * (3 * n.block_ops + again[2])
+    compute = m * (tokens * (flops / flops_rate + traffic / hw.memory_bandwidth) + ops * hw.op_overhead)
     parts = {"compute": compute, "bubble": _bubble(s) * compute}
     hidden_bytes = tokens * n.hidden * itemsize
     shape = (s.order, s.dp, s.fsdp, s.tp, s.pp, s.sp)
-    # tensor parallel: 2 all-reduces forward + 2 backward per block (+2 when the forward runs again)
+    # tensor parallel: 2 all-reduces forward + 2 backward per block (+2 when the forward runs again), not hidden
     if s.tp > 1:
         all_reduce = _collective("all_reduce", hidden_bytes, s.tp, _link(hw, shape, ("tp",), "all_reduce"))
         head = _collective("all_gather", tokens * n.vocab * itemsize, s.tp, _link(hw, shape, ("tp",), "all_gather"))
         per_block = (4 + (2 if s.recompute == "full" else 0)) * all_reduce
         parts["tp"] = m * (blocks * per_block + head + 2 * all_reduce)
-    # data parallel: gradients (DDP) or parameters and gradients (FSDP), hidden behind compute
+    # data parallel: gradients (DDP, in buckets) or parameters and gradients (FSDP, per unit), behind compute
     stage_params = blocks * n.block_params + max(n.embedding_params, n.head_params)
     reduce = s.reduce_dtype.itemsize if s.reduce_dtype is not None else itemsize
     if s.fsdp > 1:
-        shards = s.fsdp * s.sp
+        shards, units = s.fsdp * s.sp, blocks + 1
         link = _link(hw, shape, ("fsdp", "sp"), "all_gather")
-        gather = _collective("all_gather", stage_params * itemsize, shards, link)
+        gather = _collective("all_gather", stage_params * itemsize, shards, link, calls=units)
         comm = (2 if s.reshard else 1) * gather * (m if s.reshard and p > 1 else 1)
-        comm += _collective("all_gather", stage_params * reduce, shards, link)
+        comm += _collective("reduce_scatter", stage_params * reduce, shards, link, calls=units)
         if s.dp > 1:
             comm += _collective("all_reduce", stage_params * reduce / shards, s.dp,
-                                _link(hw, shape, ("dp",), "all_reduce"))
-        parts["fsdp"] = max(0.0, comm - compute) + gather * n.block_params / max(stage_params, 1)
+                                _link(hw, shape, ("dp",), "all_reduce"), calls=units)
+        parts["fsdp"] = _exposed(comm, compute, hw) + gather / units  # the first unit's gather waits
     elif s.dp > 1:
-        comm = _collective("all_reduce", stage_params * reduce, s.dp, _link(hw, shape, ("dp",), "all_reduce"))
-        parts["dp"] = max(0.0, comm - compute * 2 / 3) + comm / max(blocks, 1)
+        size = stage_params * reduce
+        buckets = max(1, math.ceil(size / DDP_BUCKET_BYTES))
+        comm = _collective("all_reduce", size, s.dp, _link(hw, shape, ("dp",), "all_reduce"), calls=buckets)
+        parts["dp"] = _exposed(comm - comm / buckets, compute * 2 / 3, hw) + comm / buckets  # the last bucket waits
     # pipeline: each micro-batch's hidden states sent forward and their gradients back
     if p > 1:
         link = _link(hw, shape, ("pp",), "p2p")
         parts["pp"] = 2 * (m * v + p - 1) * (link.latency + hidden_bytes / link.bandwidth)
-    # context parallel: keys and values go around the ring, behind the attention core
+    # context parallel: keys and values go around the ring (forward, and keys, values and their
+    # gradients backward), behind the attention core
     if s.sp > 1:
         link = _link(hw, shape, ("sp",), "p2p")
         ring = 3 * (s.sp - 1) * (link.latency + tokens * n.kv_bytes * itemsize / link.bandwidth)
         core = 3 * tokens * n.core_flops / flops_rate
-        parts["sp"] = m * blocks * max(0.0, ring - core)
+        parts["sp"] = m * blocks * _exposed(ring, core, hw)
     return parts
+
+
+def _exposed(comm: float, window: float, hw: Hardware) -> float:
+    """Communication time left after ``hw.overlap`` of it runs during ``window`` seconds of compute."""
+    return comm - min(comm * hw.overlap, window)
 
 
 def _bubble(s: Setting) -> float:
@@ -402,11 +441,12 @@ def _link(hw: Hardware, shape: tuple, axes: tuple[str, ...], collective: str) ->
     return hw.link(collective, across_nodes=stride * span > hw.devices_per_node)
 
 
-def _collective(name: str, size: float, n: int, link: Link) -> float:
+def _collective(name: str, size: float, n: int, link: Link, calls: int = 1) -> float:
+    """Ring ``name`` of ``size`` bytes in all over ``n`` devices, issued as ``calls`` collectives."""
     if n <= 1:
         return 0.0
     steps, factor = ring_terms(name, n)
-    return link.seconds(size, factor=factor, steps=steps)
+    return link.seconds(size, factor=factor, steps=steps * calls)
 
 
 def _seconds(value: float) -> str:
