@@ -1,5 +1,6 @@
 """sk.analyse and the catalogue: published sizes, FLOPs and saved activations per token measured on
-fake tensors, equal to a real CPU forward's saved bytes, tensor-parallel ranks at local shapes."""
+fake tensors, equal to a real CPU forward's saved bytes, tensor-parallel ranks at local shapes;
+operator calls and non-matmul memory traffic, checked by hand on a small model."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from torch import nn
 import shardkit as sk
 from shardkit.models.gpt import GPT, GPT_RULES, GPTConfig
 from shardkit.models.hf import LLAMA_RULES, tiny_gpt2_config, tiny_llama_config
-from shardkit.plan import PlanError, UsageError
+from shardkit.plan import LayoutMap, PlanError, UsageError
 from shardkit.planner import analysis
 from shardkit.planner.catalogue import CATALOGUE, MEGATRON_TABLE1, catalogue_config
 
@@ -115,6 +116,10 @@ def test_a_tensor_parallel_rank_holds_and_computes_its_share(config):
     assert two.head.flops == (one.head.flops if one.tied else one.head.flops / 2)
     assert two.head.activations == one.head.activations  # ... and gathered: the loss sees every logit
     assert two.total_params == one.total_params
+    # the same operators run on smaller tensors; torch's gather is communication, not an operator counted
+    assert (two.embedding.ops, two.block.ops, two.head.ops) == (one.embedding.ops, one.block.ops, one.head.ops)
+    assert two.block.traffic_per_token < one.block.traffic_per_token
+    assert two.head.traffic_per_token == one.head.traffic_per_token  # log-softmax and loss over every logit
 
 
 def test_llama3_8b_at_tp8_holds_an_eighth_of_every_split_weight():
@@ -153,7 +158,66 @@ def test_a_module_and_its_config_give_the_same_analysis():
             a, b = sk.analyse(config, seq_len=SEQ, tp=tp), sk.analyse(module, seq_len=SEQ, tp=tp)
             assert (a.embedding, a.block, a.head, a.layers, a.total_params) == \
                 (b.embedding, b.block, b.head, b.layers, b.total_params)
+            assert a.block.ops == b.block.ops > 0 and a.block.traffic_per_token == b.block.traffic_per_token > 0
         assert b.total_params == sum(p.numel() for p in module.parameters())
+
+
+class _MLPBlock(nn.Module):
+    def __init__(self, hidden: int, inner: int):
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(hidden, inner), nn.GELU(), nn.Linear(inner, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class _TinyLM(nn.Module):
+    """Embedding -> blocks of Linear -> GELU -> Linear -> output layer: every operator known by hand."""
+
+    def __init__(self, vocab: int = 32, hidden: int = 8, inner: int = 16, layers: int = 2):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.layers = nn.ModuleList(_MLPBlock(hidden, inner) for _ in range(layers))
+        self.lm_head = nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for block in self.layers:
+            x = block(x)
+        return self.lm_head(x)
+
+
+_TINY_RULES = LayoutMap([(r"layers\.\d+\.fc1\.weight", ("tp", None)), (r"layers\.\d+\.fc1\.bias", ("tp",)),
+                         (r"layers\.\d+\.fc2\.weight", (None, "tp")), (r".*", None)])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_operator_calls_and_traffic_of_a_small_model_by_hand(dtype):
+    vocab, hidden, inner, seq = 32, 8, 16, 4
+    size = torch.finfo(dtype).bits // 8
+    for tp in (1, 2):
+        a = sk.analyse(_TinyLM(vocab, hidden, inner), seq_len=seq, tp=tp, dtype=dtype, rules=_TINY_RULES)
+        # a linear layer on [1, seq, hidden] is views + one addmm/mm; views launch no kernel
+        assert (a.embedding.ops, a.block.ops, a.head.ops) == (1, 3, 3)
+        # block: only GELU is priced by bytes, its input and output [seq, inner / tp]
+        assert a.block.traffic_per_token == 2 * inner // tp * size
+        # embedding: the int64 ids, the rows read and written (not the whole table)
+        assert a.embedding.traffic_per_token == 8 + 2 * hidden * size
+        # head: log-softmax reads and writes [seq, vocab]; the loss reads the targets, one
+        # log-probability per target, and writes the loss and its total weight (two scalars)
+        assert a.head.traffic_per_token == 2 * vocab * size + 8 + size + 2 * size / seq
+
+
+def test_traffic_grows_with_the_hidden_size_and_operator_calls_do_not():
+    small = sk.analyse(tiny_llama_config(), seq_len=SEQ)
+    wide = sk.analyse(tiny_llama_config(hidden_size=128, intermediate_size=256), seq_len=SEQ)
+    assert wide.block.ops == small.block.ops > 20  # norms, rotary, SDPA, gated MLP, residuals
+    assert wide.block.traffic_per_token > 1.9 * small.block.traffic_per_token
+    assert wide.head.traffic_per_token > small.head.traffic_per_token
+    bf16 = sk.analyse(tiny_llama_config(), seq_len=SEQ, dtype=torch.bfloat16)
+    # in bf16 each of the block's two RMSNorms casts to fp32 and back: two more kernels each
+    assert bf16.block.ops == small.block.ops + 4
+    assert bf16.block.traffic_per_token < small.block.traffic_per_token
 
 
 def test_a_module_is_left_as_it_was():

@@ -4,7 +4,8 @@ A language model is three parts: the **embedding** (everything before the first 
 repeated **block**, and the **head** (everything after the last block: final norm, output
 layer, loss). For each part, and for what one tensor-parallel rank holds of it: parameters,
 forward FLOPs per token and bytes saved for backward per token, by component
-(:data:`~shardkit.planner.measure.COMPONENTS`). The numbers are measured by torch on one forward
+(:data:`~shardkit.planner.measure.COMPONENTS`), the operator calls of one forward and the bytes
+the operators other than matrix products and attention kernels read and write per token. The numbers are measured by torch on one forward
 (:mod:`shardkit.planner.measure`), not computed from a formula, so they follow the model's code:
 grouped-query attention, gated MLPs, tied heads, dropout masks, the attention kernel.
 
@@ -69,11 +70,14 @@ class PartCost:
     """One part of the model, as one tensor-parallel rank of degree ``tp`` computes it, for
     sequences of ``seq_len`` tokens. ``params`` are the elements this rank holds (local shapes);
     ``flops_per_token`` and ``activations_per_token`` (bytes saved for backward) have one entry
-    per component, zeros included.
+    per component, zeros included. ``ops``: the ATen operators one forward of the part calls
+    (one block, for the block; views and other operators launching no kernel left out), per
+    call, not per token. ``traffic_per_token``: the bytes the operators that are not matrix
+    products or attention kernels (whose time the FLOPs price) read and write, per token.
 
-    >>> part = PartCost("block", 10, 40, {"mlp": 20.0, "norm": 0.0}, {"mlp": 8.0, "norm": 4.0})
-    >>> part.flops, part.activations
-    (20.0, 12.0)
+    >>> part = PartCost("block", 10, 40, {"mlp": 20.0, "norm": 0.0}, {"mlp": 8.0, "norm": 4.0}, 3, 16.0)
+    >>> part.flops, part.activations, part.ops, part.traffic_per_token
+    (20.0, 12.0, 3, 16.0)
     """
 
     name: str
@@ -81,6 +85,8 @@ class PartCost:
     param_bytes: int
     flops_per_token: Mapping[str, float]
     activations_per_token: Mapping[str, float]
+    ops: int = 0
+    traffic_per_token: float = 0.0
 
     @property
     def flops(self) -> float:
@@ -351,10 +357,12 @@ def _share(measured: Measurement) -> None:
 
 def _largest_block(measured: Measurement) -> tuple[Tally, str]:
     blocks = [measured.parts[f"block.{i}"] for i in range(measured.blocks)]
-    sizes = [(sum(b.saved_by_component().values()), sum(b.flops.values()), b.params) for b in blocks]
+    sizes = [(sum(b.saved_by_component().values()), sum(b.flops.values()), b.params, b.ops, b.traffic)
+             for b in blocks]
     largest = max(range(len(blocks)), key=lambda i: sizes[i])
     differ = "" if len(set(sizes)) == 1 else \
-        f"saved bytes, FLOPs and parameters per block range over {sorted(set(sizes))[0]} .. {sorted(set(sizes))[-1]}"
+        f"saved bytes, FLOPs, parameters, operator calls and traffic per block range over {sorted(set(sizes))[0]} " \
+        f".. {sorted(set(sizes))[-1]}"
     return blocks[largest], differ
 
 
@@ -362,7 +370,8 @@ def _part(name: str, tally: Tally, seq_len: int) -> PartCost:
     saved = tally.saved_by_component()
     return PartCost(name, tally.params, tally.param_bytes,
                     Components({c: tally.flops.get(c, 0.0) / seq_len for c in COMPONENTS}),
-                    Components({c: saved.get(c, 0.0) / seq_len for c in COMPONENTS}))
+                    Components({c: saved.get(c, 0.0) / seq_len for c in COMPONENTS}), tally.ops,
+                    tally.traffic / seq_len)
 
 
 def _token_embedding(model: nn.Module, family: Family) -> nn.Embedding | None:

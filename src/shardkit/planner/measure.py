@@ -1,11 +1,15 @@
-"""One forward of a language model on fake tensors, measured: FLOPs and bytes saved for backward,
-per part (before the blocks, each block, after them) and per component, with no memory used.
+"""One forward of a language model on fake tensors, measured: FLOPs, bytes saved for backward,
+operator calls and the memory traffic of the non-matmul operators, per part (before the blocks,
+each block, after them), with no memory used.
 
 torch does the counting: :class:`~torch.utils.flop_counter.FlopCounterMode` counts FLOPs (matrix
-products, convolutions, attention kernels; elementwise ops count 0), and
-:func:`torch.autograd.graph.saved_tensors_hooks` sees every tensor autograd saves for backward.
-What shardkit adds is the attribution: forward hooks on every module keep the stack of modules
-running, which says the part and the component of each FLOP and of each saved tensor.
+products, convolutions, attention kernels; elementwise ops count 0),
+:func:`torch.autograd.graph.saved_tensors_hooks` sees every tensor autograd saves for backward,
+and a :class:`~torch.utils._python_dispatch.TorchDispatchMode` sees every ATen operator called
+(after autograd's decompositions: what a device would launch). What shardkit adds is the
+attribution: forward hooks on every module keep the stack of modules running, which says the part
+and the component of each FLOP, saved tensor and operator call; and the rule of what an operator
+costs (:class:`_OpCounter`), since torch has no counter of kernel launches or bytes moved.
 
 The forward runs on :class:`~torch._subclasses.fake_tensor.FakeTensorMode` tensors on the CPU
 device, not on meta tensors: torch picks attention kernels by device, and on meta
@@ -26,10 +30,13 @@ from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
+from math import prod
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from ..families import Family
@@ -52,18 +59,27 @@ _EXTRA_FLOPS = {_aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash_fl
 #: Attention kernels that keep only their output and log-sum-exp for backward.
 _FUSED_ATTENTION = (_aten._scaled_dot_product_flash_attention_for_cpu, _aten._scaled_dot_product_flash_attention,
                     _aten._scaled_dot_product_efficient_attention, _aten._scaled_dot_product_cudnn_attention)
+#: Operators that launch no kernel, besides views (``OpOverload.is_view``: view, t, transpose,
+#: expand, permute, slice, select, split, (un)squeeze, detach, alias, as_strided, lift_fresh):
+#: views whose schema declares no alias, allocations without a fill, metadata queries.
+_NO_KERNEL = {_aten._unsafe_view, _aten._reshape_alias, _aten.empty, _aten.empty_like, _aten.empty_strided,
+              _aten.new_empty, _aten.new_empty_strided, _aten.sym_size, _aten.sym_stride, _aten.sym_numel,
+              _aten.sym_storage_offset, torch.ops.prim.device, torch.ops.prim.layout}
 
 
 @dataclass
 class Tally:
     """What one part holds and computes: parameters (elements, this rank's and whole), FLOPs by
-    component, and saved storages ``{storage id: (bytes, component)}``, each counted once."""
+    component, saved storages ``{storage id: (bytes, component)}`` (each counted once), operator
+    calls and the bytes the non-matmul ones read and write (:class:`_OpCounter`)."""
 
     params: int = 0
     param_bytes: int = 0
     global_params: int = 0
     flops: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     saved: dict[int, tuple[int, str]] = field(default_factory=dict)
+    ops: int = 0
+    traffic: float = 0.0
 
     def saved_by_component(self) -> dict[str, float]:
         out: dict[str, float] = defaultdict(float)
@@ -169,6 +185,11 @@ class _Recorder:
             self.parts[part].flops[self.scopes.component(self.stack, part)] += total - self.counted
             self.counted = total
 
+    def book_op(self, traffic: float) -> None:
+        tally = self.parts[self.part()]
+        tally.ops += 1
+        tally.traffic += traffic
+
     def enter(self, name: str, module: nn.Module) -> None:
         self.book_flops()
         self.stack.append(name)
@@ -212,18 +233,79 @@ class _Recorder:
                 handle.remove()
 
 
+def _bytes(tensor: torch.Tensor) -> int:
+    """The bytes of ``tensor``'s distinct elements: a broadcast (stride 0) dimension is read once."""
+    return prod(n for n, stride in zip(tensor.shape, tensor.stride()) if stride) * tensor.element_size()
+
+
+def _tensors(value: object) -> list[torch.Tensor]:
+    return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
+
+
+class _OpCounter(TorchDispatchMode):
+    """Books each ATen operator that launches a kernel (not in :data:`_NO_KERNEL`, not a view) as
+    one call of the running part, and, unless torch's FLOP counter prices it (matrix products,
+    convolutions, attention kernels), its traffic: the bytes of its tensor inputs and outputs.
+    Gathers read the rows they gather, not their whole table: an embedding lookup counts its
+    indices and its output twice (rows read, rows written), the loss's ``nll_loss`` its targets,
+    one log-probability per target, and its outputs.
+
+    torch counts FLOPs (:class:`~torch.utils.flop_counter.FlopCounterMode`) but neither kernel
+    launches nor bytes moved, hence this mode. ``paused`` is set while shardkit's stand-ins for
+    torch's collectives run (:func:`_local_shard`): communication is priced apart."""
+
+    def __init__(self, recorder: _Recorder):
+        super().__init__()
+        self.recorder = recorder
+        self.paused = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        packet = func._overloadpacket
+        if self.paused or func.is_view or packet in _NO_KERNEL:
+            return out
+        if packet in flop_registry or packet in _EXTRA_FLOPS:
+            traffic = 0
+        elif packet is _aten.embedding:
+            traffic = _bytes(args[1]) + 2 * _bytes(out)
+        elif packet is _aten.nll_loss_forward:
+            traffic = _bytes(args[1]) + args[1].numel() * args[0].element_size() + sum(map(_bytes, out))
+        else:
+            traffic = sum(map(_bytes, _tensors((args, kwargs)) + _tensors(out)))
+        self.recorder.book_op(traffic)
+        return out
+
+    @contextmanager
+    def pause(self) -> Iterator[None]:
+        self.paused = True
+        try:
+            yield
+        finally:
+            self.paused = False
+
+
 @contextmanager
-def _local_shard(model: nn.Module, plan: AxisPlan | None) -> Iterator[None]:
+def _local_shard(model: nn.Module, plan: AxisPlan | None, counter: _OpCounter) -> Iterator[None]:
     """Make a model running on local stand-ins behave, at its boundaries, as one rank does under
     torch's styles: attribute changes set (local head counts, GPT-2 ``Conv1D.nf``), gathered
     outputs back to full width, locally split inputs cut to this rank's width.
 
     The validator's one-shard run (:func:`shardkit.planner.model_checks.shard_problems`) keeps
     full weights inside split modules, since it looks for reshapes, not costs; here the weights
-    themselves are local, so each split module computes exactly this rank's share."""
+    themselves are local, so each split module computes exactly this rank's share. The stand-ins
+    run with ``counter`` paused: they are no operators of the model's own."""
     if plan is None:
         yield
         return
+
+    def gathered(out: torch.Tensor, n: int) -> torch.Tensor:
+        with counter.pause():
+            return out.repeat(*([1] * (out.dim() - 1)), n)
+
+    def split_input(args: tuple, n: int) -> tuple:
+        with counter.pause():
+            return (args[0].narrow(-1, 0, args[0].shape[-1] // n).contiguous(), *args[1:])
+
     modules = dict(model.named_modules())
     saved = []
     handles = []
@@ -233,11 +315,9 @@ def _local_shard(model: nn.Module, plan: AxisPlan | None) -> Iterator[None]:
         if split.kind == COLWISE and is_conv1d(module):
             changes.append((module, "nf", module.nf // size))
         if (split.kind == COLWISE and split.gather_output) or split.kind == EMBED_COLWISE:
-            handles.append(module.register_forward_hook(
-                lambda _m, _a, out, n=size: out.repeat(*([1] * (out.dim() - 1)), n)))
+            handles.append(module.register_forward_hook(lambda _m, _a, out, n=size: gathered(out, n)))
         elif split.kind == ROWWISE and split.replicated_input:
-            handles.append(module.register_forward_pre_hook(
-                lambda _m, args, n=size: (args[0].narrow(-1, 0, args[0].shape[-1] // n).contiguous(), *args[1:])))
+            handles.append(module.register_forward_pre_hook(lambda _m, args, n=size: split_input(args, n)))
     for module, attribute, value in changes:
         saved.append((module, attribute, getattr(module, attribute)))
         setattr(module, attribute, value)
@@ -262,7 +342,15 @@ def _local_dims(model: nn.Module, plan: AxisPlan | None) -> dict[str, int]:
 def measure(model: nn.Module, family: Family, blocks: list[str], seq_len: int, dtype: torch.dtype,
             plan: AxisPlan | None = None) -> Measurement:
     """Run ``model`` once on token ids ``[1, seq_len]`` (fake CPU tensors, train mode) and, when its
-    output is logits over its vocabulary, the cross-entropy loss; see the module docstring."""
+    output is logits over its vocabulary, the cross-entropy loss; see the module docstring.
+
+    >>> from shardkit.families import family_of
+    >>> from shardkit.models.gpt import build_tiny_gpt
+    >>> gpt = build_tiny_gpt()
+    >>> m = measure(gpt, family_of(gpt), block_names(gpt), 8, torch.float32)
+    >>> m.blocks, m.parts["block.0"].ops > 0, m.parts["block.0"].traffic > 0
+    (2, True, True)
+    """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     canonical = aliases(model)
@@ -286,11 +374,13 @@ def measure(model: nn.Module, family: Family, blocks: list[str], seq_len: int, d
         fixed = {t.untyped_storage()._cdata for t in tensors.values()}
         counter = FlopCounterMode(display=False, custom_mapping=_EXTRA_FLOPS)
         recorder = _Recorder(model, _Scopes(model, family, blocks), blocks, counter, fixed, params, canonical)
+        ops = _OpCounter(recorder)
         ids = torch.zeros(1, seq_len, dtype=torch.long)
         stack.enter_context(swapped(model, tensors))
-        stack.enter_context(_local_shard(model, plan))
+        stack.enter_context(_local_shard(model, plan, ops))
         stack.enter_context(recorder.hooks())
         stack.enter_context(counter)
+        stack.enter_context(ops)
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t))
         model.train()
         try:
