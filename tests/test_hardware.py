@@ -70,6 +70,9 @@ def test_presets_are_the_datasheet_machines():
             assert inter.bandwidth < intra.bandwidth and inter.latency > intra.latency
     # NCCL-tests' all-reduce bus bandwidth is below the link's one-way peak (300 GB/s on an A100)
     assert a100.link("all_reduce", False).bandwidth < a100.link("p2p", False).bandwidth < 300e9
+    # HBM: the datasheets' figures, no efficiency applied; a few microseconds per launch; NCCL overlaps
+    assert [hw.memory_bandwidth for hw in (a100, h100, h200)] == [2039e9, 3350e9, 4800e9]
+    assert all(hw.op_overhead == 4e-6 and hw.overlap == 1.0 for hw in (a100, h100, h200))
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
@@ -89,9 +92,10 @@ def test_a_hand_written_yaml_file_loads(tmp_path):
     links = "\n".join(f"  {c}: {{bandwidth: 1.0e+9, latency: 0}}" for c in COLLECTIVES)
     path.write_text(f"name: mine\nmemory: 1000000\nflops: {{float32: 1.0e+9, bfloat16: 2.0e+9, float16: 2.0e+9}}\n"
                     f"devices_per_node: 2\nintra_node:\n{links}\ninter_node:\n{links}\n"
-                    f"matmul_efficiency: 1\nreserved: 0\n")
+                    f"matmul_efficiency: 1\nmemory_bandwidth: 2.5e+10\nop_overhead: 0\noverlap: 0\nreserved: 0\n")
     hw = Hardware.load(path)
     assert hw.peak_flops("bfloat16") == 2e9 and hw.link("p2p", True) == Link(1e9, 0)
+    assert (hw.memory_bandwidth, hw.op_overhead, hw.overlap) == (25e9, 0, 0)
 
 
 # -- refusals: every field named ----------------------------------------------------------------
@@ -139,6 +143,12 @@ WRONG = [
                                       "'latency'], got list"),
     ("intra_node", "nvlink", "field 'intra_node' must be a mapping with keys ['all_reduce', 'all_gather', 'p2p']"),
     ("matmul_efficiency", "0.8", "field 'matmul_efficiency' must be a number, got str '0.8'"),
+    ("memory_bandwidth", "2039GB/s", "field 'memory_bandwidth' must be a number, got str '2039GB/s'"),
+    ("memory_bandwidth", "2e12", "field 'memory_bandwidth' must be a number, got str '2e12' (YAML reads 25e9"),
+    ("op_overhead", "4us", "field 'op_overhead' must be a number, got str '4us'"),
+    ("op_overhead", None, "field 'op_overhead' must be a number, got null"),
+    ("overlap", True, "field 'overlap' must be a number, got bool True"),
+    ("overlap", "false", "field 'overlap' must be a number, got str 'false'"),
 ]
 
 
@@ -160,6 +170,14 @@ NOT_POSITIVE = [
     ("inter_node.p2p.latency", -1e-6, "field 'inter_node.p2p.latency' must be a finite number >= 0, got -1e-06"),
     ("matmul_efficiency", 0, "field 'matmul_efficiency' must be > 0, got 0"),
     ("matmul_efficiency", 1.5, "field 'matmul_efficiency' must be a fraction in (0, 1], got 1.5"),
+    ("memory_bandwidth", 0, "field 'memory_bandwidth' must be > 0, got 0"),
+    ("memory_bandwidth", -2e12, "field 'memory_bandwidth' must be a finite number >= 0, got -2000000000000.0"),
+    ("memory_bandwidth", float("inf"), "field 'memory_bandwidth' must be a finite number >= 0, got inf"),
+    ("op_overhead", -1e-6, "field 'op_overhead' must be a finite number >= 0, got -1e-06"),
+    ("op_overhead", float("nan"), "field 'op_overhead' must be a finite number >= 0, got nan"),
+    ("overlap", -0.1, "field 'overlap' must be a finite number >= 0, got -0.1"),
+    ("overlap", 1.01, "field 'overlap' must be a fraction in [0, 1], got 1.01"),
+    ("overlap", 2, "field 'overlap' must be a fraction in [0, 1], got 2"),
     ("reserved", -1, "field 'reserved' must be >= 0, got -1"),
     ("reserved", BASE["memory"], f"field 'reserved' ({BASE['memory']}) must be less than field 'memory'"),
 ]
@@ -185,6 +203,12 @@ def test_a_latency_of_zero_is_valid():
     assert Hardware.from_dict(_edited("intra_node.p2p.latency", 0)).link("p2p", False).latency == 0
 
 
+@pytest.mark.parametrize("leaf, value", [("op_overhead", 0), ("op_overhead", 0.5), ("overlap", 0), ("overlap", 1),
+                                         ("overlap", 0.25), ("memory_bandwidth", 1)])
+def test_the_ends_of_the_new_ranges_are_valid(leaf, value):
+    assert getattr(Hardware.from_dict(_edited(leaf, value)), leaf) == value
+
+
 def test_a_key_given_twice_is_an_error(tmp_path):
     path = tmp_path / "twice.yaml"
     path.write_text(yaml.safe_dump(BASE) + "memory: 1\n")
@@ -202,7 +226,7 @@ def test_a_file_that_is_not_a_mapping_is_named(tmp_path):
 def test_the_constructor_checks_as_files_do():
     good = PRESETS["a100-80g"]
     fields = dict(name=good.name, memory=good.memory, flops=good.flops, devices_per_node=8,
-                  intra_node=good.intra_node, inter_node=good.inter_node)
+                  intra_node=good.intra_node, inter_node=good.inter_node, memory_bandwidth=1e11)
     with pytest.raises(sk.PlanError) as info:
         Hardware(**{**fields, "flops": {"float32": 1.0}, "intra_node": {**good.intra_node, "p2p": 5}})
     assert info.value.problems == ["Hardware: missing field 'flops.bfloat16'", "Hardware: missing field 'flops.float16'",
@@ -213,6 +237,13 @@ def test_the_constructor_checks_as_files_do():
     hw = Hardware(**{**fields, "flops": flops})
     flops["float32"] = 1.0  # the caller's mapping was copied
     assert hw.peak_flops("float32") == good.peak_flops("float32") and hw.matmul_efficiency == 1.0
+    assert (hw.op_overhead, hw.overlap, hw.reserved) == (0.0, 1.0, 0)  # an ideal device, in Python only
+    with pytest.raises(TypeError, match="memory_bandwidth"):  # no default: devices differ by 100x
+        Hardware(**{k: v for k, v in fields.items() if k != "memory_bandwidth"})
+    with pytest.raises(sk.PlanError) as info:
+        Hardware(**fields, op_overhead=-1.0, overlap=1.5)
+    assert info.value.problems == ["Hardware: field 'op_overhead' must be a finite number >= 0, got -1.0",
+                                   "Hardware: field 'overlap' must be a fraction in [0, 1], got 1.5"]
 
 
 def test_unknown_preset_and_spec_list_the_known_ones(tmp_path):

@@ -1,4 +1,5 @@
-"""What a device can do, as data the estimator reads: memory, peak FLOP/s by dtype, and each
+"""What a device can do, as data the estimator reads: memory, peak FLOP/s by dtype, memory
+bandwidth, the fixed cost of an operator call, how much communication overlaps compute, and each
 collective's alpha-beta cost within and across nodes (:class:`Hardware`).
 
 Presets for datasheet machines (:data:`PRESETS`), files written by ``shardkit calibrate``, or
@@ -45,7 +46,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 #: The suffixes of hardware files.
 SUFFIXES = (".json", ".yaml", ".yml")
 _FIELDS = ("name", "memory", "flops", "devices_per_node", "intra_node", "inter_node", "matmul_efficiency",
-           "reserved")
+           "memory_bandwidth", "op_overhead", "overlap", "reserved")
 _LINK_FIELDS = ("bandwidth", "latency")
 _NESTED = {"flops": DTYPES, "intra_node": COLLECTIVES, "inter_node": COLLECTIVES}  # mapping fields: their keys
 _YAML_EXPONENT_HINT = " (YAML reads 25e9 as text: write 25.0e+9 or 25000000000)"
@@ -112,11 +113,21 @@ class Hardware:
     - ``flops``: peak FLOP/s per dtype name, ``float32``, ``bfloat16`` and ``float16``;
       ``matmul_efficiency``: the fraction of it a large matrix product reaches in practice
       (1.0 for a calibrated machine, whose ``flops`` are measured);
+    - ``memory_bandwidth``: bytes/s one device reads and writes in a large elementwise op (no
+      efficiency is applied to it: a preset's is the datasheet's, a calibrated one's measured);
+    - ``op_overhead``: seconds of fixed cost per operator call, the part of it not hidden by
+      asynchronous execution (a GPU's kernel launch, a CPU's Python and dispatch);
+    - ``overlap``: the fraction in [0, 1] of communication time that can run while computing
+      (about 1.0 on GPUs, whose NCCL runs on streams of its own; measured on gloo);
     - ``devices_per_node``; ``intra_node`` and ``inter_node``: one :class:`Link` per collective
       in :data:`COLLECTIVES`.
 
-    >>> Hardware.preset("a100-80g").usable_memory / 2**30
-    79.0
+    ``op_overhead`` and ``overlap`` default to an ideal device's 0.0 and 1.0 in Python (files
+    require every field); ``memory_bandwidth`` has no default, as devices differ by 100x.
+
+    >>> a100 = Hardware.preset("a100-80g")
+    >>> a100.usable_memory / 2**30, a100.memory_bandwidth / 1e9, a100.op_overhead, a100.overlap
+    (79.0, 2039.0, 4e-06, 1.0)
     """
 
     name: str
@@ -125,8 +136,11 @@ class Hardware:
     devices_per_node: int
     intra_node: Mapping[str, Link]
     inter_node: Mapping[str, Link]
+    memory_bandwidth: float
     matmul_efficiency: float = 1.0
     reserved: int = 0
+    op_overhead: float = 0.0
+    overlap: float = 1.0
 
     def __post_init__(self) -> None:
         problems = _field_problems(self)
@@ -166,6 +180,9 @@ class Hardware:
             "intra_node": _links_to_dict(self.intra_node),
             "inter_node": _links_to_dict(self.inter_node),
             "matmul_efficiency": self.matmul_efficiency,
+            "memory_bandwidth": self.memory_bandwidth,
+            "op_overhead": self.op_overhead,
+            "overlap": self.overlap,
             "reserved": self.reserved,
         }
 
@@ -182,9 +199,8 @@ class Hardware:
         if problems:
             raise PlanError([p if p.startswith(what) else f"{what}: {p}" for p in problems])
         links = {side: {c: Link(**data[side][c]) for c in COLLECTIVES} for side in ("intra_node", "inter_node")}
-        return cls(name=data["name"], memory=data["memory"], flops=dict(data["flops"]),
-                   devices_per_node=data["devices_per_node"], matmul_efficiency=data["matmul_efficiency"],
-                   reserved=data["reserved"], **links)
+        scalars = {name: data[name] for name in _FIELDS if name not in _NESTED}
+        return cls(flops=dict(data["flops"]), **scalars, **links)
 
     def save(self, path: str | Path) -> None:
         """Write ``path``: ``.json``, or ``.yaml`` / ``.yml``; :meth:`load` reads it back equal."""
@@ -275,6 +291,10 @@ def _scalar_problems(values: Mapping[str, Any]) -> list[str]:
         "devices_per_node": lambda v: _integer(v, "devices_per_node", 1, "devices"),
         "matmul_efficiency": lambda v: _positive_number(v, "matmul_efficiency") or (
             None if v <= 1 else f"field 'matmul_efficiency' must be a fraction in (0, 1], got {v!r}"),
+        "memory_bandwidth": lambda v: _positive_number(v, "memory_bandwidth"),
+        "op_overhead": lambda v: _number(v, "op_overhead", 0.0),
+        "overlap": lambda v: _number(v, "overlap", 0.0) or (
+            None if v <= 1 else f"field 'overlap' must be a fraction in [0, 1], got {v!r}"),
         "reserved": lambda v: _integer(v, "reserved", 0, "bytes"),
     }
     problems = [problem for name, check in checks.items() if name in values and (problem := check(values[name]))]
@@ -384,8 +404,15 @@ def _check_suffix(path: Path, caller: str) -> None:
 #   GB/s on a DGX A100) and ~80% in all-gather, reduce-scatter and send/recv.
 # - latency per ring step: 2 us within a node (NVLink, NCCL's low-latency protocol), 6 us across
 #   nodes (InfiniBand plus the NIC's PCIe hop).
+# - memory_bandwidth is the datasheet's HBM figure, with no efficiency applied (the estimator
+#   applies none): A100 SXM4 80GB HBM2e 2039 GB/s, H100 SXM5 HBM3 3350 GB/s, H200 HBM3e 4800 GB/s.
+# - op_overhead 4 us: a CUDA kernel launch costs the host a few microseconds (cudaLaunchKernel
+#   ~2-4 us, plus torch's dispatch); asynchronous execution hides it behind kernels that run
+#   longer, so it only shows where kernels are shorter than their launch.
+# - overlap 1.0: NCCL runs on its own CUDA streams, concurrently with the compute stream.
 _BUS_EFFICIENCY = {"all_reduce": 0.75, "all_gather": 0.80, "p2p": 0.80}
 _INTRA_LATENCY, _INTER_LATENCY = 2e-6, 6e-6
+_GPU_OP_OVERHEAD = 4e-6
 _MIB = 2**20
 
 
@@ -393,18 +420,20 @@ def _links(peak_one_way: float, latency: float) -> dict[str, Link]:
     return {c: Link(bandwidth=_BUS_EFFICIENCY[c] * peak_one_way, latency=latency) for c in COLLECTIVES}
 
 
-def _preset(name: str, memory_mib: int, fp32: float, half: float, nvlink: float, network: float) -> Hardware:
+def _preset(name: str, memory_mib: int, fp32: float, half: float, hbm: float, nvlink: float,
+            network: float) -> Hardware:
     return Hardware(name=name, memory=memory_mib * _MIB,
                     flops={"float32": fp32, "bfloat16": half, "float16": half}, devices_per_node=8,
                     intra_node=_links(nvlink, _INTRA_LATENCY), inter_node=_links(network, _INTER_LATENCY),
-                    matmul_efficiency=0.8, reserved=1024 * _MIB)
+                    memory_bandwidth=hbm, matmul_efficiency=0.8, reserved=1024 * _MIB,
+                    op_overhead=_GPU_OP_OVERHEAD, overlap=1.0)
 
 
 #: Datasheet machines by name (sources and choices in the comments above and docs/hardware.md).
 PRESETS: dict[str, Hardware] = {
-    "a100-80g": _preset("a100-80g", 81920, 19.5e12, 312e12, 300e9, 25e9),
-    "h100-80g": _preset("h100-80g", 81559, 67e12, 989.4e12, 450e9, 50e9),
-    "h200-141g": _preset("h200-141g", 143771, 67e12, 989.4e12, 450e9, 50e9),
+    "a100-80g": _preset("a100-80g", 81920, 19.5e12, 312e12, 2039e9, 300e9, 25e9),
+    "h100-80g": _preset("h100-80g", 81559, 67e12, 989.4e12, 3350e9, 450e9, 50e9),
+    "h200-141g": _preset("h200-141g", 143771, 67e12, 989.4e12, 4800e9, 450e9, 50e9),
 }
 
 __all__ = ["COLLECTIVES", "DTYPES", "PRESETS", "Hardware", "Link", "hardware", "ring_terms"]
