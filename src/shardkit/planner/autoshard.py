@@ -238,7 +238,7 @@ class _Search:
             if memory["total"] > self.hw.memory:
                 continue
             fitted_group = group
-            parts = time_of(costs, setting, self.batch, self.hw)
+            parts = time_of(costs, setting, self.batch, self.hw, self.optimizer)
             step = sum(parts.values())
             if best is None or step < best[2]:
                 best = (setting, memory, step, parts)

@@ -36,6 +36,8 @@ group's ranks are consecutive and fit in one, else across nodes):
   plus operator calls x ``op_overhead``; the backward costs twice the forward, recompute runs
   the forward (``full``) or the attention core (``selective``: its share of the block's FLOPs,
   bytes and calls) again;
+- ``optimizer``: the step reads each parameter, gradient and optimizer state and writes the
+  parameter and the states, over ``memory_bandwidth``;
 - ``bubble``: a pipeline's idle share, ``(p-1)/(m v)`` of the compute (zero-bubble schedules: a
   third of it; ``sequential``: ``p-1`` stages idle);
 - ``tp``: per block two all-reduces forward and two backward of the block's hidden states
@@ -275,7 +277,7 @@ def evaluate(costs: Costs, s: Setting, batch_size: int, hw: Hardware,
              optimizer: str = "adamw") -> tuple[dict[str, int], dict[str, float]]:
     """``(memory by component with total, step time by part)`` of one setting: plain arithmetic on
     measured costs, fast enough for autoshard to call for every candidate."""
-    return memory_of(costs, s, batch_size, hw, optimizer), time_of(costs, s, batch_size, hw)
+    return memory_of(costs, s, batch_size, hw, optimizer), time_of(costs, s, batch_size, hw, optimizer)
 
 
 def _blocks_per_device(n: Numbers, s: Setting) -> int:
@@ -353,7 +355,7 @@ def _block_saved(n: Numbers, s: Setting) -> float:
     return n.block_saved
 
 
-def time_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware) -> dict[str, float]:
+def time_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer: str = "adamw") -> dict[str, float]:
     """Seconds per step by part: compute, bubble, and the communication not hidden, by axis."""
     n = costs.numbers
     dtype = s.compute_dtype if s.compute_dtype is not None else costs.local.dtype
@@ -374,6 +376,11 @@ def time_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware) -> dict[str
     compute = m * (tokens * (flops / flops_rate + traffic / hw.memory_bandwidth) + ops * hw.op_overhead)
     parts = {"compute": compute, "bubble": _bubble(s) * compute}
     hidden_bytes = tokens * n.hidden * itemsize
+    stage_params = blocks * n.block_params + max(n.embedding_params, n.head_params)
+    # the optimizer reads each parameter, gradient and state and writes the parameter and states
+    shards = s.fsdp * s.sp if s.fsdp > 1 else 1
+    parts["optimizer"] = stage_params / shards * n.itemsize * (3 + 2 * OPTIMIZER_STATES[optimizer]) \
+        / hw.memory_bandwidth
     shape = (s.order, s.dp, s.fsdp, s.tp, s.pp, s.sp)
     # tensor parallel: 2 all-reduces forward + 2 backward per block (+2 when the forward runs again), not hidden
     if s.tp > 1:
@@ -382,10 +389,9 @@ def time_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware) -> dict[str
         per_block = (4 + (2 if s.recompute == "full" else 0)) * all_reduce
         parts["tp"] = m * (blocks * per_block + head + 2 * all_reduce)
     # data parallel: gradients (DDP, in buckets) or parameters and gradients (FSDP, per unit), behind compute
-    stage_params = blocks * n.block_params + max(n.embedding_params, n.head_params)
     reduce = s.reduce_dtype.itemsize if s.reduce_dtype is not None else itemsize
     if s.fsdp > 1:
-        shards, units = s.fsdp * s.sp, blocks + 1
+        units = blocks + 1
         link = _link(hw, shape, ("fsdp", "sp"), "all_gather")
         gather = _collective("all_gather", stage_params * itemsize, shards, link, calls=units)
         comm = (2 if s.reshard else 1) * gather * (m if s.reshard and p > 1 else 1)
