@@ -27,7 +27,7 @@ what a training step on this machine sees:
   ``intra_node`` (one node); ``matmul_efficiency`` is 1.0 (``flops`` is measured, not a peak)
   and ``reserved`` 0.
 
-Usage (about 10 s; ``shardkit calibrate`` does the same and prints a table)::
+Usage (about 15 s on 4 processes; ``shardkit calibrate`` does the same and prints a table)::
 
     hw = sk.calibrate(4)
     hw.save("local.yaml")
@@ -52,7 +52,7 @@ from ..runtime.torchrun import in_torchrun
 from ..runtime.world import LocalWorld, launch
 
 #: Matrix sizes (n of an n x n x n product) and message sizes (bytes, the whole tensor as in
-#: :mod:`shardkit.planner.hardware`) of the default sweep; about 10 s on 4 processes and 2 cores.
+#: :mod:`shardkit.planner.hardware`) of the default sweep.
 MATMUL_SIZES = (64, 128, 256, 512, 1024)
 #: Bytes of each tensor of the memory-bandwidth add; large enough to leave the CPU's caches.
 BANDWIDTH_BYTES = 64 * 2**20
