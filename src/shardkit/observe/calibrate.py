@@ -54,12 +54,12 @@ from ..runtime.world import LocalWorld, launch
 #: Matrix sizes (n of an n x n x n product) and message sizes (bytes, the whole tensor as in
 #: :mod:`shardkit.planner.hardware`) of the default sweep.
 MATMUL_SIZES = (64, 128, 256, 512, 1024)
+MESSAGE_SIZES = tuple(2**k for k in range(12, 23, 2))  # 4 KiB to 4 MiB
+SECONDS_PER_SIZE = 0.12
 #: Bytes of each tensor of the memory-bandwidth add; large enough to leave the CPU's caches.
 BANDWIDTH_BYTES = 64 * 2**20
 #: Bytes of each all-reduce of the overlap measurement, and the matrix size of its products.
 OVERLAP_MESSAGE, OVERLAP_MATMUL = 2 * 2**20, 256
-MESSAGE_SIZES = tuple(2**k for k in range(12, 23, 2))  # 4 KiB to 4 MiB
-SECONDS_PER_SIZE = 0.12
 _BLOCKS = 3  # a collective's timing is the best of this many blocks
 _MAX_REPEATS = 64
 _MAX_STEPS = 10_000  # of the tiny step op_overhead is measured on, per block
