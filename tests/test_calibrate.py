@@ -8,6 +8,7 @@ import io
 import math
 
 import pytest
+import torch
 import yaml
 from hypothesis import given
 from hypothesis import strategies as st
@@ -17,7 +18,7 @@ import shardkit.cli.calibrate as calibrate_cli
 import shardkit.observe.calibrate as calibrate_module
 from shardkit.cli import build_parser, main
 from shardkit.cli.options import model_from_flag, plan_from_args
-from shardkit.observe.calibrate import Fit, fit_alpha_beta, fit_residual, measure
+from shardkit.observe.calibrate import Fit, Overlap, fit_alpha_beta, fit_residual, measure
 from shardkit.planner.hardware import COLLECTIVES, DTYPES, Hardware, Link, ring_terms
 
 SIZES = st.lists(st.integers(min_value=1, max_value=2**32), min_size=2, max_size=12, unique=True)
@@ -80,6 +81,20 @@ def test_data_that_gives_no_link_is_refused(sizes, times, factor, steps, message
         fit_alpha_beta(sizes, times, factor, steps)
 
 
+# -- overlap ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("compute, communication, both, fraction", [
+    (1.0, 0.5, 1.0, 1.0),      # the all-reduces wholly hidden behind the products
+    (1.0, 0.5, 1.5, 0.0),      # in turn: nothing hidden
+    (0.5, 1.0, 1.25, 0.5),     # half of the shorter loop hidden, whichever it is
+    (1.0, 1.0, 1.9, 0.1),
+    (1.0, 0.5, 0.8, 1.0),      # faster together than the longer alone (noise): clamped to 1
+    (1.0, 0.5, 2.0, 0.0),      # slower than in turn (contention): clamped to 0
+])
+def test_overlap_is_the_part_of_the_shorter_loop_hidden(compute, communication, both, fraction):
+    assert Overlap(compute, communication, both).fraction == pytest.approx(fraction)
+
+
 # -- measurements -> Hardware, without processes --------------------------------------------------
 
 @pytest.fixture
@@ -120,9 +135,12 @@ def test_measurements_make_a_one_node_hardware(monkeypatch):
     fits = {c: Fit(c, (64, 128), (1e-4, 2e-4), link, 0.0) for c in COLLECTIVES}
     matmul = {"float32": (256, 3e10), "bfloat16": (512, 5e10), "float16": None}
     monkeypatch.setattr(calibrate_module, "LocalWorld", lambda *a, **k: contextlib.nullcontext())
-    monkeypatch.setattr(calibrate_module, "_run", lambda *args: (matmul, fits))
+    overlap = Overlap(compute=2.0, communication=1.0, both=2.5)
+    monkeypatch.setattr(calibrate_module, "_run", lambda *args: (matmul, fits, 8e9, (13, 2e-5), overlap))
     result = measure(3)
     hw = result.hardware
+    assert (hw.memory_bandwidth, hw.op_overhead, hw.overlap) == (8e9, 2e-5, 0.5)
+    assert result.ops_per_step == 13 and result.overlap is overlap
     assert hw.flops == {"float32": 3e10, "bfloat16": 5e10, "float16": 5e10}
     assert hw.devices_per_node == 3 and hw.inter_node == hw.intra_node == {c: link for c in COLLECTIVES}
     assert hw.matmul_efficiency == 1.0 and hw.reserved == 0 and hw.name == "local-3-gloo"
@@ -169,9 +187,19 @@ def test_calibrate_writes_a_loadable_file_of_measured_figures(calibrated):
         assert fit.times[-1] > fit.times[0]  # 4 MiB takes longer than 4 KiB
         assert fit.link == hw.link(collective, False) == fit_alpha_beta(fit.sizes, fit.times, factor, steps)
         assert fit.residual == fit_residual(fit.link, fit.sizes, fit.times, factor, steps)
-    assert [p[0] for p in progress] == list(range(len(progress))) and progress[-1] == (7, 7, "done")
-    assert calibration.seconds < 60  # about 10 s; a sweep that no longer stops in time fails
-    for row in ("matmul float32", "gloo all_reduce", "gloo all_gather", "gloo p2p", "fit residual", "memory"):
+    assert [p[0] for p in progress] == list(range(len(progress))) and progress[-1] == (10, 10, "done")
+    # the three cost-model fields: measured, in range, and what was measured
+    assert 1e8 < hw.memory_bandwidth < 1e13  # bytes/s of one process's add, CPU RAM to caches
+    assert 1e-7 < hw.op_overhead < 1e-3
+    with calibrate_module._OpCounter() as forward:
+        torch.nn.Linear(4, 4)(torch.randn(4, 4)).sum()
+    assert calibration.ops_per_step > forward.count >= 2  # backward's ops are counted too
+    times = calibration.overlap
+    assert min(times.compute, times.communication, times.both) > 0
+    assert 0 <= hw.overlap == times.fraction <= 1
+    assert calibration.seconds < 60  # about 13 s; a sweep that no longer stops in time fails
+    for row in ("matmul float32", "gloo all_reduce", "gloo all_gather", "gloo p2p", "fit residual", "memory",
+                "memory bandwidth", "op overhead", f"{calibration.ops_per_step} aten ops", f"{hw.overlap:.0%}"):
         assert row in stdout
     assert f"wrote {out}" in stdout
 

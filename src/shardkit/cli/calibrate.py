@@ -13,7 +13,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from ..observe.calibrate import Calibration, Progress, measure
+from ..observe.calibrate import BANDWIDTH_BYTES, Calibration, Progress, measure
 from ..plan import Mesh, UsageError
 from ..plan.text import format_bytes, format_seconds
 from ..planner.hardware import COLLECTIVES, DTYPES, SUFFIXES
@@ -25,11 +25,13 @@ DEFAULT_WORLD = Mesh.parse(DEFAULT_MESH).size
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "calibrate", help="measure this machine's local world (matmul FLOP/s, gloo collectives) into a hardware file",
+        "calibrate", help="measure this machine's local world (matmul FLOP/s, gloo collectives, memory bandwidth, "
+             "op overhead, overlap) into a hardware file",
         description="Start a local world of gloo processes as 'shardkit train' does and measure it as it runs: "
                     "matrix-product FLOP/s per process with every process multiplying at once, and gloo "
                     "all-reduce, all-gather and send/recv times over message sizes, fitted as latency + "
-                    "bytes / bandwidth. Saves a hardware file for the planner (docs/hardware.md).")
+                    "bytes / bandwidth; memory bandwidth of a large add, the fixed cost of an operator call, and "
+                    "how much an all-reduce loop overlaps a matmul loop. Saves a hardware file for the planner (docs/hardware.md).")
     parser.add_argument("--world", type=positive_int, default=DEFAULT_WORLD, metavar="N",
                         help=f"processes to measure, at least 2 (default: {DEFAULT_WORLD}, the world of "
                              f"'shardkit train' with its default mesh {DEFAULT_MESH})")
@@ -88,6 +90,14 @@ def _table(calibration: Calibration):
         table.add_row(f"gloo {collective}", f"{format_bytes(fit.link.bandwidth)}/s", format_seconds(fit.link.latency),
                       f"{fit.residual:.0%}", f"{len(fit.sizes)} sizes, {format_bytes(min(fit.sizes))} to "
                                              f"{format_bytes(max(fit.sizes))}")
+    table.add_row("memory bandwidth", f"{format_bytes(hw.memory_bandwidth)}/s", "", "",
+                  f"torch.add(a, b, out=c): 3 x {format_bytes(BANDWIDTH_BYTES)} / time")
+    table.add_row("op overhead", format_seconds(hw.op_overhead), "", "",
+                  f"Linear(4, 4) forward+backward / {calibration.ops_per_step} aten ops")
+    overlap = calibration.overlap
+    table.add_row("overlap", f"{hw.overlap:.0%}", "", "",
+                  f"matmuls {format_seconds(overlap.compute)}, all-reduces {format_seconds(overlap.communication)}, "
+                  f"both {format_seconds(overlap.both)}")
     table.add_row("memory", format_bytes(hw.memory), "", "", "RAM shared by the processes (note below)")
     return table
 

@@ -11,12 +11,23 @@ what a training step on this machine sees:
 - **collectives**: gloo all-reduce, all-gather and a send/recv ring, timed over a range of
   message sizes (the slowest rank's time; the best of three blocks), then fitted with
   :func:`fit_alpha_beta`; the fit's relative residual says how well alpha-beta describes gloo.
+- **memory bandwidth**: every process runs ``torch.add(a, b, out=c)`` on float32 tensors of
+  64 MiB at once; bytes/s is ``3 x 64 MiB`` (read ``a`` and ``b``, write ``c``) over the best
+  time, the slowest process's.
+- **op overhead**: a tiny training step, ``Linear(4, 4)`` forward, ``.sum()`` and backward on a
+  4 x 4 input, timed on every process at once; its seconds divided by the number of aten ops it
+  dispatches (counted once with a ``TorchDispatchMode``) is the fixed cost of one operator call:
+  Python, the module call, autograd and dispatch, amortised over the ops (the kernels on 16
+  numbers cost next to nothing).
+- **overlap**: a loop of float32 matrix products alone, a loop of 2 MiB all-reduces alone, then
+  both at once (the all-reduces issued with ``async_op=True`` before the products, waited after
+  them, as FSDP and DDP issue theirs), :class:`Overlap`.
 - **memory**: the machine's available RAM (``MemAvailable``) divided by the world size: the
   processes share it. ``devices_per_node`` is the world size and ``inter_node`` equals
   ``intra_node`` (one node); ``matmul_efficiency`` is 1.0 (``flops`` is measured, not a peak)
   and ``reserved`` 0.
 
-Usage (about 10 s; ``shardkit calibrate`` does the same and prints a table)::
+Usage (about 15 s on 4 processes; ``shardkit calibrate`` does the same and prints a table)::
 
     hw = sk.calibrate(4)
     hw.save("local.yaml")
@@ -33,6 +44,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..plan.errors import UsageError
 from ..planner.hardware import COLLECTIVES, DTYPES, Hardware, Link, ring_terms
@@ -40,12 +52,17 @@ from ..runtime.torchrun import in_torchrun
 from ..runtime.world import LocalWorld, launch
 
 #: Matrix sizes (n of an n x n x n product) and message sizes (bytes, the whole tensor as in
-#: :mod:`shardkit.planner.hardware`) of the default sweep; about 10 s on 4 processes and 2 cores.
+#: :mod:`shardkit.planner.hardware`) of the default sweep.
 MATMUL_SIZES = (64, 128, 256, 512, 1024)
 MESSAGE_SIZES = tuple(2**k for k in range(12, 23, 2))  # 4 KiB to 4 MiB
 SECONDS_PER_SIZE = 0.12
+#: Bytes of each tensor of the memory-bandwidth add; large enough to leave the CPU's caches.
+BANDWIDTH_BYTES = 64 * 2**20
+#: Bytes of each all-reduce of the overlap measurement, and the matrix size of its products.
+OVERLAP_MESSAGE, OVERLAP_MATMUL = 2 * 2**20, 256
 _BLOCKS = 3  # a collective's timing is the best of this many blocks
 _MAX_REPEATS = 64
+_MAX_STEPS = 10_000  # of the tiny step op_overhead is measured on, per block
 
 #: ``progress(done, total, what)``: called before each measurement and once at the end.
 Progress = Callable[[int, int, str], None]
@@ -64,14 +81,40 @@ class Fit:
 
 
 @dataclass(frozen=True)
+class Overlap:
+    """The overlap measurement: seconds of a loop of matrix products alone (``compute``), of a
+    loop of all-reduces alone (``communication``) and of both at once (``both``), each the
+    slowest process's best round. :attr:`fraction` is the part of the shorter loop hidden.
+
+    >>> Overlap(compute=1.0, communication=0.5, both=1.25).fraction
+    0.5
+    """
+
+    compute: float
+    communication: float
+    both: float
+
+    @property
+    def fraction(self) -> float:
+        """``(compute + communication - both) / min(compute, communication)``, clamped to [0, 1]:
+        1 when both at once take as long as the longer alone, 0 when as long as the two in turn."""
+        hidden = (self.compute + self.communication - self.both) / min(self.compute, self.communication)
+        return min(1.0, max(0.0, hidden))
+
+
+@dataclass(frozen=True)
 class Calibration:
     """What :func:`measure` found: the :class:`Hardware`, each dtype's best ``matmul``
     ``(n, FLOP/s per process)`` (``None`` where the dtype did not run), each collective's
-    :class:`Fit`, and ``notes`` on what was not measured directly."""
+    :class:`Fit`, the aten ops of the tiny step ``op_overhead`` was measured on
+    (``ops_per_step``), the :class:`Overlap` measurement, and ``notes`` on what was not
+    measured directly."""
 
     hardware: Hardware
     matmul: dict[str, tuple[int, float] | None]
     fits: dict[str, Fit]
+    ops_per_step: int
+    overlap: Overlap
     notes: tuple[str, ...]
     seconds: float
 
@@ -167,14 +210,14 @@ def measure(world_size: int, *, matmul_sizes: Sequence[int] = MATMUL_SIZES,
     _check_arguments(world_size, matmul_sizes, message_sizes, seconds_per_size, world)
     start = time.perf_counter()
     report = progress or (lambda done, total, what: None)
-    total = len(DTYPES) + len(COLLECTIVES) + 1
+    total = len(DTYPES) + len(COLLECTIVES) + 4
     report(0, total, f"starting {world_size} processes")
     if world is None:
         with LocalWorld(world_size, backend="gloo") as local:
             results = _run(local, matmul_sizes, message_sizes, seconds_per_size, report, total)
     else:
         results = _run(world, matmul_sizes, message_sizes, seconds_per_size, report, total)
-    matmul, fits = results
+    matmul, fits, bandwidth, (ops_per_step, op_overhead), overlap = results
     notes = []
     if matmul["float16"] is None:
         notes.append("float16 matrix products do not run on this CPU: float16 is given bfloat16's figure")
@@ -183,14 +226,15 @@ def measure(world_size: int, *, matmul_sizes: Sequence[int] = MATMUL_SIZES,
     flops = {d: (matmul[d] or matmul["bfloat16"])[1] for d in DTYPES}
     links = {c: fits[c].link for c in COLLECTIVES}
     hardware = Hardware(name=name or f"local-{world_size}-gloo", memory=memory, flops=flops,
-                        devices_per_node=world_size, intra_node=links, inter_node=links, matmul_efficiency=1.0,
-                        reserved=0)
+                        devices_per_node=world_size, intra_node=links, inter_node=links, memory_bandwidth=bandwidth,
+                        matmul_efficiency=1.0, reserved=0, op_overhead=op_overhead, overlap=overlap.fraction)
     report(total, total, "done")
-    return Calibration(hardware, matmul, fits, tuple(notes), time.perf_counter() - start)
+    return Calibration(hardware, matmul, fits, ops_per_step, overlap, tuple(notes), time.perf_counter() - start)
 
 
 def _run(world: LocalWorld, matmul_sizes: Sequence[int], message_sizes: Sequence[int], seconds: float,
-         report: Progress, total: int) -> tuple[dict[str, tuple[int, float] | None], dict[str, Fit]]:
+         report: Progress, total: int) -> tuple[dict[str, tuple[int, float] | None], dict[str, Fit], float,
+                                                tuple[int, float], Overlap]:
     launch(_ready, world=world)  # the processes have started (the first job waits for them)
     done = 1
     matmul: dict[str, tuple[int, float] | None] = {}
@@ -209,7 +253,13 @@ def _run(world: LocalWorld, matmul_sizes: Sequence[int], message_sizes: Sequence
         fits[collective] = Fit(collective, tuple(message_sizes), tuple(times), link,
                                fit_residual(link, message_sizes, times, factor, steps))
         done += 1
-    return matmul, fits
+    report(done, total, "memory bandwidth")
+    bandwidth = launch(_bandwidth_job, world=world, nbytes=BANDWIDTH_BYTES, repeats=5)[0]
+    report(done + 1, total, "operator overhead")
+    overhead = launch(_overhead_job, world=world, seconds=seconds)[0]
+    report(done + 2, total, "overlap of all-reduce and matmul")
+    overlap = launch(_overlap_job, world=world, seconds=2 * seconds, rounds=2)[0]
+    return matmul, fits, bandwidth, overhead, overlap
 
 
 def _best_matmul(per_rank: list[list[tuple[int, float]] | None]) -> tuple[int, float] | None:
@@ -318,6 +368,94 @@ def _collective_job(ctx, collective: str, sizes: tuple[int, ...], seconds: float
     return times
 
 
+def _timed(work: Callable[[], object]) -> float:
+    """Seconds ``work()`` takes here."""
+    started = time.perf_counter()
+    work()
+    return time.perf_counter() - started
+
+
+def _bandwidth_job(ctx, nbytes: int, repeats: int) -> float:
+    """Bytes/s of ``torch.add(a, b, out=c)`` on float32 tensors of ``nbytes`` each, every rank
+    adding at once: ``3 * nbytes`` (read a and b, write c) over the best of ``repeats`` adds,
+    the slowest rank's."""
+    a, b, c = torch.ones(nbytes // 4), torch.ones(nbytes // 4), torch.empty(nbytes // 4)
+    torch.add(a, b, out=c)  # warm-up: every page of c is touched
+    best = math.inf
+    for _ in range(repeats):
+        dist.barrier()
+        best = min(best, _timed(lambda: torch.add(a, b, out=c)))
+    return 3 * nbytes / _slowest(best)
+
+
+class _OpCounter(TorchDispatchMode):
+    """Counts the aten ops dispatched inside it, backward's included (torch's hook that sees
+    every op below autograd, as :class:`~shardkit.observe.comm.CommCounter` uses it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _overhead_job(ctx, seconds: float) -> tuple[int, float]:
+    """``(aten ops per step, seconds per op)`` of a tiny training step, ``Linear(4, 4)`` forward,
+    ``.sum()`` and backward on a 4 x 4 input, every rank stepping at once: the best of
+    :data:`_BLOCKS` blocks of about ``seconds`` in all, the slowest rank's, over its ops."""
+    layer, x = torch.nn.Linear(4, 4), torch.randn(4, 4)
+
+    def step() -> None:
+        layer(x).sum().backward()
+
+    step()  # warm-up: the gradients exist, so every later step accumulates into them alike
+    with _OpCounter() as counter:
+        step()
+    once = _slowest(_timed(step))
+    repeats = max(1, min(_MAX_STEPS, int(seconds / once / _BLOCKS)))
+    best = math.inf
+    for _ in range(_BLOCKS):
+        dist.barrier()
+        best = min(best, _timed(lambda: [step() for _ in range(repeats)]) / repeats)
+    return counter.count, _slowest(best) / counter.count
+
+
+def _overlap_job(ctx, seconds: float, rounds: int) -> Overlap:
+    """:class:`Overlap` of float32 products of :data:`OVERLAP_MATMUL` square matrices and
+    all-reduces of :data:`OVERLAP_MESSAGE` bytes, each loop sized to take about ``seconds``
+    alone; the best of ``rounds`` rounds of (products, all-reduces, both), the slowest rank's."""
+    a, b = torch.randn(OVERLAP_MATMUL, OVERLAP_MATMUL), torch.randn(OVERLAP_MATMUL, OVERLAP_MATMUL)
+    probe = torch.zeros(OVERLAP_MESSAGE // 4)
+    a @ b  # warm-up
+    dist.all_reduce(probe)
+    products = max(1, round(seconds / _slowest(_timed(lambda: [a @ b for _ in range(4)]) / 4)))
+    messages = max(1, min(_MAX_REPEATS, round(seconds / _slowest(_timed(lambda: dist.all_reduce(probe))))))
+    buffers = [torch.zeros(OVERLAP_MESSAGE // 4) for _ in range(messages)]
+
+    def compute() -> None:
+        for _ in range(products):
+            a @ b
+
+    def communicate() -> None:
+        for buffer in buffers:
+            dist.all_reduce(buffer)
+
+    def both() -> None:
+        handles = [dist.all_reduce(buffer, async_op=True) for buffer in buffers]
+        compute()
+        for handle in handles:
+            handle.wait()
+
+    best = [math.inf] * 3
+    for _ in range(rounds):
+        for i, work in enumerate((compute, communicate, both)):
+            dist.barrier()
+            best[i] = min(best[i], _slowest(_timed(work)))
+    return Overlap(*best)
+
+
 def _tensors(collective: str, elements: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(input, output) float32 tensors for ``elements`` elements in all."""
     if collective == "all_gather":
@@ -343,5 +481,6 @@ def _p2p(tensors: tuple[torch.Tensor, torch.Tensor], rank: int, world: int) -> N
 
 _OPS = {"all_reduce": _all_reduce, "all_gather": _all_gather, "p2p": _p2p}
 
-__all__ = ["MATMUL_SIZES", "MESSAGE_SIZES", "Calibration", "Fit", "calibrate", "fit_alpha_beta", "fit_residual",
+__all__ = ["BANDWIDTH_BYTES", "MATMUL_SIZES", "MESSAGE_SIZES", "OVERLAP_MATMUL", "OVERLAP_MESSAGE", "Calibration",
+           "Fit", "Overlap", "calibrate", "fit_alpha_beta", "fit_residual",
            "measure"]
