@@ -143,6 +143,8 @@ def test_measurements_make_a_one_node_hardware(monkeypatch):
     assert result.ops_per_step == 13 and result.overlap is overlap
     assert hw.flops == {"float32": 3e10, "bfloat16": 5e10, "float16": 5e10}
     assert hw.devices_per_node == 3 and hw.inter_node == hw.intra_node == {c: link for c in COLLECTIVES}
+    monkeypatch.setattr(calibrate_module.os, "cpu_count", lambda: 2)
+    assert measure(3).hardware.shared_compute and not measure(2).hardware.shared_compute  # 3 processes, 2 cores
     assert hw.matmul_efficiency == 1.0 and hw.reserved == 0 and hw.name == "local-3-gloo"
     assert any("float16" in note and "bfloat16's figure" in note for note in result.notes)
     assert any("/ 3 processes" in note for note in result.notes)

@@ -72,7 +72,7 @@ def test_presets_are_the_datasheet_machines():
     assert a100.link("all_reduce", False).bandwidth < a100.link("p2p", False).bandwidth < 300e9
     # HBM: the datasheets' figures, no efficiency applied; a few microseconds per launch; NCCL overlaps
     assert [hw.memory_bandwidth for hw in (a100, h100, h200)] == [2039e9, 3350e9, 4800e9]
-    assert all(hw.op_overhead == 4e-6 and hw.overlap == 1.0 for hw in (a100, h100, h200))
+    assert all(hw.op_overhead == 4e-6 and hw.overlap == 1.0 and not hw.shared_compute for hw in (a100, h100, h200))
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
@@ -92,10 +92,10 @@ def test_a_hand_written_yaml_file_loads(tmp_path):
     links = "\n".join(f"  {c}: {{bandwidth: 1.0e+9, latency: 0}}" for c in COLLECTIVES)
     path.write_text(f"name: mine\nmemory: 1000000\nflops: {{float32: 1.0e+9, bfloat16: 2.0e+9, float16: 2.0e+9}}\n"
                     f"devices_per_node: 2\nintra_node:\n{links}\ninter_node:\n{links}\n"
-                    f"matmul_efficiency: 1\nmemory_bandwidth: 2.5e+10\nop_overhead: 0\noverlap: 0\nreserved: 0\n")
+                    f"matmul_efficiency: 1\nmemory_bandwidth: 2.5e+10\nop_overhead: 0\noverlap: 0\nshared_compute: true\nreserved: 0\n")
     hw = Hardware.load(path)
     assert hw.peak_flops("bfloat16") == 2e9 and hw.link("p2p", True) == Link(1e9, 0)
-    assert (hw.memory_bandwidth, hw.op_overhead, hw.overlap) == (25e9, 0, 0)
+    assert (hw.memory_bandwidth, hw.op_overhead, hw.overlap, hw.shared_compute) == (25e9, 0, 0, True)
 
 
 # -- refusals: every field named ----------------------------------------------------------------
@@ -148,6 +148,8 @@ WRONG = [
     ("op_overhead", "4us", "field 'op_overhead' must be a number, got str '4us'"),
     ("op_overhead", None, "field 'op_overhead' must be a number, got null"),
     ("overlap", True, "field 'overlap' must be a number, got bool True"),
+    ("shared_compute", "false", "field 'shared_compute' must be true or false, got str 'false'"),
+    ("shared_compute", 1, "field 'shared_compute' must be true or false, got int 1"),
     ("overlap", "false", "field 'overlap' must be a number, got str 'false'"),
 ]
 

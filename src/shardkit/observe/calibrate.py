@@ -227,7 +227,8 @@ def measure(world_size: int, *, matmul_sizes: Sequence[int] = MATMUL_SIZES,
     links = {c: fits[c].link for c in COLLECTIVES}
     hardware = Hardware(name=name or f"local-{world_size}-gloo", memory=memory, flops=flops,
                         devices_per_node=world_size, intra_node=links, inter_node=links, memory_bandwidth=bandwidth,
-                        matmul_efficiency=1.0, reserved=0, op_overhead=op_overhead, overlap=overlap.fraction)
+                        matmul_efficiency=1.0, reserved=0, op_overhead=op_overhead, overlap=overlap.fraction,
+                        shared_compute=world_size > (os.cpu_count() or 1))
     report(total, total, "done")
     return Calibration(hardware, matmul, fits, ops_per_step, overlap, tuple(notes), time.perf_counter() - start)
 

@@ -39,7 +39,9 @@ group's ranks are consecutive and fit in one, else across nodes):
 - ``optimizer``: the step reads each parameter, gradient and optimizer state and writes the
   parameter and the states, over ``memory_bandwidth``;
 - ``bubble``: a pipeline's idle share, ``(p-1)/(m v)`` of the compute (zero-bubble schedules: a
-  third of it; ``sequential``: ``p-1`` stages idle);
+  third of it; ``sequential``: ``p-1`` stages idle); on ``shared_compute`` hardware (processes
+  sharing cores) none, and the compute is the average device's, since an idle process lends
+  its cores to the others;
 - ``tp``: per block two all-reduces forward and two backward of the block's hidden states
   (Megatron SP: the same bytes as all-gathers and reduce-scatters), plus the head's gathered
   logits, not overlapped;
@@ -367,14 +369,18 @@ def time_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer: 
     # the backward costs about twice the forward; recompute runs (part of) the forward again
     again = {"none": (0.0, 0.0, 0.0), "selective": (n.core_flops, n.core_traffic, n.core_ops),
              "full": (n.block_flops, n.block_traffic, n.block_ops)}[s.recompute]
-    ends = (n.embedding_flops + n.head_flops, n.embedding_traffic + n.head_traffic, n.embedding_ops + n.head_ops) \
-        if p == 1 else (max(n.embedding_flops, n.head_flops), max(n.embedding_traffic, n.head_traffic),
-                        max(n.embedding_ops, n.head_ops))
+    ends = (n.embedding_flops + n.head_flops, n.embedding_traffic + n.head_traffic, n.embedding_ops + n.head_ops)
+    if hw.shared_compute:  # devices share the cores: the step takes the average device's work, idle is lent
+        blocks = n.layers / p
+        ends = tuple(e / p for e in ends)
+    elif p > 1:  # the busiest device: the first or the last stage
+        ends = (max(n.embedding_flops, n.head_flops), max(n.embedding_traffic, n.head_traffic),
+                max(n.embedding_ops, n.head_ops))
     flops = 3 * ends[0] + blocks * (3 * n.block_flops + again[0])
     traffic = 3 * ends[1] + blocks * (3 * n.block_traffic + again[1])
     ops = 3 * ends[2] + blocks * (3 * n.block_ops + again[2])
     compute = m * (tokens * (flops / flops_rate + traffic / hw.memory_bandwidth) + ops * hw.op_overhead)
-    parts = {"compute": compute, "bubble": _bubble(s) * compute}
+    parts = {"compute": compute, "bubble": 0.0 if hw.shared_compute else _bubble(s) * compute}
     hidden_bytes = tokens * n.hidden * itemsize
     stage_params = blocks * n.block_params + max(n.embedding_params, n.head_params)
     # the optimizer reads each parameter, gradient and state and writes the parameter and states

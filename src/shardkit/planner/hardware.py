@@ -46,7 +46,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 #: The suffixes of hardware files.
 SUFFIXES = (".json", ".yaml", ".yml")
 _FIELDS = ("name", "memory", "flops", "devices_per_node", "intra_node", "inter_node", "matmul_efficiency",
-           "memory_bandwidth", "op_overhead", "overlap", "reserved")
+           "memory_bandwidth", "op_overhead", "overlap", "shared_compute", "reserved")
 _LINK_FIELDS = ("bandwidth", "latency")
 _NESTED = {"flops": DTYPES, "intra_node": COLLECTIVES, "inter_node": COLLECTIVES}  # mapping fields: their keys
 _YAML_EXPONENT_HINT = " (YAML reads 25e9 as text: write 25.0e+9 or 25000000000)"
@@ -119,10 +119,13 @@ class Hardware:
       asynchronous execution (a GPU's kernel launch, a CPU's Python and dispatch);
     - ``overlap``: the fraction in [0, 1] of communication time that can run while computing
       (about 1.0 on GPUs, whose NCCL runs on streams of its own; measured on gloo);
+    - ``shared_compute``: whether the devices are processes sharing fewer cores (a local CPU
+      world larger than the machine's cores): a device left idle, in a pipeline's bubble, lends
+      its cores to the others (false on GPUs);
     - ``devices_per_node``; ``intra_node`` and ``inter_node``: one :class:`Link` per collective
       in :data:`COLLECTIVES`.
 
-    ``op_overhead`` and ``overlap`` default to an ideal device's 0.0 and 1.0 in Python (files
+    ``op_overhead``, ``overlap`` and ``shared_compute`` default to an ideal device's 0.0, 1.0 and false in Python (files
     require every field); ``memory_bandwidth`` has no default, as devices differ by 100x.
 
     >>> a100 = Hardware.preset("a100-80g")
@@ -141,6 +144,7 @@ class Hardware:
     reserved: int = 0
     op_overhead: float = 0.0
     overlap: float = 1.0
+    shared_compute: bool = False
 
     def __post_init__(self) -> None:
         problems = _field_problems(self)
@@ -183,6 +187,7 @@ class Hardware:
             "memory_bandwidth": self.memory_bandwidth,
             "op_overhead": self.op_overhead,
             "overlap": self.overlap,
+            "shared_compute": self.shared_compute,
             "reserved": self.reserved,
         }
 
@@ -295,6 +300,8 @@ def _scalar_problems(values: Mapping[str, Any]) -> list[str]:
         "op_overhead": lambda v: _number(v, "op_overhead", 0.0),
         "overlap": lambda v: _number(v, "overlap", 0.0) or (
             None if v <= 1 else f"field 'overlap' must be a fraction in [0, 1], got {v!r}"),
+        "shared_compute": lambda v: None if isinstance(v, bool) else
+        f"field 'shared_compute' must be true or false, got {_describe(v)}",
         "reserved": lambda v: _integer(v, "reserved", 0, "bytes"),
     }
     problems = [problem for name, check in checks.items() if name in values and (problem := check(values[name]))]
