@@ -272,3 +272,12 @@ def test_llama3_405b_at_tp8_is_analysed_in_under_half_a_second():
         sk.analyse("llama3-405b", tp=8)
         times.append(time.perf_counter() - start)
     assert min(times) < 0.5, times
+
+
+def test_a_module_without_rules_is_split_by_the_rules_its_dataflow_implies():
+    """No built-in rules, no transformers plan: tp > 1 uses sk.infer_tp_rules (fc1 column, fc2 row, head vocab)."""
+    model = _TinyLM(vocab=32, hidden=8, inner=16)
+    inferred = sk.analyse(model, seq_len=4, tp=2)
+    assert inferred.tp_rules() == sk.infer_tp_rules(model)
+    block = sk.analyse(model, seq_len=4, tp=1).block
+    assert inferred.block.params == (8 * 16 + 16) // 2 + 16 * 8 // 2 + 8 == block.params - (8 * 16 + 16 * 8 + 16) // 2

@@ -130,7 +130,8 @@ class ModelAnalysis:
 
     def tp_rules(self) -> LayoutMap | None:
         """The layout rules that split this model over ``tp`` (the reference GPT's ``GPT_RULES``,
-        transformers' own plan, GPT-2's rules, or those given to :func:`analyse`)."""
+        transformers' own plan, GPT-2's rules, those inferred from the dataflow, or those given to
+        :func:`analyse`)."""
         return self._rules
 
     def flops_per_token(self) -> float:
@@ -304,15 +305,22 @@ def _analyse_blocks(model: nn.Module, family: Family, blocks: list[str], name: s
 
 
 def default_rules(model: nn.Module, family: Family) -> LayoutMap | None:
-    """The rules shardkit knows for ``model``: the reference GPT's, GPT-2's, or transformers' own plan."""
+    """The rules shardkit knows for ``model``: the reference GPT's, GPT-2's, transformers' own plan,
+    else the rules inferred from its dataflow (``sk.infer_tp_rules``; ``None`` if nothing pairs)."""
     from ..models.gpt import GPT_RULES
     from ..models.hf import GPT2_RULES
+    from .tp_infer import infer_tp_rules
 
     if family.name == "gpt":
         return GPT_RULES
     if family.name == "gpt2" and any(n.startswith("transformer.h.") for n, _ in model.named_parameters()):
         return GPT2_RULES
-    return LayoutMap.from_hf(model) if hf_tp_plan(model) else None
+    if hf_tp_plan(model):
+        return LayoutMap.from_hf(model)
+    try:
+        return infer_tp_rules(model)
+    except (PlanError, UsageError):  # nothing pairs: tp > 1 is then refused, naming the model
+        return None
 
 
 def _axis_plan(model: nn.Module, family: Family, rules: LayoutMap | None, tp: int) -> AxisPlan:

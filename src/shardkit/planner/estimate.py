@@ -20,11 +20,11 @@ Memory (the most loaded device; a pipeline's first and last stages are both eval
   interleaved: min(m, p)(1 + (p-1)/(p v))); Megatron sequence parallel divides the norm and
   residual terms by ``tp``; context parallel (``sp``) divides the tokens; recompute
   ``selective`` drops the attention core, ``full`` keeps each block's input only, plus one
-  block recomputed at a time.
+  block recomputed at a time and its gradients.
 - ``logits``: the transient of the loss's backward (the logits' gradient, as large as the
   logits); under tensor parallel shardkit's column-parallel head gathers the whole vocabulary.
-- ``buffers``: communication buffers: a pipeline's send/receive of one micro-batch's hidden
-  states each way per local stage.
+- ``buffers``: communication buffers: a pipeline stage keeps a receive buffer for every
+  micro-batch's hidden states, and one for their gradients.
 - ``overhead``: the allocator's slack, ``ALLOCATOR_OVERHEAD`` of the above, and the device's
   ``reserved`` bytes.
 
@@ -335,12 +335,12 @@ def memory_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer
             gathered = (params if not s.reshard else 2 * unit) * compute + (params if s.pp > 1 else unit) * reduce
         per_token = blocks * block_act + (n.embedding_act if first else 0) + (n.head_act if last else 0)
         held = per_token * tokens * _inflight(s, 0 if first else s.pp - 1)
-        if s.recompute == "full":  # one block's activations rebuilt at a time during backward
-            held += block_saved * tokens
+        if s.recompute == "full":  # one block rebuilt at a time during backward, and its gradients
+            held += 2 * block_saved * tokens
         memory = {"parameters": stored, "gradients": stored, "optimizer": states * stored, "gathered": int(gathered),
                   "activations": int(held * scale),
                   "logits": int(n.vocab * compute * tokens) if last else 0,
-                  "buffers": int(2 * s.virtual * tokens * n.hidden * compute) if s.pp > 1 else 0}
+                  "buffers": int(2 * s.virtual * s.microbatches * tokens * n.hidden * compute) if s.pp > 1 else 0}
         memory["overhead"] = int(ALLOCATOR_OVERHEAD * sum(memory.values())) + hw.reserved
         memory["total"] = sum(memory.values())
         if best is None or memory["total"] > best["total"]:
