@@ -379,6 +379,7 @@ def time_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer: 
     flops = 3 * ends[0] + blocks * (3 * n.block_flops + again[0])
     traffic = 3 * ends[1] + blocks * (3 * n.block_traffic + again[1])
     ops = 3 * ends[2] + blocks * (3 * n.block_ops + again[2])
+    traffic *= itemsize / n.itemsize  # measured in the parameters' dtype, moved in the compute dtype
     compute = m * (tokens * (flops / flops_rate + traffic / hw.memory_bandwidth) + ops * hw.op_overhead)
     parts = {"compute": compute, "bubble": 0.0 if hw.shared_compute else _bubble(s) * compute}
     hidden_bytes = tokens * n.hidden * itemsize
