@@ -25,6 +25,8 @@ bench: $(STAMP)
 	$(PY) benchmarks/pipeline.py --steps 10 --out runs/pipeline-bench
 	$(PY) benchmarks/sequence.py --steps 3
 	$(PY) benchmarks/checkpoint.py --repeats 3
+	$(PY) benchmarks/recompute.py
+	$(PY) benchmarks/planner.py --steps 3
 
 clean:
 	rm -rf .venv build dist src/*.egg-info .pytest_cache

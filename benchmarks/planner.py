@@ -42,7 +42,7 @@ CONFIG = GPTConfig(vocab=1024, layers=4, dim=256, heads=8, seq_len=128)
 BATCH = 8
 ROUNDS = 2
 MEMORY_REPEATS = 3
-console = Console()
+console = Console(width=200)
 
 
 def build() -> GPT:

@@ -222,3 +222,13 @@ def test_train_plan_auto_plans_prints_and_trains(tmp_path, monkeypatch, capsys):
 def test_train_plan_auto_refuses_plan_flags(capsys, no_processes):
     code, out, err = _run(["train", "--plan", "auto", "--mesh", "dp=2"], capsys)
     assert code == 2 and "--plan auto chooses the whole plan, so --mesh cannot be combined with it" in err
+
+
+def test_explain_shows_the_estimate_beside_the_tables(capsys, no_processes):
+    code, out, err = _run(["explain", "--model", "gpt-tiny", "--mesh", "fsdp=2", "--hardware", "a100-80g",
+                           "--batch-size", "4"], capsys)
+    assert code == 0, err
+    e = estimate("gpt-tiny", sk.Plan(sk.Mesh(fsdp=2)), batch_size=4, seq_len=32, hardware=A100)
+    assert out.rstrip().endswith(e.summary())
+    code, out, err = _run(["explain", "--model", "gpt-tiny", "--mesh", "fsdp=2", "--hardware", "tpu"], capsys)
+    assert code == 2 and "unknown hardware 'tpu'" in err

@@ -204,7 +204,9 @@ def test_train_takes_a_transformers_models_rules_from_its_plan():
 def test_explain_command_prints_what_explain_plan_does(capsys):
     plan = sk.Plan(mesh=sk.Mesh(fsdp=2, tp=2), rules=sk.LayoutMap.from_hf(sk.meta_model(build_qwen2)))
     assert main(["explain", "--model", "examples.your_model:build_qwen2", "--mesh", "fsdp=2,tp=2"]) == 0
-    assert capsys.readouterr().out == sk.explain_plan(plan, sk.meta_model(build_qwen2))
+    out = capsys.readouterr().out
+    assert out.startswith(sk.explain_plan(plan, sk.meta_model(build_qwen2)))
+    assert "estimate (sk.estimate) on h100-80g" in out  # then the plan's estimate
 
 
 def test_world_errors_start_as_the_page_says():

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 
+from ..families import token_sizes
 from ..models.registry import MODELS
 from ..plan import PlanError, UsageError
 from ..planner.estimate import estimate
@@ -62,7 +63,8 @@ def run(args: argparse.Namespace) -> int:
     with rules_hint(args):
         text = explain_plan(plan, model, world_size=world_size, width=args.width)
     print(text, end="")
-    print(estimate_text(args, plan, model, entry.seq_len, world_size))
+    positions = entry.seq_len if entry.seq_len is not None else token_sizes(model)[1]
+    print(estimate_text(args, plan, model, positions, world_size))
     return 0
 
 

@@ -328,7 +328,8 @@ def _parts(memory: dict[str, int]) -> str:
 def _reason(s: Setting, e: Estimate, fastest: float) -> str:
     parts = e.step_time_parts
     step = e.step_time
-    overheads = sorted(((k, v) for k, v in parts.items() if k != "compute" and v > 0), key=lambda kv: -kv[1])
+    overheads = sorted(((k, v) for k, v in parts.items() if k != "compute" and v >= 0.005 * step),
+                       key=lambda kv: -kv[1])
     costs = ", ".join(f"{k} {100 * v / step:.0f}%" for k, v in overheads[:2]) or "no exposed overhead"
     memory = f"{_gib(e.memory['total'])} of {_gib(e.hardware.memory)}"
     lead = "fastest" if step <= fastest else f"{step / fastest:.2f}x the fastest step"
