@@ -172,6 +172,16 @@ def analyse(model: nn.Module | GPTConfig | str | Any, *, seq_len: int | None = N
     return _from_config(_Keyed(_config_key(config), (config, name)), seq_len, tp, dtype, _Keyed(_rules_key(rules), rules))
 
 
+def probe_model(model: nn.Module | GPTConfig | str | Any) -> nn.Module:
+    """A model to check plans of ``model`` against on meta: the module itself, or the one
+    :func:`analyse` builds from a config or catalogue name (with :data:`BLOCKS_BUILT` blocks:
+    which kinds of plan a model allows does not depend on its depth)."""
+    if isinstance(model, nn.Module):
+        return model
+    config = catalogue_config(model) if isinstance(model, str) else model
+    return _built(_Keyed(_config_key(config), (config, model if isinstance(model, str) else None)))[0]
+
+
 # -- arguments and caching ------------------------------------------------------------------------
 def _check(seq_len: Any, tp: Any, dtype: Any, rules: Any) -> None:
     problems = []
@@ -419,4 +429,4 @@ def _family_label(model: nn.Module, family: Family) -> str:
     return model_type if isinstance(model_type, str) and model_type else family.name
 
 
-__all__ = ["BLOCKS_BUILT", "Components", "ModelAnalysis", "PartCost", "analyse", "default_rules"]
+__all__ = ["probe_model", "BLOCKS_BUILT", "Components", "ModelAnalysis", "PartCost", "analyse", "default_rules"]

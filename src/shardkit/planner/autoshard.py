@@ -16,15 +16,18 @@ time; GPipe only adds memory to 1F1B, so it is tried only where 1F1B cannot run)
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ..plan import FSDPOptions, Plan, PlanError, UsageError
+from torch import nn
+
+from ..plan import FSDPOptions, Mesh, Plan, PlanError, PlanWarning, UsageError
 from ..plan.pipeline import Pipeline
 from ..plan.sequence import sequence_problems
 from ..plan.text import format_bytes
-from .analysis import ModelAnalysis
+from .analysis import ModelAnalysis, probe_model
 from .estimate import (
     MESH_ORDER,
     OPTIMIZER_STATES,
@@ -36,9 +39,12 @@ from .estimate import (
     mesh_of,
     time_of,
 )
-from .hardware import Hardware, hardware
+from .hardware import Hardware
+from .hardware import hardware as as_hardware
 
 AXES = ("dp", "fsdp", "tp", "pp", "sp")
+#: What sk.validate said of each probe plan, per model (a model's kinds of plan do not change while it lives).
+_REFUSALS: weakref.WeakKeyDictionary[nn.Module, dict[str, str | None]] = weakref.WeakKeyDictionary()
 _RECOMPUTE = ("none", "selective", "full")
 
 
@@ -83,7 +89,7 @@ def autoshard(model: Any, *, devices: int, hardware: str | Hardware = "h100-80g"
     >>> best.estimate.fits, best.plan.mesh.size
     (True, 4)
     """
-    hw = hardware_of(hardware)
+    hw = as_hardware(hardware)
     axes = _axes(axes)
     if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
         raise UsageError(f"autoshard(devices={devices!r}): give a positive number of devices")
@@ -99,10 +105,6 @@ def autoshard(model: Any, *, devices: int, hardware: str | Hardware = "h100-80g"
     ranked = sorted(best, key=lambda c: (c[2], c[1]["total"]))[:top]
     candidates = [search.candidate(setting, memory, parts, ranked[0][2]) for setting, memory, _, parts in ranked]
     return Candidates(candidates, search.rejected_list(), search.considered)
-
-
-def hardware_of(spec: str | Hardware) -> Hardware:
-    return hardware(spec)
 
 
 def _axes(axes: Sequence[str] | None) -> tuple[str, ...]:
@@ -135,6 +137,9 @@ class _Search:
         self.leanest: tuple[int, Setting, dict[str, int]] | None = None
         self.considered = 0
         self.costs: dict[int, Costs] = {}
+        self.sequence_parallel: dict[int, bool] = {}
+        self.probe = probe_model(model)
+        self.allowed = self._allowed()
 
     # -- the walk -------------------------------------------------------------------------------
     def run(self) -> list[tuple[Setting, dict[str, int], float, dict[str, float]]]:
@@ -144,11 +149,15 @@ class _Search:
             if costs is None:
                 continue
             for pp in self._degrees("pp", self.devices // tp):
+                if pp > 1 and not self.allowed["pp"]:
+                    continue
                 if pp > self.whole.layers:
                     self._reject(f"pp={pp}", f"pp={pp} > {self.whole.layers} layers (a stage needs at least one)")
                     continue
                 for sp in self._degrees("sp", self.devices // (tp * pp)):
                     data = self.devices // (tp * pp * sp)
+                    if sp > 1 and not self.allowed["sp"]:
+                        continue
                     if sp > 1 and pp > 1:
                         self._reject("pp > 1 with sp > 1", "context parallel inside a pipeline stage is not supported")
                         continue
@@ -191,8 +200,50 @@ class _Search:
         except (PlanError, UsageError) as exc:
             self._reject(f"tp={tp}", str(exc).splitlines()[0])
             return None
+        if tp > 1:
+            rules = costs.local.tp_rules()
+            refusal = self._refusal(Plan(Mesh(tp=tp), rules=rules))
+            if refusal is not None:
+                self._reject(f"tp={tp}", refusal)
+                return None
+            self.sequence_parallel[tp] = self._refusal(Plan(Mesh(tp=tp), rules=rules, sequence_parallel=True)) is None
         self.costs[tp] = costs
         return costs
+
+    def _refusal(self, plan: Plan) -> str | None:
+        """Why ``sk.validate`` refuses ``plan`` on the model (``None``: it accepts it): a kind of plan the
+        model does not allow is left out of the search, with that reason."""
+        import warnings
+
+        from .validate import validate
+
+        known = _REFUSALS.setdefault(self.probe, {})
+        key = plan.to_json(indent=None)
+        if key not in known:
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", PlanWarning)
+                    validate(plan, self.probe)
+                known[key] = None
+            except PlanError as exc:
+                known[key] = exc.problems[0] if exc.problems else str(exc)
+        return known[key]
+
+    def _allowed(self) -> dict[str, bool]:
+        """Which kinds of plan the model allows (pipelines, context parallel, each recompute), each
+        checked once by ``sk.validate`` on the model; the refused are listed with the reason."""
+        probes = {"pp": Plan(Mesh(pp=2), pipeline=Pipeline(microbatches=2)), "sp": Plan(Mesh(sp=2)),
+                  "full": Plan(Mesh(dp=1), recompute="full"), "selective": Plan(Mesh(dp=1), recompute="selective")}
+        allowed = {}
+        for kind, plan in probes.items():
+            if kind in ("pp", "sp") and kind not in self.axes:
+                allowed[kind] = False
+                continue
+            refusal = self._refusal(plan)
+            allowed[kind] = refusal is None
+            if refusal is not None:
+                self._reject(f"{kind} > 1" if kind in ("pp", "sp") else f"recompute={kind}", refusal)
+        return allowed
 
     def _sequence_fits(self, tp: int, sp: int) -> bool:
         probe = Plan(mesh_of(Setting(tp=tp, sp=sp)), sequence_parallel=tp > 1)
@@ -216,11 +267,12 @@ class _Search:
                 else:
                     pipelines.append(("gpipe", m, 1))
         # Megatron sequence parallel whenever tp splits the blocks (not inside a pipeline: refused there)
-        common = dict(sequence_parallel=base.tp > 1 and base.pp == 1, compute_dtype=self.compute_dtype,
-                      order=MESH_ORDER)
+        common = dict(sequence_parallel=base.tp > 1 and base.pp == 1 and self.sequence_parallel[base.tp],
+                      compute_dtype=self.compute_dtype, order=MESH_ORDER)
+        recomputes = [r for r in _RECOMPUTE if r == "none" or self.allowed[r]]
         for reshard in reshards:
             for schedule, m, v in pipelines:
-                for recompute in _RECOMPUTE:
+                for recompute in recomputes:
                     yield replace(base, schedule=schedule, microbatches=m, virtual=v, recompute=recompute,
                                   reshard=reshard, **common)
 

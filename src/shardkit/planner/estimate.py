@@ -66,7 +66,8 @@ import torch
 from ..plan import Mesh, Plan, PlanError, UsageError
 from ..plan.text import format_bytes
 from .analysis import ModelAnalysis, analyse
-from .hardware import Hardware, Link, hardware, ring_terms
+from .hardware import Hardware, Link, ring_terms
+from .hardware import hardware as as_hardware
 
 #: Optimizer states per parameter, each the parameter's shape and dtype.
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd-momentum": 1, "sgd": 0}
@@ -178,7 +179,7 @@ def estimate(model: Any, plan: Plan, *, batch_size: int, seq_len: int, hardware:
     """
     if optimizer not in OPTIMIZER_STATES:
         raise UsageError(f"estimate(optimizer={optimizer!r}) is unknown; valid: {sorted(OPTIMIZER_STATES)}")
-    hw = _hardware(hardware)
+    hw = as_hardware(hardware)
     plan = plan.resolved(world_size) if world_size is not None else plan
     setting = Setting.of(plan)
     problems = plan.problems() + plan.batch_problems(batch_size, seq_len)
@@ -187,10 +188,6 @@ def estimate(model: Any, plan: Plan, *, batch_size: int, seq_len: int, hardware:
     costs = Costs.of(model, seq_len, setting.tp, dtype=None)
     memory, parts = evaluate(costs, setting, batch_size, hw, optimizer)
     return costs.estimate(plan, setting, batch_size, hw, memory, parts)
-
-
-def _hardware(spec: str | Hardware) -> Hardware:
-    return hardware(spec)
 
 
 # -- the model's measured costs --------------------------------------------------------------------
