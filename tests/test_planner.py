@@ -156,7 +156,7 @@ def test_autoshard_names_the_families_it_refuses():
 
 def test_autoshard_says_why_nothing_fits():
     with pytest.raises(sk.PlanError, match=r"no plan fits: the smallest plan needs .* GiB per device on 8 devices "
-                                           r"\(.*\), because .*a100-80g device has 80.0 GiB"):
+                                           r"\(.*\), because .*, and each a100-80g device has 80.0 GiB"):
         autoshard("llama3-405b", devices=8, hardware=A100, global_batch=8, seq_len=8192)
 
 

@@ -336,7 +336,7 @@ class _Search:
         total, setting, memory = self.leanest
         what = " ".join(f"{a}={setting.size(a)}" for a in MESH_ORDER if setting.size(a) > 1) or "one device"
         return (f"no plan fits: the smallest plan needs {_gib(total)} per device on {self.devices} devices "
-                f"({what}, recompute={setting.recompute}), because {_parts(memory)}, and a "
+                f"({what}, recompute={setting.recompute}), because {_parts(memory)}, and each "
                 f"{self.hw.name} device has {_gib(self.hw.memory)}; add devices, shorten the sequence "
                 f"({self.seq_len}) or the batch ({self.batch}), or use a device with more memory")
 
