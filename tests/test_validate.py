@@ -193,3 +193,19 @@ def test_a_tie_given_two_layouts_is_refused_and_a_rule_for_its_second_name_is_no
     rules = sk.LayoutMap([(r"lm_head[.]weight", None), *LLAMA_RULES.items()])
     (problem,) = _problems(build_llama_tied, sk.Plan(sk.Mesh(tp=2), rules))
     assert "'lm_head.weight' is tied to 'model.embed_tokens.weight'" in problem and "one layout" in problem
+
+
+def test_a_split_parameter_held_by_a_module_without_a_style_is_refused():
+    """BERT's MLM head holds its bias twice (``cls.predictions.bias`` is ``decoder.bias``): split, it passed
+    validate and failed in the workers (torch distributed it twice). Refused before launch, naming both."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    model = sk.meta_model(BertForMaskedLM, BertConfig(vocab_size=256, hidden_size=32, num_hidden_layers=2,
+                                                      num_attention_heads=4, intermediate_size=64,
+                                                      max_position_embeddings=64))
+    rules = sk.LayoutMap([(r"cls\.predictions\.bias", ("tp",)), (r"cls\.predictions\.decoder\.weight", ("tp", None)),
+                          (r"bert\.embeddings\.word_embeddings\.weight", ("tp", None)), (r".*", None)])
+    with pytest.raises(sk.PlanError, match="parameter 'cls.predictions.bias' is also 'cls.predictions.decoder.bias': "
+                                           "split over 'tp' .* 'cls.predictions' is not split by a tensor-parallel "
+                                           "style of its own; keep it replicated"):
+        sk.validate(sk.Plan(sk.Mesh(tp=2), rules=rules), model)

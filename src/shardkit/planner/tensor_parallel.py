@@ -226,6 +226,7 @@ def plan_axis(model: nn.Module, layouts: dict[str, ParamLayout], axis: str, size
     plan = AxisPlan(axis, size, splits, sequence_parallel=sequence_parallel)
     problems += _head_problems(model, family, plan)
     ties = _ties(model, layouts, canonical, axis)
+    problems += _tie_problems(ties, kinds, axis)
     changes = tuple(family.tensor_parallel_changes(model, plan.local_outputs(), size))
     extras: dict[str, tuple[str, ...]] = {}
     if sequence_parallel:
@@ -284,6 +285,21 @@ def _ties(model: nn.Module, layouts: dict[str, ParamLayout], canonical: dict[str
         groups.setdefault(first, []).append(name)
     return tuple(tuple(names) for first, names in groups.items()
                  if len(names) > 1 and first in layouts and layouts[first].axis_dim(axis) is not None)
+
+
+def _tie_problems(ties: tuple[tuple[str, ...], ...], kinds: dict[str, str], axis: str) -> list[str]:
+    """A split parameter held by two modules is re-tied after torch's styles only when each holder is
+    split by a style of its own (an embedding and a head): a holder whose parameters become plain
+    DTensors would distribute it first, and the style of the other then fails in the workers."""
+    problems = []
+    for names in ties:
+        holders = {n.rpartition(".")[0]: kinds.get(n.rpartition(".")[0]) for n in names}
+        odd = [h for h, kind in holders.items() if kind not in (COLWISE, ROWWISE, VOCAB, EMBED_COLWISE)]
+        if odd:
+            problems.append(f"parameter {names[0]!r} is also {', '.join(map(repr, names[1:]))}: split over {axis!r} it "
+                            f"would be distributed once per module holding it, and {', '.join(map(repr, odd))} "
+                            f"is not split by a tensor-parallel style of its own; keep it replicated (layout None)")
+    return problems
 
 
 def _sequence_parallel(model: nn.Module, splits: dict[str, ModuleSplit]) -> tuple[dict[str, tuple[str, ...]], list[str]]:
