@@ -137,6 +137,16 @@ def test_autoshard_ranks_plans_that_validate_and_fit():
     assert candidates[0].reason.startswith("fastest")
 
 
+def test_a_candidates_estimate_is_the_estimate_of_its_plan():
+    """What autoshard ranked by is what sk.estimate says of the plan it returns (dtypes, accumulation, ...)."""
+    for model, devices, batch, seq, hardware in (("gpt-small", 4, 8, 128, A100),
+                                                 ("llama3-70b", 64, 512, 8192, "h100-80g")):
+        for c in autoshard(model, devices=devices, hardware=hardware, global_batch=batch, seq_len=seq, top=6):
+            again = estimate(model, c.plan, batch_size=batch, seq_len=seq, hardware=hardware, grad_accum=c.grad_accum)
+            assert again.memory == c.estimate.memory
+            assert again.step_time == pytest.approx(c.estimate.step_time)
+
+
 def test_autoshard_restricts_axes():
     candidates = autoshard("gpt-small", devices=4, hardware=A100, global_batch=8, seq_len=128, axes=("dp", "tp"))
     assert {a for c in candidates for a, s in c.plan.mesh.items() if s > 1} <= {"dp", "tp"}
@@ -252,3 +262,23 @@ def test_autoshard_leaves_out_what_validate_refuses_on_the_model():
         for c in candidates:
             assert c.plan.pipeline is None
             sk.validate(c.plan, model)
+
+
+def test_gradient_accumulation_lets_a_large_batch_fit():
+    """llama3-70b, 512 x 8192 tokens on 64 H100s: nothing fits as one micro-step per replica; with
+    gradient accumulation plans do (the issue's own example)."""
+    candidates = autoshard("llama3-70b", devices=64, hardware="h100-80g", global_batch=512, seq_len=8192, top=5)
+    assert candidates and all(c.estimate.fits for c in candidates)
+    best = candidates[0]
+    assert best.plan.pipeline is None and best.grad_accum > 1 and "accumulation steps" in best.reason
+    plan = best.plan
+    one = estimate("llama3-70b", plan, batch_size=512, seq_len=8192, hardware="h100-80g")
+    accumulated = estimate("llama3-70b", plan, batch_size=512, seq_len=8192, hardware="h100-80g",
+                           grad_accum=best.grad_accum)
+    assert accumulated.memory == best.estimate.memory and not one.fits
+    assert accumulated.memory["activations"] < one.memory["activations"] / (best.grad_accum / 2)
+    with pytest.raises(sk.UsageError, match="a pipeline accumulates over its micro-batches"):
+        estimate("gpt-small", sk.Plan(sk.Mesh(pp=2), pipeline=sk.Pipeline(microbatches=2)), batch_size=8,
+                 seq_len=128, hardware=A100, grad_accum=2)
+    with pytest.raises(sk.PlanError, match="does not split into 3 accumulation steps"):
+        estimate("gpt-small", sk.Plan(sk.Mesh(fsdp=2)), batch_size=8, seq_len=128, hardware=A100, grad_accum=3)

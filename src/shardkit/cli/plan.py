@@ -82,8 +82,11 @@ def run(args: argparse.Namespace) -> int:
                            axes=axes, top=args.top, optimizer=args.optimizer)
     print(candidates_text(candidates, args.model, devices, hw), end="")
     if args.out is not None:
-        candidates[0].plan.save(args.out)
-        print(f"wrote the best plan to {args.out}")
+        best = candidates[0]
+        best.plan.save(args.out)
+        steps = f" (estimated with {best.grad_accum} gradient accumulation steps: a plan file does not hold " \
+                f"them, train with --grad-accum {best.grad_accum})" if best.grad_accum > 1 else ""
+        print(f"wrote the best plan to {args.out}{steps}")
     return 0
 
 
@@ -125,7 +128,7 @@ def candidates_text(candidates: Candidates, model: str, devices: int, hw: Hardwa
     console = Console(record=True, width=width, file=io.StringIO(), color_system=None, markup=False, highlight=False)
     console.print(f"Plans for {model} on {devices} x {hw.name} ({format_bytes(hw.memory, digits=1)} each): "
                   f"{candidates.considered:,} options estimated, best {len(candidates)} shown\n")
-    table = Table("#", "mesh", "pipeline", "recompute", "reshard", "params+grads+optim", "activations", "other",
+    table = Table("#", "mesh", "pipeline", "accum", "recompute", "reshard", "params+grads+optim", "activations", "other",
                   "memory", "step", "tokens/s", "MFU", "why", title="candidates (fastest first)", **_TABLE_STYLE)
     for index, c in enumerate(candidates):
         plan, e = c.plan, c.estimate
@@ -133,7 +136,7 @@ def candidates_text(candidates: Candidates, model: str, devices: int, hw: Hardwa
         state = mem["parameters"] + mem["gradients"] + mem["optimizer"]
         other = mem["total"] - state - mem["activations"]
         pipeline = (f"{plan.pipeline.schedule} m={plan.pipeline.microbatches}" if plan.pipeline else "-")
-        table.add_row(str(index + 1), _mesh(plan), pipeline, plan.recompute,
+        table.add_row(str(index + 1), _mesh(plan), pipeline, str(c.grad_accum), plan.recompute,
                       str(plan.fsdp.reshard_after_forward) if plan.mesh.size_of("fsdp") > 1 else "-",
                       format_bytes(state, digits=1), format_bytes(mem["activations"], digits=1),
                       format_bytes(other, digits=1), format_bytes(mem["total"], digits=1),

@@ -173,9 +173,14 @@ def auto_plan(args: argparse.Namespace) -> tuple[Plan, int]:
     world_size = args.world_size or DEFAULT_LOCAL_WORLD
     hardware = local_hardware(world_size)
     candidates = autoshard(model, devices=world_size, hardware=hardware, global_batch=args.batch_size,
-                           seq_len=seq_len, top=3, param_dtype=None)
+                           seq_len=seq_len, top=10, param_dtype=None)
     print(candidates_text(candidates, args.model, world_size, hardware), end="", file=sys.stderr)
-    best = candidates[0]
+    fitting = [c for c in candidates if c.grad_accum == 1]  # shardkit train does not accumulate gradients yet
+    if not fitting:
+        raise PlanError(f"--plan auto: every plan for a batch of {args.batch_size} needs gradient accumulation "
+                        f"(the best: {candidates[0].grad_accum} steps), which shardkit train does not do yet; "
+                        f"lower --batch-size")
+    best = fitting[0]
     print(f"shardkit train: --plan auto chose {best.plan.mesh!r}: {best.reason}", file=sys.stderr)
     return best.plan, world_size
 

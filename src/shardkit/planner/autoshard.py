@@ -21,6 +21,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+import torch
 from torch import nn
 
 from ..plan import FSDPOptions, Mesh, Plan, PlanError, PlanWarning, UsageError
@@ -50,11 +51,17 @@ _RECOMPUTE = ("none", "selective", "full")
 
 @dataclass(frozen=True)
 class Candidate:
-    """A ranked plan: ``plan`` (``sk.shard`` runs it as is), its ``estimate`` and why it ranks where it does."""
+    """A ranked plan: ``plan`` (``sk.shard`` runs it as is), its ``estimate``, why it ranks where it does,
+    and ``grad_accum``: the gradient accumulation steps it is estimated with (the plan does not hold them)."""
 
     plan: Plan
     estimate: Estimate
     reason: str
+
+    @property
+    def grad_accum(self) -> int:
+        """Gradient accumulation steps the plan needs to fit (1: none; a pipeline's are its micro-batches)."""
+        return self.estimate.grad_accum
 
 
 @dataclass(frozen=True)
@@ -267,22 +274,32 @@ class _Search:
                 else:
                     pipelines.append(("gpipe", m, 1))
         # Megatron sequence parallel whenever tp splits the blocks (not inside a pipeline: refused there)
+        mixed = self.compute_dtype != self.whole.dtype  # then gradients are reduced in float32, as plan_of says
         common = dict(sequence_parallel=base.tp > 1 and base.pp == 1 and self.sequence_parallel[base.tp],
-                      compute_dtype=self.compute_dtype, order=MESH_ORDER)
+                      compute_dtype=self.compute_dtype, reduce_dtype=torch.float32 if mixed else None,
+                      order=MESH_ORDER)
         recomputes = [r for r in _RECOMPUTE if r == "none" or self.allowed[r]]
         for reshard in reshards:
-            for schedule, m, v in pipelines:
+            if base.pp > 1:  # within a pipeline setting: recompute from none to full
+                for schedule, m, v in pipelines:
+                    for recompute in recomputes:
+                        yield replace(base, schedule=schedule, microbatches=m, virtual=v, recompute=recompute,
+                                      reshard=reshard, **common)
+            else:  # without a pipeline: per recompute, gradient accumulation from none up
                 for recompute in recomputes:
-                    yield replace(base, schedule=schedule, microbatches=m, virtual=v, recompute=recompute,
-                                  reshard=reshard, **common)
+                    for steps in _accumulation(local):
+                        yield replace(base, accumulation=steps, recompute=recompute, reshard=reshard, **common)
 
     def _best_option(self, costs: Costs, base: Setting):
         best = None
         fitted_group: tuple | None = None
         for setting in self._options(base):
-            group = (setting.reshard, setting.schedule, setting.microbatches, setting.virtual)
+            # the first option that fits ends its group: more recompute (in a pipeline) or more
+            # accumulation steps (without one) only add time
+            group = (setting.reshard, setting.schedule, setting.microbatches, setting.virtual) if base.pp > 1 \
+                else (setting.reshard, setting.recompute)
             if group == fitted_group:
-                continue  # a faster recompute choice of this group already fits
+                continue
             self.considered += 1
             memory = memory_of(costs, setting, self.batch, self.hw, self.optimizer)
             if self.leanest is None or memory["total"] < self.leanest[0]:
@@ -341,6 +358,18 @@ class _Search:
                 f"({self.seq_len}) or the batch ({self.batch}), or use a device with more memory")
 
 
+def _accumulation(local: int) -> list[int]:
+    """Gradient accumulation steps tried without a pipeline: divisors of the local batch, doubling."""
+    steps, out = 1, []
+    while steps <= local:
+        if local % steps == 0:
+            out.append(steps)
+        steps *= 2
+    if out[-1] != local:
+        out.append(local)
+    return out
+
+
 def _microbatches(local: int, pp: int) -> list[int]:
     """Micro-batch counts tried for a pipeline: divisors of the local batch near pp, 2pp, 4pp and below pp."""
     divisors = _divisors(local)
@@ -355,8 +384,6 @@ def _microbatches(local: int, pp: int) -> list[int]:
 
 
 def _compute_dtype(param_dtype: str | None, hw: Hardware, whole: ModelAnalysis):
-    import torch
-
     if param_dtype == "auto":
         faster = hw.peak_flops("bfloat16") >= 4 * hw.peak_flops("float32")  # tensor cores, not a CPU's 2-3x
         return torch.bfloat16 if faster else whole.dtype
@@ -386,6 +413,7 @@ def _reason(s: Setting, e: Estimate, fastest: float) -> str:
     memory = f"{_gib(e.memory['total'])} of {_gib(e.hardware.memory)}"
     lead = "fastest" if step <= fastest else f"{step / fastest:.2f}x the fastest step"
     extra = f"; recompute {s.recompute} to fit" if s.recompute != "none" else ""
+    extra += f"; {s.accumulation} accumulation steps" if s.accumulation > 1 else ""
     return f"{lead}: {memory} per device{extra}; step {100 * parts['compute'] / step:.0f}% compute, {costs}"
 
 

@@ -58,7 +58,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -101,6 +101,7 @@ class Estimate:
     tokens_per_s: float
     mfu: float
     notes: tuple[str, ...] = ()
+    grad_accum: int = 1
 
     @property
     def fits(self) -> bool:
@@ -111,7 +112,8 @@ class Estimate:
         """Memory by component, step time by part, tokens/s and MFU, as plain text lines."""
         memory = ", ".join(f"{k} {format_bytes(self.memory[k], digits=2)}" for k in MEMORY_KEYS if self.memory[k])
         parts = ", ".join(f"{k} {_seconds(v)}" for k, v in self.step_time_parts.items() if v > 0)
-        lines = [f"memory per device: {format_bytes(self.memory['total'], digits=2)} of "
+        accumulation = f", {self.grad_accum} accumulation steps" if self.grad_accum > 1 else ""
+        lines = [f"memory per device{accumulation}: {format_bytes(self.memory['total'], digits=2)} of "
                  f"{format_bytes(self.hardware.memory, digits=2)} on {self.hardware.name} ({memory})",
                  f"step time: {_seconds(self.step_time)} ({parts}); {self.tokens_per_s:,.0f} tokens/s; "
                  f"MFU {100 * self.mfu:.1f}%"]
@@ -130,6 +132,7 @@ class Setting:
     sequence_parallel: bool = False
     schedule: str = "1f1b"
     microbatches: int = 1
+    accumulation: int = 1  # gradient accumulation steps without a pipeline (a pipeline's are its micro-batches)
     virtual: int = 1
     recompute: str = "none"
     reshard: bool = True
@@ -165,12 +168,14 @@ class Setting:
 
 
 def estimate(model: Any, plan: Plan, *, batch_size: int, seq_len: int, hardware: str | Hardware = "h100-80g",
-             optimizer: str = "adamw", world_size: int | None = None) -> Estimate:
+             optimizer: str = "adamw", world_size: int | None = None, grad_accum: int = 1) -> Estimate:
     """Memory per device and step time of training ``model`` under ``plan``, without running it.
 
     ``model``: an ``nn.Module`` (the meta device is fine), a transformers config or a catalogue
     name (``shardkit.planner.catalogue``); ``batch_size``: the global batch in sequences;
-    ``hardware``: a preset name, a hardware file or a :class:`Hardware`.
+    ``hardware``: a preset name, a hardware file or a :class:`Hardware`; ``grad_accum``: gradient
+    accumulation steps (the batch is split into that many micro-steps; a pipeline accumulates
+    over its own micro-batches instead).
 
     >>> import shardkit as sk
     >>> e = sk.estimate("gpt-small", sk.Plan(sk.Mesh(fsdp=4)), batch_size=8, seq_len=128, hardware="a100-80g")
@@ -181,8 +186,17 @@ def estimate(model: Any, plan: Plan, *, batch_size: int, seq_len: int, hardware:
         raise UsageError(f"estimate(optimizer={optimizer!r}) is unknown; valid: {sorted(OPTIMIZER_STATES)}")
     hw = as_hardware(hardware)
     plan = plan.resolved(world_size) if world_size is not None else plan
-    setting = Setting.of(plan)
+    if not isinstance(grad_accum, int) or isinstance(grad_accum, bool) or grad_accum < 1:
+        raise UsageError(f"estimate(grad_accum={grad_accum!r}): give a whole number of steps >= 1")
+    if grad_accum > 1 and plan.pipeline is not None:
+        raise UsageError(f"estimate(grad_accum={grad_accum}): a pipeline accumulates over its micro-batches; "
+                         f"raise Pipeline(microbatches=...) instead")
+    setting = replace(Setting.of(plan), accumulation=grad_accum)
     problems = plan.problems() + plan.batch_problems(batch_size, seq_len)
+    if grad_accum > 1 and batch_size % (plan.mesh.data_size * grad_accum):
+        problems.append(f"batch of {batch_size} samples does not split into {grad_accum} accumulation steps over "
+                        f"{plan.mesh.data_size} data-parallel replicas; use a multiple of "
+                        f"{plan.mesh.data_size * grad_accum}")
     if problems:
         raise PlanError(problems)
     costs = Costs.of(model, seq_len, setting.tp, dtype=None)
@@ -267,7 +281,7 @@ class Costs:
             notes.append(f"does not fit: needs {format_bytes(memory['total'], digits=2)} of "
                          f"{format_bytes(hw.memory, digits=2)} per device")
         return Estimate(plan, batch_size, self.seq_len, hw, memory, step, parts, tokens / step,
-                        model_flops / (step * peak), tuple(notes))
+                        model_flops / (step * peak), tuple(notes), setting.accumulation)
 
 
 # -- the arithmetic ---------------------------------------------------------------------------------
@@ -284,7 +298,7 @@ def _blocks_per_device(n: Numbers, s: Setting) -> int:
 
 
 def _tokens_per_microbatch(s: Setting, batch_size: int, seq_len: int) -> float:
-    return batch_size / (s.dp * s.fsdp) / s.microbatches * seq_len / s.sp
+    return batch_size / (s.dp * s.fsdp) / s.microbatches / s.accumulation * seq_len / s.sp
 
 
 def _inflight(s: Setting, device: int) -> float:
@@ -327,9 +341,10 @@ def memory_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer
         gathered = 0
         if shards > 1:
             unit = max(n.block_params, n.embedding_params if first else 0, n.head_params if last else 0)
-            # a pipeline turns gradient sync off until its last micro-batch: the stage's gradients
-            # accumulate unsharded
-            gathered = (params if not s.reshard else 2 * unit) * compute + (params if s.pp > 1 else unit) * reduce
+            # a pipeline, or gradient accumulation, turns gradient sync off until the last micro-batch: the
+            # stage's gradients accumulate unsharded
+            accumulating = s.pp > 1 or s.accumulation > 1
+            gathered = (params if not s.reshard else 2 * unit) * compute + (params if accumulating else unit) * reduce
         per_token = blocks * block_act + (n.embedding_act if first else 0) + (n.head_act if last else 0)
         held = per_token * tokens * _inflight(s, 0 if first else s.pp - 1)
         if s.recompute == "full":  # one block rebuilt at a time during backward, and its gradients
@@ -360,7 +375,8 @@ def time_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer: 
     dtype = s.compute_dtype if s.compute_dtype is not None else costs.local.dtype
     flops_rate = hw.peak_flops(dtype) * hw.matmul_efficiency
     itemsize = dtype.itemsize
-    m, p, v = s.microbatches, s.pp, s.virtual
+    p, v = s.pp, s.virtual
+    m = s.microbatches * s.accumulation  # forward-backward passes per step
     blocks = _blocks_per_device(n, s)
     tokens = _tokens_per_microbatch(s, batch_size, costs.seq_len)
     # the backward costs about twice the forward; recompute runs (part of) the forward again
@@ -398,7 +414,7 @@ def time_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer: 
         units = blocks + 1
         link = _link(hw, shape, ("fsdp", "sp"), "all_gather")
         gather = _collective("all_gather", stage_params * itemsize, shards, link, calls=units)
-        comm = (2 if s.reshard else 1) * gather * (m if s.reshard and p > 1 else 1)
+        comm = (2 if s.reshard else 1) * gather * (m if s.reshard and m > 1 else 1)
         comm += _collective("reduce_scatter", stage_params * reduce, shards, link, calls=units)
         if s.dp > 1:
             comm += _collective("all_reduce", stage_params * reduce / shards, s.dp,
