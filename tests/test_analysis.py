@@ -4,8 +4,6 @@ operator calls and non-matmul memory traffic, checked by hand on a small model."
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -262,16 +260,13 @@ def test_wrong_arguments_are_named_with_what_is_valid():
         sk.analyse(nn.Sequential(nn.Embedding(8, 4), nn.ModuleList([nn.Linear(4, 4)])), seq_len=4, tp=2)
 
 
-def test_llama3_405b_at_tp8_is_analysed_in_under_half_a_second():
-    sk.analyse("llama3-8b", seq_len=64, tp=2)  # transformers imported and warm
-    times = []
-    for _ in range(3):
-        analysis._from_config.cache_clear()
-        analysis._built.cache_clear()
-        start = time.perf_counter()
-        sk.analyse("llama3-405b", tp=8)
-        times.append(time.perf_counter() - start)
-    assert min(times) < 0.5, times
+def test_a_deep_model_is_measured_on_two_blocks_and_cached():
+    """Why analysing llama3-405b takes a fraction of a second (timed in benchmarks/planner.py, not here):
+    the model measured has BLOCKS_BUILT blocks whatever its depth, and asking again is a cache hit."""
+    a = sk.analyse("llama3-405b", tp=8)
+    built = analysis.probe_model("llama3-405b")
+    assert a.layers == 126 and len(built.model.layers) == analysis.BLOCKS_BUILT == 2
+    assert sk.analyse("llama3-405b", tp=8) is a
 
 
 def test_a_module_without_rules_is_split_by_the_rules_its_dataflow_implies():
