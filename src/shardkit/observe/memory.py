@@ -32,7 +32,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch.distributed.optim import ZeroRedundancyOptimizer
 
 _STATUS = Path("/proc/self/status")
 _CLEAR_REFS = Path("/proc/self/clear_refs")
@@ -70,10 +69,8 @@ def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None 
     StateBytes(params=40, grads=0, optimizer=0)
     """
     params = list(model.parameters())
-    # ZeRO-1 (torch's ZeroRedundancyOptimizer) keeps its rank's state in the optimizer it wraps, ``.optim``.
-    held = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
-    opt_tensors = [] if held is None else [
-        v for state in held.state.values() for v in state.values() if isinstance(v, torch.Tensor)
+    opt_tensors = [] if optimizer is None else [
+        v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)
     ]
     return StateBytes(tensors_nbytes(params), tensors_nbytes(p.grad for p in params), tensors_nbytes(opt_tensors))
 
