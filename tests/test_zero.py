@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from model_zoo import build_with_unused
 from torch import nn
 
 import shardkit as sk
@@ -103,6 +104,12 @@ def test_each_stage_matches_one_process(world, plan):
     result = sk.verify(build_tiny_gpt, plan, _batch(), loss_fn=gpt_loss, steps=3, world=world(2))
     assert result.ok, result
     assert len(result.steps) == 3 and result.losses[0] > result.losses[-1]
+
+
+def test_zero1_with_a_parameter_the_forward_never_uses(world):
+    """DDP's reducer fails on an unused parameter unless told: zero=1 (always DDP) tells it."""
+    result = sk.verify(build_with_unused, STAGES[1], _batch(), loss_fn=gpt_loss, steps=2, world=world(2))
+    assert result.ok, result
 
 
 DIM, LAYERS = 16, 4
