@@ -34,6 +34,7 @@ _EXPORTS = {
     "shard": "shardkit.runtime.apply",
     "full_state_dict": "shardkit.runtime.apply",
     "verify": "shardkit.runtime.verify",
+    "optimizer": "shardkit.runtime.optimizer",
     "VerifyResult": "shardkit.runtime.verify",
     "stage": "shardkit.plan.scopes",
     "variable": "shardkit.runtime.variables",

@@ -46,6 +46,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from ..io.manifest import sha256_of
 from ..plan import Plan
@@ -234,6 +235,10 @@ def _plan_of(model: nn.Module) -> dict[str, Any] | None:
 
 
 def _optimizer_name(optimizer: torch.optim.Optimizer | None) -> str | None:
+    """The optimizer's class; under ZeRO-1 the class torch's ZeroRedundancyOptimizer wraps, whose state it
+    holds (so a checkpoint resumes under any ZeRO stage)."""
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        optimizer = optimizer.optim
     return None if optimizer is None else type(optimizer).__name__
 
 

@@ -281,11 +281,12 @@ def train_job(ctx: Context, job: TrainJob) -> tuple[RankStats, list]:
     from ..observe.memory import PeakMemory, state_bytes
     from ..runtime import spans as timeline
     from ..runtime.apply import shard
+    from ..runtime.optimizer import optimizer as make_optimizer
 
     memory = PeakMemory(ctx.device).start()
     entry = model_entry(job.model)
     model = shard(_builder(job)(), ctx.plan, ctx, seed=job.seed, weights=job.init_from)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=job.lr)
+    optimizer = make_optimizer(model, torch.optim.AdamW, lr=job.lr)  # ZeRO-1's under Plan(zero=1)
     first, position = 0, None
     losses, times = [], []
     tokens_per_step = job.batch_size * job.seq_len

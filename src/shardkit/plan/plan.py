@@ -19,6 +19,8 @@ from .sequence import sequence_problems
 _DTYPES = ("float32", "bfloat16", "float16")
 #: Activation recompute per repeated block: nothing, the whole block, or its attention core only.
 RECOMPUTE = ("none", "full", "selective")
+#: ZeRO stages (Rajbhandari et al. 2020) as DeepSpeed names them; ``None``: no stage asked for.
+ZERO_STAGES = (1, 2, 3)
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,13 @@ def _recompute(value: Any, where: str) -> str:
     return value
 
 
+def _zero(value: Any, where: str) -> int | None:
+    """``value`` if it is ``None`` or exactly one of :data:`ZERO_STAGES` (``"2"``, ``True``, ``2.0`` are errors)."""
+    if value is not None and (type(value) is not int or value not in ZERO_STAGES):
+        raise PlanError(f"{where} must be null/None or one of {list(ZERO_STAGES)}, got {type(value).__name__} {value!r}")
+    return value
+
+
 def param_shapes(model: Any) -> dict[str, tuple[int, ...]]:
     """``{dotted name: shape}`` of a module's parameters (works on the meta device), or a copy of a mapping."""
     if isinstance(model, Mapping):
@@ -88,6 +97,12 @@ class Plan:
     activations are recomputed in the backward; ``"selective"``: only its attention core,
     Korthikanti et al. 2022); see ``docs/recompute.md``.
 
+    ``zero``: a ZeRO stage as DeepSpeed names it, each torch's own mechanism over the data axes
+    (``docs/zero.md``): ``1`` optimizer state sharded over ``dp`` (``ZeroRedundancyOptimizer``,
+    built by ``sk.optimizer``), ``2`` FSDP2 over ``fsdp`` keeping parameters gathered from
+    forward to backward (``reshard_after_forward=False``), ``3`` FSDP2 over ``fsdp`` resharding
+    after the forward; ``None``: the mesh and ``fsdp`` options alone say what is sharded.
+
     A plan is data: it checks its own fields here, and what it can know without a model with
     :meth:`problems`; ``sk.validate(plan, model)`` adds every check against the model.
 
@@ -103,6 +118,7 @@ class Plan:
     replicas: ReplicaGrouping | None = None
     sequence_parallel: bool = False
     recompute: str = "none"
+    zero: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.mesh, Mesh):
@@ -119,6 +135,7 @@ class Plan:
                                 f"got {type(value).__name__}")
         boolean(self.sequence_parallel, "Plan(sequence_parallel=...)")
         _recompute(self.recompute, "Plan(recompute=...)")
+        _zero(self.zero, "Plan(zero=...)")
 
     def __getattr__(self, name: str) -> Any:
         if name in ("validate", "explain"):
@@ -178,7 +195,7 @@ class Plan:
                                 f"schedule '1f1b', 'interleaved-1f1b' or 'gpipe', or recompute='none'")
         if self.replicas is not None:
             problems.extend(self.replicas.check_mesh(mesh))
-        return problems
+        return problems + zero_problems(self)
 
     def batch_problems(self, batch_size: int, seq_len: int | None = None) -> list[str]:
         """Problems of a global batch under this (resolved) plan: its split over the data
@@ -214,6 +231,7 @@ class Plan:
             "replicas": None if self.replicas is None else self.replicas.to_dict(),
             "sequence_parallel": self.sequence_parallel,
             "recompute": self.recompute,
+            "zero": self.zero,
         }
 
     @classmethod
@@ -244,6 +262,7 @@ class Plan:
                 mapping(replicas, "plan field 'replicas'", "{replication_factor: 4, group_size: 2}")),
             sequence_parallel=boolean(data.get("sequence_parallel", False), "plan field 'sequence_parallel'"),
             recompute=_recompute(data.get("recompute", "none"), "plan field 'recompute'"),
+            zero=_zero(data.get("zero"), "plan field 'zero'"),
         )
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -272,4 +291,48 @@ class Plan:
         path.write_text(self.to_yaml() if path.suffix in (".yaml", ".yml") else self.to_json() + "\n")
 
 
-__all__ = ["RECOMPUTE", "FSDPOptions", "Plan", "param_shapes"]
+def zero_problems(plan: Plan) -> list[str]:
+    """Contradictions between ``plan.zero`` and the mesh or the ``fsdp`` options (none without a stage).
+
+    >>> zero_problems(Plan(mesh=Mesh(fsdp=4), zero=1))
+    ["zero=1 shards only the optimizer state, over 'dp', but the mesh has fsdp=4, which shards parameters and gradients too (that is zero=2 or 3); use Mesh(dp=4) with zero=1, or zero=3"]
+    """
+    zero, mesh = plan.zero, plan.mesh
+    if zero is None:
+        return []
+    fsdp, dp = mesh.size_of("fsdp"), mesh.size_of("dp")
+    if zero == 1:
+        problems = []
+        if fsdp > 1:
+            problems.append(f"zero=1 shards only the optimizer state, over 'dp', but the mesh has fsdp={fsdp}, which "
+                            f"shards parameters and gradients too (that is zero=2 or 3); use Mesh(dp={dp * fsdp}) with "
+                            f"zero=1, or zero=3")
+        elif dp == 1:
+            problems.append(f"zero=1 shards the optimizer state over the 'dp' axis, and the mesh {mesh!r} has none of "
+                            f"size > 1; add one, e.g. Mesh(dp=2, ...), or zero=None")
+        others = {a: mesh[a] for a in mesh.names if a not in ("dp", "fsdp") and mesh[a] > 1}
+        if others:
+            problems.append(f"zero=1 with {others}: torch's ZeroRedundancyOptimizer partitions whole local tensors "
+                            f"over one process group and cannot hold tensor-parallel, context-parallel or pipeline "
+                            f"parts; use zero=1 on a mesh of 'dp' alone, or zero=2/3 with fsdp")
+        if plan.replicas is not None:
+            problems.append("zero=1 with replica groups: the optimizer would be partitioned over every dp rank while "
+                            "gradients are averaged within groups; use replicas=None with zero=1")
+        if plan.fsdp.mixed_precision:
+            problems.append(f"zero=1 with mixed precision (param_dtype={plan.fsdp.param_dtype!r}, reduce_dtype="
+                            f"{plan.fsdp.reduce_dtype!r}): torch applies the policy through FSDP2, whose parameters "
+                            f"ZeroRedundancyOptimizer cannot partition; use float32 with zero=1, or zero=2/3")
+        return problems
+    if fsdp == 1:
+        return [f"zero={zero} shards parameters, gradients and optimizer state over the 'fsdp' axis, and the mesh "
+                f"{mesh!r} has none of size > 1; add one, e.g. Mesh(fsdp=2, ...) (with dp in front: HSDP), or "
+                f"zero=1 over dp"]
+    keep = zero == 3
+    if plan.fsdp.reshard_after_forward != keep:
+        return [f"zero={zero} {'frees' if keep else 'keeps'} gathered parameters after the forward, but the plan has "
+                f"fsdp reshard_after_forward={plan.fsdp.reshard_after_forward}; set FSDPOptions(reshard_after_forward="
+                f"{keep}) (plan file: fsdp: {{reshard_after_forward: {str(keep).lower()}}}), or zero={2 if keep else 3}"]
+    return []
+
+
+__all__ = ["RECOMPUTE", "ZERO_STAGES", "zero_problems", "FSDPOptions", "Plan", "param_shapes"]

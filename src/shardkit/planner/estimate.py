@@ -11,7 +11,9 @@ Memory (the most loaded device; a pipeline's first and last stages are both eval
 - ``parameters``, ``gradients``: the device's share of its stage's tensor-parallel-local
   parameters (divided by the FSDP shards, ``fsdp x sp``), in the parameters' dtype; FSDP2 keeps
   sharded parameters and gradients in that dtype under mixed precision.
-- ``optimizer``: the optimizer's states per parameter (AdamW: 2) in the parameters' dtype.
+- ``optimizer``: the optimizer's states per parameter (AdamW: 2) in the parameters' dtype;
+  under ZeRO stage 1 (``Plan(zero=1)``) divided over the ``dp`` ranks, whose parameters and
+  gradients stay whole (stages 2 and 3 are FSDP, counted as such).
 - ``gathered``: FSDP's unsharded units in the compute dtype: the unit being computed and the
   prefetched next one, plus one unit's unsharded gradients before the reduce-scatter; with
   ``reshard_after_forward=False`` the whole stage stays gathered between forward and backward.
@@ -139,6 +141,7 @@ class Setting:
     compute_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     order: tuple[str, ...] = field(default=MESH_ORDER)
+    zero: int | None = None
 
     @property
     def devices(self) -> int:
@@ -164,7 +167,7 @@ class Setting:
             recompute=getattr(plan, "recompute", "none"), reshard=plan.fsdp.reshard_after_forward,
             compute_dtype=_DTYPES[plan.fsdp.param_dtype] if plan.fsdp.param_dtype else None,
             reduce_dtype=_DTYPES[plan.fsdp.reduce_dtype] if plan.fsdp.reduce_dtype else None,
-            order=tuple(mesh.names))
+            order=tuple(mesh.names), zero=plan.zero)
 
 
 def estimate(model: Any, plan: Plan, *, batch_size: int, seq_len: int, hardware: str | Hardware = "h100-80g",
@@ -349,7 +352,9 @@ def memory_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer
         held = per_token * tokens * _inflight(s, 0 if first else s.pp - 1)
         if s.recompute == "full":  # one block rebuilt at a time during backward, and its gradients
             held += 2 * block_saved * tokens
-        memory = {"parameters": stored, "gradients": stored, "optimizer": states * stored, "gathered": int(gathered),
+        # ZeRO-1: torch's ZeroRedundancyOptimizer gives each dp rank the state of 1/dp of the parameters
+        optimized = -(-params // s.dp) * master if s.zero == 1 else stored
+        memory = {"parameters": stored, "gradients": stored, "optimizer": states * optimized, "gathered": int(gathered),
                   "activations": int(held * scale),
                   "logits": int(n.vocab * compute * tokens) if last else 0,
                   "buffers": int(2 * s.virtual * s.microbatches * tokens * n.hidden * compute) if s.pp > 1 else 0}

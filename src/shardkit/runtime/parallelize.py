@@ -15,7 +15,9 @@ The steps after validation, top to bottom, in a fixed order:
    nothing else is asked, else FSDP2's ``replicate`` (tensor parallel, mixed precision,
    pipelines, or parameters the forward never uses, on which DDP's reducer fails); ``sp``
    joins the gradient reduction. Mixed precision applies to every plan: with no data axis
-   the reduction runs over a ``dp`` dim of size 1.
+   the reduction runs over a ``dp`` dim of size 1. ``Plan(zero=1)`` is always DDP (torch's
+   pairing for ``ZeroRedundancyOptimizer``, which ``sk.optimizer`` builds), told about unused
+   parameters; ``zero=2`` / ``3`` are ``fully_shard`` as the plan's ``fsdp`` options say.
 """
 
 from __future__ import annotations
@@ -96,6 +98,8 @@ def parallelize(module: nn.Module, plan: Plan, ctx: Context, layouts: dict[str, 
 def _uses_ddp(module: nn.Module, plan: Plan, data: DataMesh, facts: ModelFacts) -> bool:
     """Plain replication by DDP itself: no sharding, every parameter used, nothing DDP cannot do
     (tensor-parallel DTensors, mixed precision, pipeline schedules: FSDP2's replicate does those)."""
+    if plan.zero == 1:  # Plan.problems() refused what DDP cannot do with it
+        return True
     all_used = facts.unused_parameters is not None and not facts.unused_parameters
     return (not data.shards and all_used and plan.pipeline is None and not plan.fsdp.mixed_precision
             and not any(isinstance(p, DTensor) for p in module.parameters()))
@@ -141,7 +145,8 @@ def _apply_data_parallel(module: nn.Module, plan: Plan, data: DataMesh, layouts:
             # Plain replication: DDP itself (bucketed all-reduce overlapped with backward), applied in place.
             from torch.distributed._composable import replicate
 
-            replicate(module, device_mesh=data.mesh)
+            all_used = facts.unused_parameters is not None and not facts.unused_parameters
+            replicate(module, device_mesh=data.mesh, find_unused_parameters=not all_used)
         else:
             # FSDP2's replicate composes with tensor parallel (DTensor parameters), mixed precision, pipeline
             # schedules (several forwards per backward, which DDP's reducer does not allow) and parameters the

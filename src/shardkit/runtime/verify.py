@@ -24,6 +24,7 @@ from ..plan import Plan, PlanError, UsageError
 from ..planner.tensor_parallel import aliases
 from .context import Context
 from .materialize import materialize
+from .optimizer import optimizer as optimizer_for
 from .precision import DTYPES, Precision, mixed_precision_backward
 from .verify_inputs import (
     batch_pair,
@@ -65,7 +66,7 @@ def mixed_precision_tolerances(dtype: torch.dtype) -> dict[str, float]:
 
 #: :func:`mixed_precision_tolerances` of bf16: loss 3.1%, gradients 1e-5 + 7.8% of max|grad|.
 MIXED_PRECISION_TOLERANCES = mixed_precision_tolerances(torch.bfloat16)
-_OPTIMIZERS = ("adamw", "sgd")
+_OPTIMIZERS = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
 
 
 @dataclass(frozen=True)
@@ -105,8 +106,9 @@ class VerifyResult:
         return "\n".join([head, *rows, *[f"  ! {p}" for p in self.problems]])
 
 
-def _make_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=lr) if name == "adamw" else torch.optim.SGD(params, lr=lr)
+def _make_optimizer(name: str, model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    """The optimizer as training builds it (``sk.optimizer``: ZeRO-1's partitioned one under ``Plan(zero=1)``)."""
+    return optimizer_for(model, _OPTIMIZERS[name], lr=lr)
 
 
 def _tolerances(plan: Plan, overrides: Any) -> dict[str, float]:
@@ -134,7 +136,7 @@ class _SingleProcess:
         self.params = dict(self.model.named_parameters())
         self.aliases = aliases(self.model)
         self.batch, self.loss_fn, self.lr, self.precision = batch, loss_fn, lr, precision
-        self.optimizer = _make_optimizer(optimizer, self.params.values(), lr)
+        self.optimizer = _make_optimizer(optimizer, self.model, lr)
 
     def backward(self, precision: Precision | None = None) -> tuple[float, dict[str, torch.Tensor]]:
         """(loss, gradients) at the current weights, in ``precision`` (default: the plan's)."""
@@ -160,7 +162,7 @@ def _sharded_job(ctx: Context, build_model, batch, loss_fn, steps, optimizer, lr
     from .apply import full_grads, full_state_dict, shard
 
     model = shard(build_model(), ctx.plan, ctx)
-    opt = _make_optimizer(optimizer, model.parameters(), lr)
+    opt = _make_optimizer(optimizer, model, lr)
     inputs, targets = ctx.shard_batch(*batch)
     records = []
     for _ in range(steps):
@@ -303,7 +305,7 @@ def verify(build_model: Callable[[], nn.Module], plan: Plan, batch: tuple[Any, A
     if not isinstance(plan, Plan):
         raise UsageError(f"verify(plan=...): plan must be a shardkit Plan, got {type(plan).__name__}")
     check_steps(steps)
-    check_optimizer(optimizer, _OPTIMIZERS)
+    check_optimizer(optimizer, tuple(_OPTIMIZERS))
     check_lr(lr)
     tol = _tolerances(plan, tolerances)
     inputs, targets = batch_pair(batch)
