@@ -89,6 +89,7 @@ TWO = [
 ]
 FOUR = [
     ("fsdp=2,tp=2", Plan(mesh=Mesh(fsdp=2, tp=2), rules=GPT_RULES)),
+    ("dp=2,fsdp=2", Plan(mesh=Mesh(dp=2, fsdp=2))),  # HSDP
     ("pp=2,fsdp=2", Plan(mesh=Mesh(pp=2, fsdp=2), pipeline=Pipeline(schedule="gpipe", microbatches=2))),
     ("pp=2,dp=2", Plan(mesh=Mesh(pp=2, dp=2), pipeline=Pipeline(schedule="1f1b", microbatches=2))),
     ("pp=2,tp=2", Plan(mesh=Mesh(pp=2, tp=2), rules=GPT_RULES,
@@ -107,6 +108,7 @@ ACCUMULATE = [
     ("dp=2", Plan(mesh=Mesh(dp=2))),  # DDP's composable replicate: its no_sync switch
     ("pp=2,fsdp=2", Plan(mesh=Mesh(pp=2, fsdp=2), pipeline=Pipeline(schedule="gpipe", microbatches=2))),
     ("pp=2", Plan(mesh=Mesh(pp=2), pipeline=Pipeline(schedule="1f1b", microbatches=2))),
+    ("sp=2", Plan(mesh=Mesh(sp=2))),  # context parallel: sp joins the data-parallel reduction
 ]
 
 
