@@ -51,11 +51,12 @@ class ShardedModule:
         last backward (:mod:`shardkit.runtime.accumulation`). Gradients and loss equal one step
         on the whole batch (for a ``loss_fn`` that averages over the batch).
         """
-        chunks = micro_batches(inputs, targets, accumulate)
+        *first, last = micro_batches(inputs, targets, accumulate)
         losses = []
-        with gradient_sync_deferred(self):
-            losses += [self._micro_step(x, y, loss_fn, len(chunks)) for x, y in chunks[:-1]]
-        losses.append(self._micro_step(*chunks[-1], loss_fn, len(chunks)))
+        if first:
+            with gradient_sync_deferred(self):
+                losses += [self._micro_step(x, y, loss_fn, accumulate) for x, y in first]
+        losses.append(self._micro_step(*last, loss_fn, accumulate))
         return mean_over_world(torch.stack(losses).sum())
 
     def _micro_step(self, inputs: Any, targets: Any, loss_fn, count: int) -> torch.Tensor:
