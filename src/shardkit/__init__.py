@@ -50,6 +50,7 @@ _EXPORTS = {
     "check_sequence_length": "shardkit.plan.sequence",
     "recompute": "shardkit.runtime.recompute",
     "held_activations": "shardkit.runtime.recompute",
+    "clip_grad_norm_": "shardkit.runtime.clipping",
     # grouped collectives (within the groups of a ReplicaGrouping, or of its transpose)
     "all_reduce": "shardkit.runtime.collectives",
     "all_gather": "shardkit.runtime.collectives",

@@ -24,6 +24,7 @@ from torch import nn
 from ..plan import Plan, PlanWarning, UsageError
 from ..planner.initialisation import uninitialised
 from ..planner.validate import validate
+from .accumulation import gradient_sync_deferred, micro_batches
 from .context import Context, current_context
 from .materialize import WeightSource, open_weights
 from .parallelize import parallelize, with_mixin
@@ -42,11 +43,26 @@ class ShardedModule:
     def plan(self) -> Plan:
         return self._sk_plan
 
-    def step(self, inputs: Any, targets: Any, loss_fn) -> torch.Tensor:
-        """Forward and backward on this rank's batch; returns the loss averaged over all ranks."""
-        loss = loss_fn(self(inputs), targets)
+    def step(self, inputs: Any, targets: Any, loss_fn, accumulate: int = 1) -> torch.Tensor:
+        """Forward and backward on this rank's batch; returns the loss averaged over all ranks.
+
+        ``accumulate=k``: the batch runs as ``k`` equal micro-batches along dim 0, one after
+        another, each loss scaled by ``1/k``; data-parallel gradients are reduced only in the
+        last backward (:mod:`shardkit.runtime.accumulation`). Gradients and loss equal one step
+        on the whole batch (for a ``loss_fn`` that averages over the batch).
+        """
+        *first, last = micro_batches(inputs, targets, accumulate)
+        losses = []
+        if first:
+            with gradient_sync_deferred(self):
+                losses += [self._micro_step(x, y, loss_fn, accumulate) for x, y in first]
+        losses.append(self._micro_step(*last, loss_fn, accumulate))
+        return mean_over_world(torch.stack(losses).sum())
+
+    def _micro_step(self, inputs: Any, targets: Any, loss_fn, count: int) -> torch.Tensor:
+        loss = loss_fn(self(inputs), targets) / count
         loss.backward()
-        return mean_over_world(loss.detach())
+        return loss.detach()
 
 
 def mean_over_world(value: torch.Tensor) -> torch.Tensor:

@@ -39,6 +39,7 @@ from ..plan.pipeline import SCHEDULES, SINGLE_STAGE_SCHEDULES
 from ..planner.model_checks import ModelFacts
 from ..planner.stages import StageAssignment, assign_stages
 from . import spans as timeline
+from .accumulation import micro_batches
 from .context import Context
 from .materialize import WeightSource
 from .parallelize import parallelize, with_mixin
@@ -76,14 +77,17 @@ class PipelinedModule:
             raise UsageError(f"stage {stage} does not run on this rank (it runs stages {runtime.local})")
         return runtime.assignment.layout.family.stage_forward(self, runtime.units[stage], *args)
 
-    def step(self, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], torch.Tensor]) -> torch.Tensor:
+    def step(self, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], torch.Tensor],
+             accumulate: int = 1) -> torch.Tensor:
         """Forward and backward over the micro-batches of this data rank's batch.
 
         Returns the loss averaged over micro-batches and data ranks (detached, equal on every
         rank: broadcast from the last stage). Gradients accumulate into ``.grad`` as one
-        backward of the mean loss would.
+        backward of the mean loss would. ``accumulate=k``: the batch runs through the schedule
+        as ``k`` equal parts, one after another (each split into the pipeline's microbatches),
+        with data-parallel gradients reduced once, in the last backward: the same gradients.
         """
-        return self._sk_runtime.step(inputs, targets, loss_fn)
+        return self._sk_runtime.step(inputs, targets, loss_fn, accumulate)
 
 
 class _StageModule(nn.Module):
@@ -141,6 +145,8 @@ class _Runtime:
         self.schedule_name = pipeline.schedule
         self.data_parallel: FSDPModule | None = None
         self.backwards_left = 0
+        self.accumulate = 1
+        self.first_part: tuple[tuple[int, ...], int] | None = None
 
     def build(self, model: nn.Module) -> None:
         self.model = model
@@ -162,7 +168,7 @@ class _Runtime:
 
         def scaled_loss(output: Any, target: Any) -> torch.Tensor:
             assert self.loss_fn is not None
-            return self.loss_fn(output, target) / self.microbatches
+            return self.loss_fn(output, target) / (self.microbatches * self.accumulate)
 
         if self.schedule_name in SINGLE_STAGE_SCHEDULES:
             self.schedule = cls(self.stages[0], self.microbatches, loss_fn=scaled_loss, scale_grads=False)
@@ -177,22 +183,28 @@ class _Runtime:
     def has_last(self) -> bool:
         return self.assignment.num_stages - 1 in self.local
 
-    def step(self, inputs: Any, targets: Any, loss_fn: Callable) -> torch.Tensor:
+    def step(self, inputs: Any, targets: Any, loss_fn: Callable, accumulate: int = 1) -> torch.Tensor:
         inputs = inputs if isinstance(inputs, tuple) else (inputs,)
         problems = self.plan.pipeline.check_batch(int(inputs[0].shape[0])) if self.plan.pipeline else []
         if problems:
             raise PlanError(problems)
-        self.loss_fn = loss_fn
+        parts = micro_batches(inputs, targets, accumulate, multiple_of=self.microbatches)
+        self._check_part_shape(tuple(parts[0][0][0].shape), accumulate)
+        self.loss_fn, self.accumulate = loss_fn, accumulate
         device = self.ctx.device
-        args = tuple(x.to(device) for x in inputs) if self.has_first else ()
-        target = targets.to(device) if self.has_last else None
         losses: list[torch.Tensor] = []
         with timeline.span("step"), _recording_waits():
-            self.backwards_left = self.microbatches * len(self.local)
+            # data-parallel gradients are reduced once, in this rank's last backward of the last part (_instrument)
+            self.backwards_left = self.microbatches * len(self.local) * accumulate
             if self.data_parallel is not None:
                 self.data_parallel.set_requires_gradient_sync(False)
             try:
-                self.schedule.step(*args, target=target, losses=losses)
+                for part_inputs, part_targets in parts:
+                    args = tuple(x.to(device) for x in part_inputs) if self.has_first else ()
+                    target = part_targets.to(device) if self.has_last else None
+                    part_losses: list[torch.Tensor] = []  # torch's schedule clears the list it is given
+                    self.schedule.step(*args, target=target, losses=part_losses)
+                    losses += part_losses
             finally:
                 if self.data_parallel is not None:
                     self.data_parallel.set_requires_gradient_sync(True)
@@ -204,6 +216,18 @@ class _Runtime:
                     if self.plan.mesh.size_of(axis) > 1:
                         dist.all_reduce(loss, group=self.ctx.mesh[axis].get_group())
         return loss / self.plan.mesh.data_size
+
+
+    def _check_part_shape(self, shape: tuple[int, ...], accumulate: int) -> None:
+        """torch's stages fix their buffers' shapes on the first step: refuse a step whose parts differ."""
+        if self.first_part is None:
+            self.first_part = (shape, accumulate)
+        elif self.first_part[0] != shape:
+            (first, k) = self.first_part
+            raise UsageError(f"this step's inputs go through the pipeline in parts of shape {list(shape)} "
+                             f"(accumulate={accumulate}), but torch's pipeline stages were built for parts of shape "
+                             f"{list(first)} by the first step (accumulate={k}); keep the batch shape and accumulate "
+                             f"the same on every step")
 
 
 def _count_saved(params: Callable[[], list[torch.Tensor]], record: Any) -> Any:
