@@ -49,6 +49,7 @@ _EXPORTS = {
     "check_sequence_length": "shardkit.plan.sequence",
     "recompute": "shardkit.runtime.recompute",
     "held_activations": "shardkit.runtime.recompute",
+    "generate": "shardkit.runtime.generate",
     # grouped collectives (within the groups of a ReplicaGrouping, or of its transpose)
     "all_reduce": "shardkit.runtime.collectives",
     "all_gather": "shardkit.runtime.collectives",
