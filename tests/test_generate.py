@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
+import shardkit.cli.generate as generate_cli
+from shardkit.checkpoint.store import save
+from shardkit.cli import main
 from shardkit.models.gpt import GPT_RULES, build_tiny_gpt
 from shardkit.models.hf import LLAMA_RULES, build_tiny_llama
 from shardkit.plan import Mesh, Pipeline, Plan, PlanError, UsageError
@@ -15,6 +20,7 @@ from shardkit.runtime.generate import Decoder, generate, generation_problems
 PROMPT = torch.tensor([[3, 141, 59, 26, 53], [58, 97, 93, 238, 46]])
 NEW = 10
 SAMPLING = {"temperature": 1.0, "top_k": 20, "seed": 5}
+SCALE = 1.5  # the saved GPT's weights: the built ones times this, so a CLI run that ignored the checkpoint differs
 
 
 def _greedy_without_cache(model: torch.nn.Module, ids: torch.Tensor, new: int) -> torch.Tensor:
@@ -40,8 +46,17 @@ def _cache_heads(model: torch.nn.Module, ids: torch.Tensor) -> tuple[int, int]:
     return decoder.cache.layers[0].keys.shape[1], decoder.nbytes
 
 
-def _tp_generation(ctx):
-    """Every tp=2 check in one job: greedy and sampled tokens of Llama and the reference GPT, cache heads."""
+def _scaled_gpt() -> torch.nn.Module:
+    model = build_tiny_gpt()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(SCALE)
+    return model.eval()
+
+
+def _tp_generation(ctx, folder):
+    """Every tp=2 check in one job: greedy and sampled tokens of Llama and the reference GPT, cache heads;
+    then a GPT checkpoint with scaled weights saved in ``folder`` for the command line."""
     out = {}
     for name, build, rules in (("llama", build_tiny_llama, LLAMA_RULES), ("gpt", build_tiny_gpt, GPT_RULES)):
         model = shard(build(), Plan(mesh=Mesh(tp=2), rules=rules), ctx)
@@ -51,12 +66,21 @@ def _tp_generation(ctx):
         out[name, "sampled"] = generate(model, PROMPT, max_new_tokens=NEW, **SAMPLING)
         out[name, "cache"] = _cache_heads(model, PROMPT)
         out[name, "training"] = model.training
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(SCALE)
+    save(folder, model, step=1)
     return out
 
 
 @pytest.fixture(scope="module")
-def tp_results(world):
-    return world(2).run(_tp_generation, plan=Plan(mesh=Mesh(tp=2)), timeout=300)
+def checkpoint(tmp_path_factory):
+    return tmp_path_factory.mktemp("generate") / "gpt"
+
+
+@pytest.fixture(scope="module")
+def tp_results(world, checkpoint):
+    return world(2).run(_tp_generation, checkpoint, plan=Plan(mesh=Mesh(tp=2)), timeout=300)
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt"])
@@ -146,3 +170,88 @@ def test_bad_arguments_are_refused_naming_the_argument(ids, kwargs, expected):
 def test_a_model_without_a_cache_is_refused():
     with pytest.raises(UsageError, match=r"cannot decode Sequential: it needs a transformers model"):
         generate(torch.nn.Sequential(torch.nn.Embedding(8, 4), torch.nn.Linear(4, 8)), PROMPT % 8, max_new_tokens=1)
+
+
+# -- shardkit generate ----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("generate") / "llama"
+    build_tiny_llama().save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture
+def cli(world, monkeypatch):
+    """``cli(*argv)`` runs ``shardkit generate`` on the shared 2-process world; returns (exit code, every
+    rank's new token ids)."""
+    seen = []
+    launch = generate_cli.launch
+
+    def borrowed(fn, plan, *args, world_size, timeout):
+        seen.append(launch(fn, plan, *args, world=world(world_size), timeout=timeout))
+        return seen[-1]
+
+    monkeypatch.setattr(generate_cli, "launch", borrowed)
+
+    def run(*argv: str) -> tuple[int, list]:
+        seen.clear()
+        return main(["generate", *argv]), (seen[0] if seen else [])
+
+    return run
+
+
+def test_cli_generates_from_a_checkpoint_as_one_process_would(tp_results, checkpoint, cli):
+    code, ranks = cli("--model", "gpt-tiny", "--checkpoint", str(checkpoint), "--mesh", "tp=2", "--prompt", "hi",
+                      "--max-new-tokens", "12")
+    assert code == 0
+    expected = _greedy_without_cache(_scaled_gpt(), torch.tensor([list(b"hi")]), 12)[0, 2:].tolist()
+    assert ranks == [expected, expected]
+    assert expected != _greedy_without_cache(build_tiny_gpt().eval(), torch.tensor([list(b"hi")]), 12)[0, 2:].tolist()
+
+
+def test_cli_generates_from_a_hf_folder_as_transformers_does(hf_folder, cli):
+    ids = ",".join(map(str, PROMPT[0].tolist()))
+    code, ranks = cli("--model", "llama-tiny", "--hf", str(hf_folder), "--mesh", "tp=2", "--prompt-ids", ids,
+                      "--max-new-tokens", str(NEW))
+    assert code == 0
+    expected = _hf_greedy(build_tiny_llama(), PROMPT[:1], NEW)[0, PROMPT.shape[1]:].tolist()
+    assert ranks == [expected, expected]
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["--model", "llama-tiny", "--mesh", "tp=4", "--prompt-ids", "1,2"],
+     r"invalid plan: .*2 key/value heads, but each rank must hold whole heads; valid tp sizes: \[1, 2\]"),
+    (["--model", "llama-tiny", "--mesh", "fsdp=2", "--prompt-ids", "1,2"], r"--mesh fsdp=2: .*axis 'fsdp' has size 2"),
+    (["--model", "llama-tiny", "--prompt-ids", "1,256"], r"--prompt-ids holds id 256.*valid ids: 0 to 255"),
+    (["--model", "llama-tiny", "--prompt-ids", "1", "--top-k", "3"], r"--top-k apply only to sampling"),
+    (["--model", "llama-tiny", "--prompt", ""], r"--prompt is empty"),
+    (["--model", "gpt-small", "--prompt", "hi"], r"another model's parameters"),
+    (["--model", "llama-tiny", "--prompt-ids", "1,x"], r"--prompt-ids: must be comma-separated"),
+    (["--model", "llama-tiny", "--prompt-ids", "1", "--temperature", "0"], r"--temperature: must be a positive"),
+])
+def test_cli_refuses_before_any_process(argv, expected, hf_folder, tp_results, checkpoint, capsys, no_processes):
+    weights = ["--checkpoint", str(checkpoint)] if "gpt-small" in argv else ["--hf", str(hf_folder)]
+    try:
+        code = main(["generate", *argv, *weights, "--max-new-tokens", "3"])
+    except SystemExit as exc:  # a flag refused while parsing
+        code = exc.code
+    assert code == 2
+    assert re.search(expected, capsys.readouterr().err)
+
+
+def test_streamed_text_is_decoded_as_bytes_arrive(capsys):
+    stream = generate_cli._Stream(True, True, tuple(b"caf"))
+    for byte in "é!".encode():  # é is two bytes: nothing is printed for its first
+        stream(torch.tensor([byte]))
+    stream.end()
+    ids = generate_cli._Stream(True, False, (1, 2))
+    ids(torch.tensor([3]))
+    ids.end()
+    assert capsys.readouterr().out == "café!\n1 2 3\n"
+
+
+def test_cli_refuses_more_tokens_than_positions(checkpoint, tp_results, capsys, no_processes):
+    assert main(["generate", "--model", "gpt-tiny", "--checkpoint", str(checkpoint), "--prompt", "hi",
+                 "--max-new-tokens", "31"]) == 2
+    assert "--max-new-tokens 31: a prompt of 2 tokens and max_new_tokens=31 need 33 positions, but GPT has 32; " \
+           "valid: max_new_tokens <= 30" in capsys.readouterr().err
