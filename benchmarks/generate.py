@@ -1,9 +1,9 @@
 """Sharded generation: decode tokens/s and KV-cache bytes per device at tp = 1, 2, 4.
 
 A transformers Llama (hidden 256, 4 layers, 8 heads, 4 KV heads, vocabulary 1024) split over
-``tp`` in a local gloo world, one prompt of each length. Decode speed is measured as the time of
-``sk.generate`` making ``1 + N`` tokens minus the time of making 1 (the prefill and its first
-token), over ``N`` tokens; the faster of ``--rounds`` rounds is kept. The baseline is tp = 1 in
+``tp`` in a local gloo world, one prompt of each length. Decode speed is timed by ``sk.generate``'s
+``on_token`` callback: the ``N`` tokens after the first (which ends the prefill) over the time from
+the first to the last; the faster of ``--rounds`` rounds is kept. The baseline is tp = 1 in
 the same run (one process, the same ``sk.generate``). The KV-cache bytes are those each rank's
 cache holds after the prefill (``Decoder.nbytes``), against the formula
 ``2 (keys, values) x layers x batch x positions x KV heads / tp x head_dim x 4 bytes``.
@@ -40,10 +40,11 @@ def expected_cache_bytes(positions: int, tp: int, batch: int = 1) -> int:
         * FLOAT_BYTES
 
 
-def _timed(model, prompt: torch.Tensor, new: int) -> float:
-    start = time.perf_counter()
-    sk.generate(model, prompt, max_new_tokens=new)
-    return time.perf_counter() - start
+def _decode_seconds(model, prompt: torch.Tensor, new: int) -> float:
+    """Seconds from the first token (the prefill's) to the last of ``1 + new``."""
+    times: list[float] = []
+    sk.generate(model, prompt, max_new_tokens=1 + new, on_token=lambda _: times.append(time.perf_counter()))
+    return times[-1] - times[0]
 
 
 def measure(ctx, prompts: list[int], new: int, rounds: int) -> list[dict]:
@@ -52,7 +53,7 @@ def measure(ctx, prompts: list[int], new: int, rounds: int) -> list[dict]:
     rows = []
     for length in prompts:
         prompt = torch.randint(0, SIZES["vocab_size"], (1, length), generator=torch.Generator().manual_seed(length))
-        best = min(_timed(model, prompt, 1 + new) - _timed(model, prompt, 1) for _ in range(rounds))
+        best = min(_decode_seconds(model, prompt, new) for _ in range(rounds))
         decoder = Decoder(model)
         with torch.no_grad():
             decoder.step(prompt)

@@ -143,9 +143,24 @@ def test_plans_generate_cannot_run_are_refused_with_the_reason(plan, expected):
     with pytest.raises(PlanError, match=expected):
         raise PlanError(generation_problems(plan))
     model = build_tiny_gpt()
-    model._sk_plan = plan  # as sk.shard leaves it: generate refuses before any collective
+    model.plan = plan  # as sk.shard leaves it: generate refuses before any collective
     with pytest.raises(PlanError, match=expected):
         generate(model, PROMPT, max_new_tokens=2)
+
+
+def _generate_on_a_pipeline(ctx):
+    model = shard(build_tiny_gpt(), ctx.plan, ctx)
+    try:
+        generate(model, PROMPT, max_new_tokens=2)
+    except PlanError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_a_pipelined_model_is_refused_on_every_rank(world):
+    plan = Plan(mesh=Mesh(pp=2), pipeline=Pipeline(microbatches=2))
+    for message in world(2).run(_generate_on_a_pipeline, plan=plan, timeout=120):
+        assert "does not run pipeline-parallel models (mesh pp=2)" in message
 
 
 @pytest.mark.parametrize("ids,kwargs,expected", [
@@ -222,6 +237,7 @@ def test_cli_generates_from_a_hf_folder_as_transformers_does(hf_folder, cli):
     (["--model", "llama-tiny", "--mesh", "tp=4", "--prompt-ids", "1,2"],
      r"invalid plan: .*2 key/value heads, but each rank must hold whole heads; valid tp sizes: \[1, 2\]"),
     (["--model", "llama-tiny", "--mesh", "fsdp=2", "--prompt-ids", "1,2"], r"--mesh fsdp=2: .*axis 'fsdp' has size 2"),
+    (["--model", "llama-tiny", "--mesh", "tp=-1", "--prompt-ids", "1"], r"--mesh tp=-1: give every axis its size"),
     (["--model", "llama-tiny", "--prompt-ids", "1,256"], r"--prompt-ids holds id 256.*valid ids: 0 to 255"),
     (["--model", "llama-tiny", "--prompt-ids", "1", "--top-k", "3"], r"--top-k apply only to sampling"),
     (["--model", "llama-tiny", "--prompt", ""], r"--prompt is empty"),

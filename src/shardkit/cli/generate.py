@@ -115,6 +115,9 @@ def check_job(args: argparse.Namespace) -> tuple[Plan, GenerateJob]:
         mesh = Mesh.parse(args.mesh)
     except PlanError as exc:
         raise PlanError(f"--mesh: {exc}") from None
+    if not mesh.is_resolved:
+        raise PlanError(f"--mesh {args.mesh}: give every axis its size (no -1): generation starts one process per "
+                        f"device of the mesh, e.g. --mesh tp=2")
     rules = load_rules(args.rules) if args.rules is not None else \
         entry.rules_for(mesh) or inferred_rules(args.model, entry, mesh)
     plan = Plan(mesh=mesh, rules=rules).resolved(mesh.size)

@@ -89,8 +89,8 @@ def generate(model: nn.Module, input_ids: torch.Tensor, *, max_new_tokens: int, 
     torch.Size([1, 5])
     """
     _check_arguments(input_ids, max_new_tokens, temperature, top_k, seed)
-    plan = getattr(model, "_sk_plan", None)
-    if plan is not None:
+    plan = getattr(model, "plan", None)  # a model from sk.shard, pipelined or not, has its plan
+    if isinstance(plan, Plan):
         problems = generation_problems(plan)
         if problems:
             raise PlanError(problems)
@@ -214,9 +214,9 @@ def _choose(logits: torch.Tensor, temperature: float, top_k: int | None,
     return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator)[:, 0]
 
 
-def _tp_group(plan: Plan | None):
+def _tp_group(plan: object):
     """The process group of the ``tp`` axis, or ``None`` (unsharded, or tp of size 1)."""
-    if plan is None or plan.mesh.size_of(GENERATION_AXIS) < 2:
+    if not isinstance(plan, Plan) or plan.mesh.size_of(GENERATION_AXIS) < 2:
         return None
     from .context import current_context
     from .meshes import meshes_for
