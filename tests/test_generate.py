@@ -11,7 +11,7 @@ import shardkit.cli.generate as generate_cli
 from shardkit.checkpoint.store import save
 from shardkit.cli import main
 from shardkit.models.gpt import GPT_RULES, build_tiny_gpt
-from shardkit.models.hf import LLAMA_RULES, build_tiny_llama
+from shardkit.models.hf import GPT2_RULES, LLAMA_RULES, build_tiny_gpt2, build_tiny_llama
 from shardkit.plan import Mesh, Pipeline, Plan, PlanError, UsageError
 from shardkit.planner.validate import validate
 from shardkit.runtime.apply import shard
@@ -66,6 +66,8 @@ def _tp_generation(ctx, folder):
         out[name, "sampled"] = generate(model, PROMPT, max_new_tokens=NEW, **SAMPLING)
         out[name, "cache"] = _cache_heads(model, PROMPT)
         out[name, "training"] = model.training
+    gpt2 = shard(build_tiny_gpt2(), Plan(mesh=Mesh(tp=2), rules=GPT2_RULES), ctx)  # fused, permuted c_attn
+    out["gpt2", "greedy"] = generate(gpt2, PROMPT, max_new_tokens=NEW)
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(SCALE)
@@ -95,6 +97,10 @@ def test_llama_greedy_under_tp_equals_transformers_generate(tp_results):
     expected = _hf_greedy(build_tiny_llama(), PROMPT, NEW)
     assert expected.shape == (2, PROMPT.shape[1] + NEW)
     assert torch.equal(tp_results[0]["llama", "greedy"], expected)
+
+
+def test_gpt2_greedy_under_tp_equals_transformers_generate(tp_results):
+    assert torch.equal(tp_results[0]["gpt2", "greedy"], _hf_greedy(build_tiny_gpt2(), PROMPT, NEW))
 
 
 def test_gpt_greedy_under_tp_equals_a_single_process_loop(tp_results):
