@@ -51,6 +51,7 @@ _EXPORTS = {
     "recompute": "shardkit.runtime.recompute",
     "held_activations": "shardkit.runtime.recompute",
     "clip_grad_norm_": "shardkit.runtime.clipping",
+    "generate": "shardkit.runtime.generate",
     # grouped collectives (within the groups of a ReplicaGrouping, or of its transpose)
     "all_reduce": "shardkit.runtime.collectives",
     "all_gather": "shardkit.runtime.collectives",

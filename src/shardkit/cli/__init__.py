@@ -10,7 +10,7 @@ from ..plan import PlanError, UsageError
 from .options import OneLineParser
 
 #: Sub-command modules; each defines ``register(subparsers)`` which sets ``func`` on its parser.
-COMMANDS = ("train", "explain", "plan", "replicas", "data", "checkpoint", "calibrate")
+COMMANDS = ("train", "explain", "plan", "replicas", "data", "checkpoint", "calibrate", "generate")
 
 
 def build_parser() -> argparse.ArgumentParser:

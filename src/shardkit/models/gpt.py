@@ -5,6 +5,8 @@ The reference model of demos, tests and benchmarks. Module names (what layout ru
 ``norm_f``, ``lm_head``. Attention reshapes heads with ``-1``, so after column-parallel
 q/k/v projections each tensor-parallel rank simply runs its own heads; it calls
 ``attn.attention_fn(q, k, v)`` (causal), an attribute context-parallel code can replace.
+Decoding passes a :class:`KVCache` (``model(ids, cache=model.kv_cache())``); without one the
+forward is unchanged. Under tensor parallel each rank's cache holds only its own heads.
 
 >>> import torch
 >>> model = build_tiny_gpt()
@@ -46,6 +48,56 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
+class LayerCache:
+    """One attention layer's keys and values so far, ``[batch, heads, seq, head_dim]`` (empty at first)."""
+
+    def __init__(self) -> None:
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        """The number of positions held."""
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append the new positions' ``k``/``v``; returns every position's keys and values."""
+        self.keys = k if self.keys is None else torch.cat([self.keys, k], dim=2)
+        self.values = v if self.values is None else torch.cat([self.values, v], dim=2)
+        return self.keys, self.values
+
+
+class KVCache:
+    """Keys and values of every layer for incremental decoding (one :class:`LayerCache` per layer).
+
+    ``nbytes`` is what this process holds: after tensor parallel, its own heads only.
+
+    >>> model = build_tiny_gpt()
+    >>> cache = model.kv_cache()
+    >>> _ = model(torch.zeros(1, 5, dtype=torch.long), cache=cache)
+    >>> cache.length, cache.nbytes
+    (5, 5120)
+    """
+
+    def __init__(self, layers: int):
+        self.layers = [LayerCache() for _ in range(layers)]
+
+    @property
+    def length(self) -> int:
+        """The number of positions held (the next token's position)."""
+        return self.layers[0].length if self.layers else 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every cached key and value tensor."""
+        return sum(t.nbytes for layer in self.layers for t in (layer.keys, layer.values) if t is not None)
+
+
+def _after_past(past: int, seq: int, device: torch.device) -> torch.Tensor:
+    """The causal mask of ``seq`` new queries over ``past + seq`` keys (query i sees keys ``<= past + i``)."""
+    return torch.arange(past + seq, device=device)[None, :] <= (past + torch.arange(seq, device=device))[:, None]
+
+
 class Attention(nn.Module):
     """Multi-head causal self-attention; heads are inferred from the projection width."""
 
@@ -59,11 +111,17 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(config.dim, config.dim)
         self.attention_fn = causal_attention
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
         batch, seq = x.shape[:2]
         q, k, v = (proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
                    for proj in (self.q_proj, self.k_proj, self.v_proj))
-        out = self.attention_fn(q, k, v)
+        past = 0 if cache is None else cache.length
+        if cache is not None:
+            k, v = cache.update(k, v)
+        if past:  # new queries after cached positions: SDPA's is_causal aligns top-left, so an explicit mask
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=_after_past(past, seq, x.device))
+        else:
+            out = self.attention_fn(q, k, v)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -87,16 +145,18 @@ class Block(nn.Module):
         self.norm2 = nn.LayerNorm(config.dim)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x))
+    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cache)
         return x + self.mlp(self.norm2(x))
 
 
 class GPT(nn.Module):
-    """Decoder-only transformer: ``model(idx, positions=None) -> logits [B, T, vocab]``.
+    """Decoder-only transformer: ``model(idx, positions=None, cache=None) -> logits [B, T, vocab]``.
 
-    ``positions`` are the global positions of the ``T`` tokens (default ``arange(T)``); a
-    sequence-parallel rank holding a slice of the sequence passes its own.
+    ``positions`` are the global positions of the ``T`` tokens (default ``arange(T)``, after the
+    cached ones with a ``cache``); a sequence-parallel rank holding a slice of the sequence
+    passes its own. ``cache`` (from :meth:`kv_cache`) keeps every layer's keys and values, so a
+    decode step runs only the new tokens.
     """
 
     def __init__(self, config: GPTConfig):
@@ -114,12 +174,18 @@ class GPT(nn.Module):
         """Initialise one module's own weights (transformers' convention: ``model._init_weights(module)``)."""
         _init_weights(module)
 
-    def forward(self, idx: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def kv_cache(self) -> KVCache:
+        """An empty cache for ``forward(..., cache=)``."""
+        return KVCache(len(self.layers))
+
+    def forward(self, idx: torch.Tensor, positions: torch.Tensor | None = None,
+                cache: KVCache | None = None) -> torch.Tensor:
         if positions is None:
-            positions = torch.arange(idx.shape[1], device=idx.device)
+            past = 0 if cache is None else cache.length
+            positions = torch.arange(past, past + idx.shape[1], device=idx.device)
         x = self.embed(idx) + self.pos_embed(positions)
-        for layer in self.layers:
-            x = layer(x)
+        for i, layer in enumerate(self.layers):
+            x = layer(x) if cache is None else layer(x, cache.layers[i])
         return self.lm_head(self.norm_f(x))
 
 

@@ -1,0 +1,96 @@
+"""Sharded generation: decode tokens/s and KV-cache bytes per device at tp = 1, 2, 4.
+
+A transformers Llama (hidden 256, 4 layers, 8 heads, 4 KV heads, vocabulary 1024) split over
+``tp`` in a local gloo world, one prompt of each length. Decode speed is timed by ``sk.generate``'s
+``on_token`` callback: the ``N`` tokens after the first (which ends the prefill) over the time from
+the first to the last; the faster of ``--rounds`` rounds is kept. The baseline is tp = 1 in
+the same run (one process, the same ``sk.generate``). The KV-cache bytes are those each rank's
+cache holds after the prefill (``Decoder.nbytes``), against the formula
+``2 (keys, values) x layers x batch x positions x KV heads / tp x head_dim x 4 bytes``.
+
+    python benchmarks/generate.py [--tp 1,2,4] [--prompts 128,512,2048] [--new 32] [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+import shardkit as sk
+from shardkit.models.hf import LLAMA_RULES, build_llama, tiny_llama_config
+from shardkit.plan.text import format_bytes
+from shardkit.runtime.generate import Decoder
+
+SIZES = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+             intermediate_size=512, vocab_size=1024, max_position_embeddings=4096)
+FLOAT_BYTES = 4
+
+
+def build():
+    return build_llama(tiny_llama_config(**SIZES))
+
+
+def expected_cache_bytes(positions: int, tp: int, batch: int = 1) -> int:
+    head_dim = SIZES["hidden_size"] // SIZES["num_attention_heads"]
+    return 2 * SIZES["num_hidden_layers"] * batch * positions * SIZES["num_key_value_heads"] // tp * head_dim \
+        * FLOAT_BYTES
+
+
+def _decode_seconds(model, prompt: torch.Tensor, new: int) -> float:
+    """Seconds from the first token (the prefill's) to the last of ``1 + new``."""
+    times: list[float] = []
+    sk.generate(model, prompt, max_new_tokens=1 + new, on_token=lambda _: times.append(time.perf_counter()))
+    return times[-1] - times[0]
+
+
+def measure(ctx, prompts: list[int], new: int, rounds: int) -> list[dict]:
+    """On every rank: per prompt length, decode tokens/s and this rank's cache bytes."""
+    model = sk.shard(build(), ctx.plan, ctx)
+    rows = []
+    for length in prompts:
+        prompt = torch.randint(0, SIZES["vocab_size"], (1, length), generator=torch.Generator().manual_seed(length))
+        best = min(_decode_seconds(model, prompt, new) for _ in range(rounds))
+        decoder = Decoder(model)
+        with torch.no_grad():
+            decoder.step(prompt)
+        rows.append({"prompt": length, "tokens_per_s": new / best, "cache_bytes": decoder.nbytes})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tp", default="1,2,4")
+    parser.add_argument("--prompts", default="128,512,2048")
+    parser.add_argument("--new", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    degrees = [int(t) for t in args.tp.split(",")]
+    prompts = [int(p) for p in args.prompts.split(",")]
+    results = {}
+    for tp in degrees:
+        plan = sk.Plan(mesh=sk.Mesh(tp=tp), rules=LLAMA_RULES)
+        results[tp] = sk.launch(measure, plan, prompts, args.new, args.rounds, world_size=tp)[0]
+    table = Table(title=f"sk.generate, Llama hidden 256 / 4 layers / 8 heads / 4 KV heads, {args.new} decoded tokens, "
+                        f"batch 1; baseline tp=1 in the same run")
+    for column in ("tp", "prompt", "decode tokens/s", "vs tp=1", "KV cache / device", "formula", "vs tp=1 cache"):
+        table.add_column(column, justify="right")
+    base = {row["prompt"]: row for row in results[degrees[0]]} if degrees[0] == 1 else None
+    for tp in degrees:
+        for row in results[tp]:
+            ref = base[row["prompt"]] if base else None
+            table.add_row(str(tp), str(row["prompt"]), f"{row['tokens_per_s']:.1f}",
+                          f"{row['tokens_per_s'] / ref['tokens_per_s']:.2f}x" if ref else "-",
+                          format_bytes(row["cache_bytes"]), format_bytes(expected_cache_bytes(row["prompt"], tp)),
+                          f"{row['cache_bytes'] / ref['cache_bytes']:.3f}" if ref else "-")
+            if row["cache_bytes"] != expected_cache_bytes(row["prompt"], tp):
+                raise SystemExit(f"tp={tp}, prompt {row['prompt']}: the cache holds {row['cache_bytes']} bytes, the "
+                                 f"formula says {expected_cache_bytes(row['prompt'], tp)}")
+    Console(width=200).print(table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,210 @@
+"""``shardkit generate``: continue a prompt with a tensor-parallel model, streaming tokens as they come::
+
+    shardkit generate --model gpt-small --checkpoint runs/gpt --mesh tp=2 --prompt "def " --max-new-tokens 80
+    shardkit generate --model llama-tiny --hf exported --mesh tp=2 --prompt-ids 1,15,27 --max-new-tokens 20
+
+The weights come from a checkpoint folder written by ``sk.save`` / ``shardkit train --save``
+(read with ``sk.load``, under this command's plan) or from a HuggingFace safetensors folder
+(``sk.shard(..., weights=DIR)``: each process reads only its shards). ``--prompt`` is text
+for a byte-level model (vocabulary 256, as ``shardkit train`` trains: token = byte), printed back
+as text; ``--prompt-ids`` gives token ids, printed back as ids. Everything is checked before any
+process starts: the plan against the model (whole KV heads per ``tp`` rank), the plan against
+generation (``tp`` only), the weights' names and shapes, the prompt against the vocabulary and
+the positions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import codecs
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..checkpoint.manifest import CheckpointError, model_mismatch
+from ..checkpoint.store import checkpoint_to_load, load, model_parameters
+from ..families import token_sizes
+from ..models.registry import MODELS, model_entry
+from ..plan import Mesh, Plan, PlanError, UsageError
+from ..planner.meta import meta_model
+from ..planner.validate import validate
+from ..runtime.apply import shard
+from ..runtime.context import Context
+from ..runtime.generate import check_generation, generate, generation_problems
+from ..runtime.materialize import open_weights
+from ..runtime.world import DEFAULT_TIMEOUT_S, WorldError, launch
+from .options import (
+    add_model_option,
+    inferred_rules,
+    load_rules,
+    meta_model_from_flag,
+    model_from_flag,
+    non_negative_int,
+    path,
+    positive_float,
+    positive_int,
+)
+
+DEFAULT_MESH = "tp=1"
+BYTE_VOCAB = 256  # shardkit's text data are bytes: token ids 0..255
+
+
+@dataclass(frozen=True)
+class GenerateJob:
+    """What every rank needs (plain picklable data); the model is built again in each process."""
+
+    model: str
+    checkpoint: str | None
+    hf: str | None
+    prompt: tuple[int, ...]
+    max_new_tokens: int
+    temperature: float
+    top_k: int | None
+    seed: int | None
+    text: bool  # the prompt was text: print bytes as text, else ids
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    usable = sorted(name for name, entry in MODELS.items() if not entry.meta_only)
+    parser = subparsers.add_parser(
+        "generate", help="continue a prompt with a tensor-parallel model, streaming the tokens",
+        description="Generate tokens with a model split over 'tp' across a local world, weights from a "
+                    "checkpoint (sk.save) or a HuggingFace folder; greedy unless --temperature is given. "
+                    "Everything is checked before any process starts.")
+    add_model_option(parser, "gpt-tiny", usable)
+    weights = parser.add_mutually_exclusive_group(required=True)
+    weights.add_argument("--checkpoint", type=path, metavar="DIR",
+                         help="a folder of checkpoints written by sk.save / shardkit train --save (the latest "
+                              "complete one is read), or one checkpoint folder")
+    weights.add_argument("--hf", type=path, metavar="DIR", help="a HuggingFace model folder (safetensors)")
+    parser.add_argument("--mesh", default=DEFAULT_MESH, metavar="AXES",
+                        help=f"the mesh; only 'tp' may be larger than 1 (default: {DEFAULT_MESH})")
+    parser.add_argument("--rules", type=path, metavar="FILE",
+                        help="JSON/YAML file: a list of [regex, layout] pairs (default: the model's rules)")
+    prompt = parser.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", metavar="TEXT",
+                        help=f"text, as UTF-8 bytes (a byte-level model: vocabulary {BYTE_VOCAB}); printed as text")
+    prompt.add_argument("--prompt-ids", type=_token_ids, metavar="IDS",
+                        help="comma-separated token ids, e.g. 1,15,27; printed as ids")
+    parser.add_argument("--max-new-tokens", type=positive_int, required=True, metavar="N")
+    parser.add_argument("--temperature", type=positive_float, metavar="X",
+                        help="sample from softmax(logits / X) (default: greedy)")
+    parser.add_argument("--top-k", type=positive_int, metavar="K", help="sample among the K likeliest tokens")
+    parser.add_argument("--seed", type=non_negative_int, metavar="N", help="seed of the sampling")
+    parser.add_argument("--timeout", type=positive_float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
+                        help=f"stop every process and exit 1 when the job runs longer (default: {DEFAULT_TIMEOUT_S:g})")
+    parser.set_defaults(func=run)
+
+
+def _token_ids(text: str) -> tuple[int, ...]:
+    parts = [p.strip() for p in text.split(",")]
+    if not all(p.isdigit() for p in parts):
+        raise argparse.ArgumentTypeError(f"must be comma-separated non-negative integers such as 1,15,27, got {text!r}")
+    return tuple(int(p) for p in parts)
+
+
+def check_job(args: argparse.Namespace) -> tuple[Plan, GenerateJob]:
+    """Everything checked before launch; :class:`PlanError` / :class:`UsageError` naming the flag."""
+    if args.temperature is None and (args.top_k is not None or args.seed is not None):
+        given = " and ".join(f for f, v in (("--top-k", args.top_k), ("--seed", args.seed)) if v is not None)
+        raise UsageError(f"{given} apply only to sampling, but without --temperature generation is greedy; "
+                         f"add --temperature X or drop {given}")
+    entry = model_from_flag(args.model)
+    model = meta_model_from_flag(args.model, entry)
+    try:
+        mesh = Mesh.parse(args.mesh)
+    except PlanError as exc:
+        raise PlanError(f"--mesh: {exc}") from None
+    if not mesh.is_resolved:
+        raise PlanError(f"--mesh {args.mesh}: give every axis its size (no -1): generation starts one process per "
+                        f"device of the mesh, e.g. --mesh tp=2")
+    rules = load_rules(args.rules) if args.rules is not None else \
+        entry.rules_for(mesh) or inferred_rules(args.model, entry, mesh)
+    plan = Plan(mesh=mesh, rules=rules).resolved(mesh.size)
+    problems = generation_problems(plan)
+    if problems:
+        raise PlanError([f"--mesh {args.mesh}: {p}" for p in problems])
+    validate(plan, model, world_size=mesh.size)
+    if args.hf is not None:
+        open_weights(args.hf, model)  # every name and shape, before any process starts
+    else:
+        _check_checkpoint(args.checkpoint, model)
+    vocab, _ = token_sizes(model)
+    if args.prompt is not None:
+        if vocab != BYTE_VOCAB:
+            raise UsageError(f"--prompt is text read as UTF-8 bytes (ids 0-255), but model {args.model!r} has a "
+                             f"vocabulary of {vocab}; give token ids with --prompt-ids")
+        ids = tuple(args.prompt.encode("utf-8"))
+        if not ids:
+            raise UsageError("--prompt is empty; give at least one character")
+    else:
+        ids = args.prompt_ids
+        if vocab is not None and max(ids) >= vocab:
+            raise UsageError(f"--prompt-ids holds id {max(ids)}, but model {args.model!r} has a vocabulary of "
+                             f"{vocab}; valid ids: 0 to {vocab - 1}")
+    try:
+        check_generation(model, len(ids), args.max_new_tokens)
+    except UsageError as exc:
+        raise UsageError(f"--max-new-tokens {args.max_new_tokens}: {exc}") from None
+    return plan, GenerateJob(args.model, _text(args.checkpoint), _text(args.hf), ids, args.max_new_tokens,
+                             args.temperature or 0.0, args.top_k, args.seed, args.prompt is not None)
+
+
+def _check_checkpoint(folder: Path, model) -> None:
+    found, manifest = checkpoint_to_load(folder)
+    problems = model_mismatch(manifest.parameters, model_parameters(model))
+    if problems:
+        raise CheckpointError(f"--checkpoint {found}: holds another model's parameters: {'; '.join(problems)}; "
+                              f"pass the --model it was saved from")
+
+
+def _text(value: Path | None) -> str | None:
+    return None if value is None else str(value)
+
+
+class _Stream:
+    """Prints the prompt, then each new token as it comes (rank 0 only): bytes as UTF-8 text, or ids."""
+
+    def __init__(self, show: bool, text: bool, prompt: tuple[int, ...]):
+        self.show, self.text, self.first = show, text, True
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._write(prompt)
+
+    def __call__(self, token) -> None:
+        self._write(tuple(token.tolist()))
+
+    def _write(self, ids: tuple[int, ...]) -> None:
+        if self.show:
+            sys.stdout.write(self.decoder.decode(bytes(ids)) if self.text else
+                             " ".join(map(str, ids)) if self.first else "".join(f" {i}" for i in ids))
+            sys.stdout.flush()
+            self.first = False
+
+    def end(self) -> None:
+        if self.show:
+            sys.stdout.write((self.decoder.decode(b"", final=True) if self.text else "") + "\n")
+            sys.stdout.flush()
+
+
+def generate_job(ctx: Context, job: GenerateJob) -> list[int]:
+    """One rank: build on meta, shard, read the weights, generate; returns the new token ids."""
+    import torch
+
+    model = shard(meta_model(model_entry(job.model).build), ctx.plan, ctx, weights=job.hf)
+    if job.checkpoint is not None:
+        load(job.checkpoint, model)
+    stream = _Stream(ctx.rank == 0, job.text, job.prompt)
+    out = generate(model, torch.tensor([job.prompt]), max_new_tokens=job.max_new_tokens,
+                   temperature=job.temperature, top_k=job.top_k, seed=job.seed, on_token=stream)
+    stream.end()
+    return out[0, len(job.prompt):].tolist()
+
+
+def run(args: argparse.Namespace) -> int:
+    plan, job = check_job(args)
+    try:
+        launch(generate_job, plan, job, world_size=plan.mesh.size, timeout=args.timeout)
+    except WorldError as exc:
+        print(f"shardkit generate: {exc}", file=sys.stderr)
+        return 1
+    return 0

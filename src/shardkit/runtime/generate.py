@@ -1,0 +1,227 @@
+"""Token generation on a tensor-parallel model (``sk.generate``), with a KV cache per rank.
+
+Each decode step runs only the new token: the model's attention keeps the keys and values of
+the tokens before it. After shardkit's tensor parallel every rank's attention computes its own
+heads, so its cache holds only its own KV heads (a plan whose KV heads do not split over
+``tp`` is refused by ``sk.validate`` before launch). The caches are the models' own:
+
+- a transformers model that can generate (``model.can_generate()``): transformers'
+  ``DynamicCache``, passed as its forward's ``cache`` (``past_key_values`` before v5);
+- a model with ``kv_cache()`` whose forward takes ``cache=`` (the reference GPT).
+
+transformers' ``generate`` is not used on a sharded model because it runs its own loop of
+stopping criteria, padding and logits processors per rank; ours is the loop of this module,
+with the chosen token broadcast from the first ``tp`` rank so every rank feeds the same token
+to its next step.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..families import family_of
+from ..families.hf import is_hf_model
+from ..plan import Plan, PlanError, UsageError
+
+#: The only mesh axis generation may split (every other axis must have size 1).
+GENERATION_AXIS = "tp"
+
+
+def generation_problems(plan: Plan) -> list[str]:
+    """Why ``plan`` cannot run :func:`generate` (empty: it can); pure data, checked before launch.
+
+    >>> from shardkit.plan import Mesh
+    >>> generation_problems(Plan(mesh=Mesh(tp=2)))
+    []
+    >>> print(generation_problems(Plan(mesh=Mesh(fsdp=2, tp=2)))[0])
+    sk.generate runs tensor-parallel models: mesh axis 'fsdp' has size 2, but every axis other than 'tp' must have size 1 (e.g. Mesh(tp=4))
+    """
+    problems = []
+    if plan.pipeline is not None or plan.mesh.size_of("pp") > 1:
+        problems.append(f"sk.generate does not run pipeline-parallel models (mesh pp={plan.mesh.size_of('pp')}); "
+                        f"use a mesh of 'tp' only, e.g. Mesh(tp={plan.mesh.size})")
+    for axis, size in zip(plan.mesh.names, plan.mesh.shape):
+        if axis not in (GENERATION_AXIS, "pp") and size > 1:
+            problems.append(f"sk.generate runs tensor-parallel models: mesh axis {axis!r} has size {size}, but every "
+                            f"axis other than {GENERATION_AXIS!r} must have size 1 (e.g. Mesh(tp=4))")
+    if plan.sequence_parallel:
+        problems.append("Plan(sequence_parallel=True) splits the sequence over 'tp', but a decode step has one "
+                        "token; generate with sequence_parallel=False (the weights are the same)")
+    return problems
+
+
+def check_generation(model: nn.Module, prompt_len: int, max_new_tokens: int) -> None:
+    """Refuse, before launch (on meta is fine), a model :func:`generate` cannot decode or a length beyond its
+    positions: :class:`UsageError` naming what would be valid."""
+    _cache_kind(model)
+    limit = family_of(model).max_positions(model)
+    if limit is not None and prompt_len + max_new_tokens > limit:
+        raise UsageError(f"a prompt of {prompt_len} tokens and max_new_tokens={max_new_tokens} need "
+                         f"{prompt_len + max_new_tokens} positions, but {type(model).__name__} has {limit}; valid: "
+                         f"max_new_tokens <= {limit - prompt_len}" if prompt_len < limit else
+                         f"a prompt of {prompt_len} tokens does not fit {type(model).__name__}'s {limit} positions; "
+                         f"valid: a prompt of at most {limit - 1} tokens")
+
+
+def generate(model: nn.Module, input_ids: torch.Tensor, *, max_new_tokens: int, temperature: float = 0.0,
+             top_k: int | None = None, seed: int | None = None,
+             on_token: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+    """Continue ``input_ids`` (``[batch, prompt]`` token ids) by ``max_new_tokens`` tokens; returns
+    ``[batch, prompt + max_new_tokens]`` (the prompt first, as transformers' ``generate``).
+
+    Greedy when ``temperature`` is 0; otherwise sampled from ``softmax(logits / temperature)``,
+    restricted to the ``top_k`` most likely tokens when given, with a generator seeded by
+    ``seed`` (default: drawn from torch's global generator). The first ``tp`` rank chooses each
+    token and broadcasts it, so every rank continues the same sequences. Exactly
+    ``max_new_tokens`` are generated (no stop token). Runs in eval mode (the model's mode is
+    restored after) without gradients. ``on_token([batch] ids)`` is called after each step
+    (streaming). Call it on every rank of a model from ``sk.shard`` with a plan whose only
+    split axis is ``tp``, or on an unsharded model in any process.
+
+    >>> from shardkit.models.gpt import build_tiny_gpt
+    >>> generate(build_tiny_gpt(), torch.tensor([[104, 105]]), max_new_tokens=3).shape
+    torch.Size([1, 5])
+    """
+    _check_arguments(input_ids, max_new_tokens, temperature, top_k, seed)
+    plan = getattr(model, "plan", None)  # a model from sk.shard, pipelined or not, has its plan
+    if isinstance(plan, Plan):
+        problems = generation_problems(plan)
+        if problems:
+            raise PlanError(problems)
+    check_generation(model, input_ids.shape[1], max_new_tokens)
+    vocab = family_of(model).vocab_size(model)
+    if vocab is not None and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab):
+        raise UsageError(f"sk.generate: input_ids holds ids from {int(input_ids.min())} to {int(input_ids.max())}, "
+                         f"but the model's vocabulary is {vocab}; valid ids: 0 to {vocab - 1}")
+    if vocab is not None and top_k is not None and top_k > vocab:
+        raise UsageError(f"sk.generate: top_k={top_k} is more than the model's vocabulary of {vocab}; valid: 1 to "
+                         f"{vocab}, or None for every token")
+    group = _tp_group(plan)
+    leader = group is None or dist.get_rank(group) == 0
+    device = next(model.parameters()).device
+    generator = None
+    if temperature > 0 and leader:
+        generator = torch.Generator(device)
+        generator.manual_seed(int(torch.randint(2**62, ()).item()) if seed is None else seed)
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            decoder = Decoder(model)
+            tokens, new = input_ids.to(device), []
+            for _ in range(max_new_tokens):
+                logits = decoder.step(tokens)[:, -1].float()
+                token = _choose(logits, temperature, top_k, generator) if leader else \
+                    torch.empty(logits.shape[0], dtype=torch.long, device=device)
+                if group is not None:
+                    dist.broadcast(token, group=group, group_src=0)
+                new.append(token)
+                if on_token is not None:
+                    on_token(token)
+                tokens = token[:, None]
+    finally:
+        model.train(training)
+    return torch.cat([input_ids, torch.stack(new, dim=1).to(input_ids.device)], dim=1)
+
+
+def _check_arguments(input_ids: object, max_new_tokens: object, temperature: object, top_k: object,
+                     seed: object) -> None:
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype.is_floating_point \
+            or input_ids.dtype == torch.bool or input_ids.shape[1] == 0:
+        what = type(input_ids).__name__ if not isinstance(input_ids, torch.Tensor) else \
+            f"a {input_ids.dtype} tensor of shape {list(input_ids.shape)}"
+        raise UsageError(f"sk.generate: input_ids must be an integer tensor [batch, prompt] with at least one "
+                         f"token, got {what}")
+    if not _is_int(max_new_tokens) or max_new_tokens < 1:
+        raise UsageError(f"sk.generate: max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) \
+            or temperature < 0:
+        raise UsageError(f"sk.generate: temperature must be a finite number >= 0 (0: greedy), got {temperature!r}")
+    if top_k is not None and (not _is_int(top_k) or top_k < 1):
+        raise UsageError(f"sk.generate: top_k must be a positive integer or None, got {top_k!r}")
+    if seed is not None and (not _is_int(seed) or seed < 0):
+        raise UsageError(f"sk.generate: seed must be a non-negative integer or None, got {seed!r}")
+    if temperature == 0 and (top_k is not None or seed is not None):
+        given = ", ".join(f"{n}={v!r}" for n, v in (("top_k", top_k), ("seed", seed)) if v is not None)
+        raise UsageError(f"sk.generate: {given} applies only to sampling (temperature > 0), but temperature=0 is "
+                         f"greedy; pass a temperature > 0 or drop {given}")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _cache_kind(model: nn.Module) -> str:
+    if callable(getattr(model, "kv_cache", None)) and "cache" in inspect.signature(model.forward).parameters:
+        return "own"
+    can_generate = getattr(model, "can_generate", None)
+    if is_hf_model(model) and callable(can_generate) and can_generate():
+        return "hf"
+    raise UsageError(f"sk.generate cannot decode {type(model).__name__}: it needs a transformers model that can "
+                     f"generate (a *ForCausalLM / *LMHeadModel) or a model with kv_cache() whose forward takes "
+                     f"cache= (as shardkit's reference GPT)")
+
+
+class Decoder:
+    """A model and its KV cache: ``step(new_ids)`` runs the new tokens after the cached ones and
+    returns their logits ``[batch, new, vocab]`` (transformers models: the last position's only).
+
+    ``cache.layers[i].keys`` / ``.values`` are ``[batch, local kv heads, positions, head_dim]``
+    for both kinds of cache; :attr:`nbytes` is what this rank holds.
+    """
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.kwargs: dict = {}
+        if _cache_kind(model) == "own":
+            self.cache = model.kv_cache()
+            return
+        from transformers import DynamicCache
+
+        self.cache = DynamicCache(config=model.config)
+        parameters = inspect.signature(model.forward).parameters
+        self.kwargs = {"use_cache": True, "cache" if "cache" in parameters else "past_key_values": self.cache}
+        if "logits_to_keep" in parameters:
+            self.kwargs["logits_to_keep"] = 1
+
+    def step(self, ids: torch.Tensor) -> torch.Tensor:
+        if not self.kwargs:
+            return self.model(ids, cache=self.cache)
+        return self.model(input_ids=ids, **self.kwargs).logits
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every cached key and value on this rank."""
+        return sum(t.nbytes for layer in self.cache.layers for t in (layer.keys, layer.values)
+                   if isinstance(t, torch.Tensor))
+
+
+def _choose(logits: torch.Tensor, temperature: float, top_k: int | None,
+            generator: torch.Generator | None) -> torch.Tensor:
+    """The next token per row of ``logits [batch, vocab]``: argmax, or a sample."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator)[:, 0]
+
+
+def _tp_group(plan: object):
+    """The process group of the ``tp`` axis, or ``None`` (unsharded, or tp of size 1)."""
+    if not isinstance(plan, Plan) or plan.mesh.size_of(GENERATION_AXIS) < 2:
+        return None
+    from .context import current_context
+    from .meshes import meshes_for
+
+    return meshes_for(plan, current_context().device.type).axis(GENERATION_AXIS).get_group()
+
+
+__all__ = ["Decoder", "check_generation", "generate", "generation_problems"]

@@ -1,0 +1,279 @@
+"""sk.generate: tensor-parallel decoding with a per-rank KV cache, equal to one process; its refusals."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import shardkit.cli.generate as generate_cli
+from shardkit.checkpoint.store import save
+from shardkit.cli import main
+from shardkit.models.gpt import GPT_RULES, build_tiny_gpt
+from shardkit.models.hf import GPT2_RULES, LLAMA_RULES, build_tiny_gpt2, build_tiny_llama
+from shardkit.plan import Mesh, Pipeline, Plan, PlanError, UsageError
+from shardkit.planner.validate import validate
+from shardkit.runtime.apply import shard
+from shardkit.runtime.generate import Decoder, generate, generation_problems
+
+PROMPT = torch.tensor([[3, 141, 59, 26, 53], [58, 97, 93, 238, 46]])
+NEW = 10
+SAMPLING = {"temperature": 1.0, "top_k": 20, "seed": 5}
+SCALE = 1.5  # the saved GPT's weights: the built ones times this, so a CLI run that ignored the checkpoint differs
+
+
+def _greedy_without_cache(model: torch.nn.Module, ids: torch.Tensor, new: int) -> torch.Tensor:
+    """The plainest greedy loop: the whole sequence re-run at every step (no cache)."""
+    with torch.no_grad():
+        for _ in range(new):
+            ids = torch.cat([ids, model(ids)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return ids
+
+
+def _hf_greedy(model: torch.nn.Module, ids: torch.Tensor, new: int) -> torch.Tensor:
+    """transformers' own generate on the whole model (no stop token: every run makes ``new`` tokens)."""
+    model.generation_config.eos_token_id = None
+    return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
+                          pad_token_id=0)
+
+
+def _cache_heads(model: torch.nn.Module, ids: torch.Tensor) -> tuple[int, int]:
+    """(KV heads held by this rank's cache of layer 0, cache bytes) after a prefill of ``ids``."""
+    decoder = Decoder(model)
+    with torch.no_grad():
+        decoder.step(ids)
+    return decoder.cache.layers[0].keys.shape[1], decoder.nbytes
+
+
+def _scaled_gpt() -> torch.nn.Module:
+    model = build_tiny_gpt()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(SCALE)
+    return model.eval()
+
+
+def _tp_generation(ctx, folder):
+    """Every tp=2 check in one job: greedy and sampled tokens of Llama and the reference GPT, cache heads;
+    then a GPT checkpoint with scaled weights saved in ``folder`` for the command line."""
+    out = {}
+    for name, build, rules in (("llama", build_tiny_llama, LLAMA_RULES), ("gpt", build_tiny_gpt, GPT_RULES)):
+        model = shard(build(), Plan(mesh=Mesh(tp=2), rules=rules), ctx)
+        streamed = []
+        out[name, "greedy"] = generate(model, PROMPT, max_new_tokens=NEW, on_token=streamed.append)
+        out[name, "streamed"] = torch.stack(streamed, dim=1)
+        out[name, "sampled"] = generate(model, PROMPT, max_new_tokens=NEW, **SAMPLING)
+        out[name, "cache"] = _cache_heads(model, PROMPT)
+        out[name, "training"] = model.training
+    gpt2 = shard(build_tiny_gpt2(), Plan(mesh=Mesh(tp=2), rules=GPT2_RULES), ctx)  # fused, permuted c_attn
+    out["gpt2", "greedy"] = generate(gpt2, PROMPT, max_new_tokens=NEW)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(SCALE)
+    save(folder, model, step=1)
+    return out
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return tmp_path_factory.mktemp("generate") / "gpt"
+
+
+@pytest.fixture(scope="module")
+def tp_results(world, checkpoint):
+    return world(2).run(_tp_generation, checkpoint, plan=Plan(mesh=Mesh(tp=2)), timeout=300)
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt"])
+def test_every_rank_generates_the_same_tokens(tp_results, name):
+    for kind in ("greedy", "sampled"):
+        assert torch.equal(tp_results[0][name, kind], tp_results[1][name, kind])
+    assert torch.equal(tp_results[0][name, "streamed"], tp_results[0][name, "greedy"][:, PROMPT.shape[1]:])
+    assert tp_results[0][name, "training"]  # the model's mode is given back
+
+
+def test_llama_greedy_under_tp_equals_transformers_generate(tp_results):
+    expected = _hf_greedy(build_tiny_llama(), PROMPT, NEW)
+    assert expected.shape == (2, PROMPT.shape[1] + NEW)
+    assert torch.equal(tp_results[0]["llama", "greedy"], expected)
+
+
+def test_gpt2_greedy_under_tp_equals_transformers_generate(tp_results):
+    assert torch.equal(tp_results[0]["gpt2", "greedy"], _hf_greedy(build_tiny_gpt2(), PROMPT, NEW))
+
+
+def test_gpt_greedy_under_tp_equals_a_single_process_loop(tp_results):
+    assert torch.equal(tp_results[0]["gpt", "greedy"], _greedy_without_cache(build_tiny_gpt().eval(), PROMPT, NEW))
+
+
+@pytest.mark.parametrize("name,build", [("llama", build_tiny_llama), ("gpt", build_tiny_gpt)])
+def test_sampling_under_tp_equals_one_process_with_the_same_seed(tp_results, name, build):
+    single = generate(build(), PROMPT, max_new_tokens=NEW, **SAMPLING)
+    assert torch.equal(tp_results[0][name, "sampled"], single)
+    assert not torch.equal(single, generate(build(), PROMPT, max_new_tokens=NEW))  # it did sample
+    assert torch.equal(single, generate(build(), PROMPT, max_new_tokens=NEW, **SAMPLING))  # seeded
+
+
+@pytest.mark.parametrize("name,build,local_heads", [("llama", build_tiny_llama, 1), ("gpt", build_tiny_gpt, 2)])
+def test_each_rank_caches_only_its_own_kv_heads(tp_results, name, build, local_heads):
+    heads, nbytes = _cache_heads(build(), PROMPT)
+    assert heads == 2 * local_heads
+    for rank in (0, 1):
+        assert tp_results[rank][name, "cache"] == (local_heads, nbytes // 2)
+
+
+# -- one process: the reference GPT's cache, argument checks, refusals ---------------------------
+def test_gpt_cache_gives_the_logits_of_the_whole_sequence():
+    model = build_tiny_gpt()
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
+    cache = model.kv_cache()
+    pieces = [model(ids[:, :5], cache=cache), model(ids[:, 5:9], cache=cache)]
+    pieces += [model(ids[:, i:i + 1], cache=cache) for i in range(9, 12)]
+    torch.testing.assert_close(torch.cat(pieces, dim=1), model(ids), atol=1e-5, rtol=1e-5)
+    assert cache.length == 12
+
+
+def test_gqa_with_fewer_kv_heads_than_tp_ranks_is_refused_before_launch():
+    with pytest.raises(PlanError, match=r"4 query heads and 2 key/value heads.*valid tp sizes: \[1, 2\]"):
+        validate(Plan(mesh=Mesh(tp=4), rules=LLAMA_RULES), build_tiny_llama(), 4)
+
+
+@pytest.mark.parametrize("plan,expected", [
+    (Plan(mesh=Mesh(pp=2, tp=2), rules=GPT_RULES, pipeline=Pipeline(microbatches=2)),
+     r"does not run pipeline-parallel models \(mesh pp=2\)"),
+    (Plan(mesh=Mesh(fsdp=2, tp=2)), r"mesh axis 'fsdp' has size 2"),
+    (Plan(mesh=Mesh(tp=2), sequence_parallel=True), r"sequence_parallel=True\) .* one token"),
+])
+def test_plans_generate_cannot_run_are_refused_with_the_reason(plan, expected):
+    with pytest.raises(PlanError, match=expected):
+        raise PlanError(generation_problems(plan))
+    model = build_tiny_gpt()
+    model.plan = plan  # as sk.shard leaves it: generate refuses before any collective
+    with pytest.raises(PlanError, match=expected):
+        generate(model, PROMPT, max_new_tokens=2)
+
+
+def _generate_on_a_pipeline(ctx):
+    model = shard(build_tiny_gpt(), ctx.plan, ctx)
+    try:
+        generate(model, PROMPT, max_new_tokens=2)
+    except PlanError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_a_pipelined_model_is_refused_on_every_rank(world):
+    plan = Plan(mesh=Mesh(pp=2), pipeline=Pipeline(microbatches=2))
+    for message in world(2).run(_generate_on_a_pipeline, plan=plan, timeout=120):
+        assert "does not run pipeline-parallel models (mesh pp=2)" in message
+
+
+@pytest.mark.parametrize("ids,kwargs,expected", [
+    (PROMPT.float(), {"max_new_tokens": 2}, r"input_ids must be an integer tensor .*torch.float32"),
+    (PROMPT[0], {"max_new_tokens": 2}, r"integer tensor \[batch, prompt\].*shape \[5\]"),
+    (PROMPT, {"max_new_tokens": 0}, r"max_new_tokens must be a positive integer, got 0"),
+    (PROMPT, {"max_new_tokens": True}, r"max_new_tokens must be a positive integer, got True"),
+    (PROMPT, {"max_new_tokens": 2, "temperature": -1.0}, r"temperature must be a finite number >= 0"),
+    (PROMPT, {"max_new_tokens": 2, "temperature": float("nan")}, r"temperature must be a finite number"),
+    (PROMPT, {"max_new_tokens": 2, "top_k": 5}, r"top_k=5 applies only to sampling"),
+    (PROMPT, {"max_new_tokens": 2, "seed": 1}, r"seed=1 applies only to sampling"),
+    (PROMPT, {"max_new_tokens": 2, "temperature": 1.0, "top_k": 0}, r"top_k must be a positive integer"),
+    (PROMPT, {"max_new_tokens": 2, "temperature": 1.0, "top_k": 257}, r"top_k=257 is more than .* 256"),
+    (PROMPT + 200, {"max_new_tokens": 2}, r"ids from 203 to 438.*valid ids: 0 to 255"),
+    (PROMPT, {"max_new_tokens": 28}, r"33 positions, but GPT has 32; valid: max_new_tokens <= 27"),
+])
+def test_bad_arguments_are_refused_naming_the_argument(ids, kwargs, expected):
+    with pytest.raises(UsageError, match=expected):
+        generate(build_tiny_gpt(), ids, **kwargs)
+
+
+def test_a_model_without_a_cache_is_refused():
+    with pytest.raises(UsageError, match=r"cannot decode Sequential: it needs a transformers model"):
+        generate(torch.nn.Sequential(torch.nn.Embedding(8, 4), torch.nn.Linear(4, 8)), PROMPT % 8, max_new_tokens=1)
+
+
+# -- shardkit generate ----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("generate") / "llama"
+    build_tiny_llama().save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture
+def cli(world, monkeypatch):
+    """``cli(*argv)`` runs ``shardkit generate`` on the shared 2-process world; returns (exit code, every
+    rank's new token ids)."""
+    seen = []
+    launch = generate_cli.launch
+
+    def borrowed(fn, plan, *args, world_size, timeout):
+        seen.append(launch(fn, plan, *args, world=world(world_size), timeout=timeout))
+        return seen[-1]
+
+    monkeypatch.setattr(generate_cli, "launch", borrowed)
+
+    def run(*argv: str) -> tuple[int, list]:
+        seen.clear()
+        return main(["generate", *argv]), (seen[0] if seen else [])
+
+    return run
+
+
+def test_cli_generates_from_a_checkpoint_as_one_process_would(tp_results, checkpoint, cli):
+    code, ranks = cli("--model", "gpt-tiny", "--checkpoint", str(checkpoint), "--mesh", "tp=2", "--prompt", "hi",
+                      "--max-new-tokens", "12")
+    assert code == 0
+    expected = _greedy_without_cache(_scaled_gpt(), torch.tensor([list(b"hi")]), 12)[0, 2:].tolist()
+    assert ranks == [expected, expected]
+    assert expected != _greedy_without_cache(build_tiny_gpt().eval(), torch.tensor([list(b"hi")]), 12)[0, 2:].tolist()
+
+
+def test_cli_generates_from_a_hf_folder_as_transformers_does(hf_folder, cli):
+    ids = ",".join(map(str, PROMPT[0].tolist()))
+    code, ranks = cli("--model", "llama-tiny", "--hf", str(hf_folder), "--mesh", "tp=2", "--prompt-ids", ids,
+                      "--max-new-tokens", str(NEW))
+    assert code == 0
+    expected = _hf_greedy(build_tiny_llama(), PROMPT[:1], NEW)[0, PROMPT.shape[1]:].tolist()
+    assert ranks == [expected, expected]
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["--model", "llama-tiny", "--mesh", "tp=4", "--prompt-ids", "1,2"],
+     r"invalid plan: .*2 key/value heads, but each rank must hold whole heads; valid tp sizes: \[1, 2\]"),
+    (["--model", "llama-tiny", "--mesh", "fsdp=2", "--prompt-ids", "1,2"], r"--mesh fsdp=2: .*axis 'fsdp' has size 2"),
+    (["--model", "llama-tiny", "--mesh", "tp=-1", "--prompt-ids", "1"], r"--mesh tp=-1: give every axis its size"),
+    (["--model", "llama-tiny", "--prompt-ids", "1,256"], r"--prompt-ids holds id 256.*valid ids: 0 to 255"),
+    (["--model", "llama-tiny", "--prompt-ids", "1", "--top-k", "3"], r"--top-k apply only to sampling"),
+    (["--model", "llama-tiny", "--prompt", ""], r"--prompt is empty"),
+    (["--model", "gpt-small", "--prompt", "hi"], r"another model's parameters"),
+    (["--model", "llama-tiny", "--prompt-ids", "1,x"], r"--prompt-ids: must be comma-separated"),
+    (["--model", "llama-tiny", "--prompt-ids", "1", "--temperature", "0"], r"--temperature: must be a positive"),
+])
+def test_cli_refuses_before_any_process(argv, expected, hf_folder, tp_results, checkpoint, capsys, no_processes):
+    weights = ["--checkpoint", str(checkpoint)] if "gpt-small" in argv else ["--hf", str(hf_folder)]
+    try:
+        code = main(["generate", *argv, *weights, "--max-new-tokens", "3"])
+    except SystemExit as exc:  # a flag refused while parsing
+        code = exc.code
+    assert code == 2
+    assert re.search(expected, capsys.readouterr().err)
+
+
+def test_streamed_text_is_decoded_as_bytes_arrive(capsys):
+    stream = generate_cli._Stream(True, True, tuple(b"caf"))
+    for byte in "é!".encode():  # é is two bytes: nothing is printed for its first
+        stream(torch.tensor([byte]))
+    stream.end()
+    ids = generate_cli._Stream(True, False, (1, 2))
+    ids(torch.tensor([3]))
+    ids.end()
+    assert capsys.readouterr().out == "café!\n1 2 3\n"
+
+
+def test_cli_refuses_more_tokens_than_positions(checkpoint, tp_results, capsys, no_processes):
+    assert main(["generate", "--model", "gpt-tiny", "--checkpoint", str(checkpoint), "--prompt", "hi",
+                 "--max-new-tokens", "31"]) == 2
+    assert "--max-new-tokens 31: a prompt of 2 tokens and max_new_tokens=31 need 33 positions, but GPT has 32; " \
+           "valid: max_new_tokens <= 30" in capsys.readouterr().err
