@@ -107,9 +107,12 @@ def _resume(value: Any, where: str, base: Path) -> Path | str | None:
         return RESUME_FROM_DIR
     if value is False:
         return None
+    valid = "true (the latest checkpoint in checkpoint.dir), false, or a folder"
     if not isinstance(value, str):
-        raise PlanError(f"{where} must be true (the latest checkpoint in checkpoint.dir), false, or a folder, "
-                        f"got {_describe(value)}")
+        raise PlanError(f"{where} must be {valid}, got {_describe(value)}")
+    if value.lower() in ("true", "false", "yes", "no"):
+        raise PlanError(f"{where} must be {valid}, got str {value!r}: write true or false without quotes, "
+                        f"or ./{value} for a folder of that name")
     return _path(value, where, base)
 
 

@@ -186,11 +186,37 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     seeing.add_argument("--eval-batches", type=positive_int, metavar="N",
                         help="global batches per evaluation (default: 1)")
     # A flag's default applies only when neither the command line nor --config gives it (see with_config).
-    parser.set_defaults(func=run, **dict.fromkeys(DEFAULTS), **dict.fromkeys(FILE_ONLY))
+    parser.set_defaults(func=run, **{dest: _marked(value) for dest, value in DEFAULTS.items()},
+                        **dict.fromkeys(FILE_ONLY))
 
 
-#: The defaults of the flags a job file may set; the parser leaves them None so that a flag given on
-#: the command line can be told from one left out.
+class _DefaultInt(int):
+    """A flag's default as the parser leaves it: equal to the value, but told apart from the same value
+    given on the command line (which the flag's type makes a plain int, float or str)."""
+
+
+class _DefaultFloat(float):
+    __doc__ = _DefaultInt.__doc__
+
+
+class _DefaultStr(str):
+    __doc__ = _DefaultInt.__doc__
+
+
+_MARKED = {int: _DefaultInt, float: _DefaultFloat, str: _DefaultStr}
+
+
+def _marked(value: int | float | str) -> int | float | str:
+    return _MARKED[type(value)](value)
+
+
+def _given(value: object) -> bool:
+    """Whether a flag's value came from the command line (not its default, not absent)."""
+    return value is not None and type(value) not in _MARKED.values()
+
+
+#: The defaults of the flags a job file may set; the parser leaves them marked (:func:`_marked`) so that
+#: a flag given on the command line can be told from one left out, whatever its value.
 DEFAULTS = {"model": DEFAULT_MODEL, "steps": DEFAULT_STEPS, "batch_size": DEFAULT_BATCH, "lr": DEFAULT_LR,
             "seed": 0, "build": "meta", "timeout": DEFAULT_TIMEOUT_S, "data_mb": DEFAULT_MAX_BYTES / 2**20,
             "optimizer": "adamw", "grad_accum": 1, "log_every": 1, "eval_batches": 1}
@@ -204,13 +230,13 @@ def with_config(args: argparse.Namespace) -> argparse.Namespace:
     """``args`` completed from ``--config`` and the defaults: a flag given on the command line wins,
     then the job file, then the flag's default.
 
-    >>> args = argparse.Namespace(config=None, **dict.fromkeys([*DEFAULTS, *FILE_ONLY, *PLAN_FLAGS]))
-    >>> args.steps = 5
-    >>> with_config(args).steps, args.lr == DEFAULT_LR
-    (5, True)
+    >>> from shardkit.cli import build_parser
+    >>> args = build_parser().parse_args(["train", "--steps", "60"])
+    >>> with_config(args).steps, args.lr == DEFAULT_LR, type(args.lr)
+    (60, True, <class 'float'>)
     """
     file = {} if args.config is None else load_job(args.config)
-    if any(getattr(args, flag) is not None for flag in PLAN_FLAGS):
+    if any(_given(getattr(args, flag)) for flag in PLAN_FLAGS):
         file.pop("plan", None)  # the command line's plan replaces the file's whole plan
     if file.get("resume") == RESUME_FROM_DIR:
         file["resume"] = RESUME_FROM_SAVE
@@ -220,16 +246,17 @@ def with_config(args: argparse.Namespace) -> argparse.Namespace:
         except argparse.ArgumentTypeError as exc:
             raise PlanError(f"job file {str(args.config)!r}: model: {exc}") from None
     for dest, value in file.items():
-        if getattr(args, dest) is None:
+        if not _given(getattr(args, dest)):
             setattr(args, dest, value)
     for dest, default in DEFAULTS.items():
-        if getattr(args, dest) is None:
+        if not _given(getattr(args, dest)):
             setattr(args, dest, default)
     return args
 
 
 def build_plan(args: argparse.Namespace) -> tuple[Plan, int]:
-    """The plan and world size from the command line (not yet checked against the model)."""
+    """The plan and world size from the command line and ``--config`` (not yet checked against the model)."""
+    with_config(args)
     if args.plan is not None and str(args.plan) == AUTO_PLAN:
         plan, world_size = auto_plan(args)
     else:
@@ -699,7 +726,6 @@ def _verify(job: TrainJob, plan: Plan, world: LocalWorld | None) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    args = with_config(args)
     plan, world_size = build_plan(args)
     job = check_job(args, plan, world_size)
     leader = not in_torchrun() or os.environ["RANK"] == "0"
