@@ -18,6 +18,7 @@ import shardkit.cli.train as train_cli
 from shardkit.cli import build_parser, main
 from shardkit.cli.job import FIELDS, load_job
 from shardkit.io.batch_stream import BatchStream
+from shardkit.models.gpt import GPT_RULES
 from shardkit.observe.metrics import METRICS_FILE
 from shardkit.plan import Mesh, Plan, PlanError
 from shardkit.runtime.world import launch
@@ -189,9 +190,12 @@ def test_accumulation_clipping_and_schedule_equal_one_process(tmp_path, world):
     unclipped = _losses(world(1), Plan(mesh=Mesh(fsdp=1)), replace(job, clip_grad_norm=None))
     assert two == pytest.approx(one, rel=2e-5, abs=2e-5)
     assert abs(unclipped[-1] - one[-1]) > 1e-3   # the clipping changed the steps
-    dp = _losses(world(2), Plan(mesh=Mesh(dp=2)), replace(job, grad_accum=2, optimizer="sgd", momentum=0.9,
-                                                               weight_decay=None))
-    sgd = _losses(world(1), Plan(mesh=Mesh(fsdp=1)), replace(job, optimizer="sgd", momentum=0.9, weight_decay=None))
+    tp = _losses(world(2), Plan(mesh=Mesh(tp=2), rules=GPT_RULES), job)   # plain and DTensor gradients mixed
+    assert tp == pytest.approx(one, rel=2e-5, abs=2e-5)
+    # SGD without clipping sees the gradients' scale (AdamW and clipping hide it)
+    sgd_job = replace(job, optimizer="sgd", momentum=0.9, weight_decay=None, clip_grad_norm=None, lr=0.5)
+    dp = _losses(world(2), Plan(mesh=Mesh(dp=2)), replace(sgd_job, grad_accum=2))
+    sgd = _losses(world(1), Plan(mesh=Mesh(fsdp=1)), sgd_job)
     assert dp == pytest.approx(sgd, rel=2e-5, abs=2e-5)
 
 

@@ -578,22 +578,33 @@ def accumulate(model: nn.Module, ctx: Context, batch, loss_fn: Callable, micro_s
 def clip_grad_norm(model: nn.Module, max_norm: float | None) -> float | None:
     """The global gradient norm, clipped to ``max_norm`` when given (``None``: measured only).
 
-    torch's ``get_total_norm`` / ``clip_grads_with_norm_`` (sharded gradients are DTensors, whose norm
-    is reduced over their mesh by ``full_tensor``). A local stand-in for plans without a pipeline
-    (each stage would see only its own gradients) until the shared ``sk.clip_grad_norm_`` lands;
-    ``None`` under a pipeline."""
+    torch's ``get_total_norm`` per group of gradients of one kind (plain tensors; DTensors of one mesh and
+    placement, whose norm ``full_tensor`` reduces over their mesh): torch's own refuses a mix of plain and
+    DTensor gradients, which a tensor-parallel plan has. The gradients are then scaled as torch's
+    ``clip_grads_with_norm_`` would (by ``max_norm / (norm + 1e-6)`` when below 1). A local stand-in for plans
+    without a pipeline (each stage sees only its own gradients) until the shared ``sk.clip_grad_norm_``
+    lands; ``None`` under a pipeline."""
     import torch
     from torch.distributed.tensor import DTensor
 
     if model.plan.pipeline is not None:
         return None
-    params = [p for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
-    if max_norm is not None:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-    return norm.item()
+    groups: dict[object, list[torch.Tensor]] = {}
+    for param in model.parameters():
+        grad = param.grad
+        if grad is not None:
+            key = (grad.device_mesh, grad.placements) if isinstance(grad, DTensor) else None
+            groups.setdefault(key, []).append(grad)
+    squares = 0.0
+    for grads in groups.values():
+        norm = torch.nn.utils.get_total_norm(grads)
+        squares += (norm.full_tensor() if isinstance(norm, DTensor) else norm).item() ** 2
+    total = math.sqrt(squares)
+    if max_norm is not None and total > 0:
+        coef = min(1.0, max_norm / (total + 1e-6))
+        for grads in groups.values():
+            torch._foreach_mul_(grads, coef)
+    return total
 
 
 def evaluate(model: nn.Module, ctx: Context, batches: list, loss_fn: Callable) -> float:
