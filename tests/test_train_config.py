@@ -129,6 +129,17 @@ def test_fields_that_cannot_run_together_are_refused_before_any_process(tmp_path
         assert part in err, err
 
 
+def test_held_out_data_smaller_than_a_batch_is_refused_before_any_process(tmp_path, capsys, no_processes):
+    from shardkit.io.shard_writer import write_shards
+
+    (tmp_path / "held_out.txt").write_text("x" * 100)
+    write_shards(tmp_path / "held_out.txt", tmp_path / "held_out", shards=1)   # 3 samples of 32 tokens
+    (tmp_path / "job.yaml").write_text("model: gpt-tiny\nplan: {mesh: {fsdp: 2}}\nbatch: {global: 8}\n"
+                                       "eval: {data: held_out, every: 5}\n")
+    assert main(["train", "--config", str(tmp_path / "job.yaml")]) == 2
+    assert "held_out has 3 samples of 32 tokens, fewer than one global batch of 8" in capsys.readouterr().err
+
+
 def test_flags_given_win_over_the_file_and_defaults_do_not(tmp_path):
     (tmp_path / "plan.yaml").write_text(Plan(mesh=Mesh(dp=2)).to_yaml())
     (tmp_path / "job.yaml").write_text("model: gpt-tiny\nsteps: 100\noptimizer: {lr: 0.01}\nplan: plan.yaml\n"

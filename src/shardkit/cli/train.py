@@ -391,6 +391,9 @@ def _eval_data(args: argparse.Namespace, seq_len: int) -> BatchStream | None:
     data = BatchStream.of(args.eval_data, seq_len, args.seed, max_bytes=int(args.data_mb * 2**20))
     if isinstance(data.source, TextShards):
         data.source.check()
+    elif len(data.source) < args.batch_size:
+        raise UsageError(f"--eval-data {args.eval_data} has {len(data.source)} samples of {seq_len} tokens, fewer "
+                         f"than one global batch of {args.batch_size}: give more held-out data or a smaller batch")
     return data
 
 
@@ -730,7 +733,7 @@ def _verify(job: TrainJob, plan: Plan, world: LocalWorld | None) -> bool:
     entry = model_from_flag(job.model)
     first = next(job.data.batches(job.batch_size, 1))
     batch = (first.inputs, first.targets)
-    result = verify(_builder(job), plan, batch, loss_fn=entry.loss_fn, steps=VERIFY_STEPS, optimizer="adamw",
+    result = verify(_builder(job), plan, batch, loss_fn=entry.loss_fn, steps=VERIFY_STEPS, optimizer=job.optimizer,
                     lr=job.lr, world=world)
     print(result, flush=True)
     return result.ok
