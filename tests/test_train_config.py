@@ -171,6 +171,18 @@ def test_a_transformers_config_file_is_a_model(tmp_path):
     assert plan.rules is not None and "tp" in plan.rules.axes()   # transformers' own tensor-parallel plan
 
 
+@pytest.mark.parametrize(("config", "message"), [
+    ('{"model_type": "nope"}', "model_type 'nope' is not one transformers knows"),
+    (None, "cannot read transformers config file"),
+    ('{"model_type": "llama", "model_type": "gpt2"}', "key 'model_type' is given twice"),
+])
+def test_a_bad_transformers_config_file_is_named(tmp_path, capsys, no_processes, config, message):
+    if config is not None:
+        (tmp_path / "config.json").write_text(config)
+    assert main(["train", "--model", str(tmp_path / "config.json"), "--mesh", "fsdp=2"]) == 2
+    assert message in capsys.readouterr().err
+
+
 def test_the_schedule_warms_up_then_decays_to_min_lr():
     factors = [train_cli.lr_factor(s, 10, 4, 0.1) for s in range(10)]
     assert factors[:4] == [0.25, 0.5, 0.75, 1.0]
