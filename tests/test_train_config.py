@@ -17,6 +17,7 @@ import pytest
 import shardkit.cli.train as train_cli
 from shardkit.cli import build_parser, main
 from shardkit.cli.job import FIELDS, load_job
+from shardkit.cli.train_step import lr_factor
 from shardkit.io.batch_stream import BatchStream
 from shardkit.models.gpt import GPT_RULES
 from shardkit.observe.metrics import METRICS_FILE
@@ -184,7 +185,7 @@ def test_a_bad_transformers_config_file_is_named(tmp_path, capsys, no_processes,
 
 
 def test_the_schedule_warms_up_then_decays_to_min_lr():
-    factors = [train_cli.lr_factor(s, 10, 4, 0.1) for s in range(10)]
+    factors = [lr_factor(s, 10, 4, 0.1) for s in range(10)]
     assert factors[:4] == [0.25, 0.5, 0.75, 1.0]
     assert factors[4] == 1.0 and factors[-1] == pytest.approx(0.1)
     assert all(a > b for a, b in zip(factors[4:], factors[5:], strict=False))
@@ -241,7 +242,7 @@ def test_a_logged_run_writes_tensorboard_and_jsonl_with_eval(tmp_path):
         assert set(line) == {"step", "loss", "lr", "grad_norm", "tokens_per_s", "memory_bytes", "comm_bytes"}
         assert set(line["memory_bytes"]) == set(line["comm_bytes"]) == {"rank0", "rank1"}
         assert line["tokens_per_s"] > 0 and line["grad_norm"] > 0 and line["comm_bytes"]["rank1"] > 0
-    assert [line["lr"] for line in steps] == pytest.approx([0.01 * train_cli.lr_factor(s, 4, 2, 0.1) for s in range(4)])
+    assert [line["lr"] for line in steps] == pytest.approx([0.01 * lr_factor(s, 4, 2, 0.1) for s in range(4)])
     for line in evals:
         assert line["eval"]["perplexity"] == pytest.approx(math.exp(line["eval"]["loss"]))
 

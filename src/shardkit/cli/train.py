@@ -25,7 +25,6 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from rich.console import Console
 from torch import nn
@@ -36,7 +35,6 @@ from ..families import token_sizes
 from ..io.batch_stream import BatchStream
 from ..io.data import DEFAULT_MAX_BYTES, TextShards
 from ..models.registry import MODELS, ModelEntry
-from ..observe.metrics import MetricsWriter
 from ..observe.report import RankStats, print_summary
 from ..plan import Plan, PlanError, UsageError
 from ..planner.initialisation import uninitialised
@@ -62,9 +60,7 @@ from .options import (
     positive_int,
     rules_hint,
 )
-
-if TYPE_CHECKING:
-    import torch
+from .train_step import RunLog, accumulate, clip_grad_norm, evaluate, lr_schedule, make_optimizer
 
 DEFAULT_MODEL = "gpt-small"
 DEFAULT_STEPS = 60
@@ -127,7 +123,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--seq-len", type=positive_int, metavar="N",
                         help="tokens (bytes) per sample (default: the model's positions)")
     parser.add_argument("--lr", type=positive_float, default=DEFAULT_LR, metavar="X",
-                        help=f"AdamW learning rate (default: {DEFAULT_LR})")
+                        help=f"learning rate, the peak with --warmup-steps (default: {DEFAULT_LR})")
     parser.add_argument("--data", type=path, metavar="DIR",
                         help="a data folder written by 'shardkit data shard' (every sample once per epoch, resumable "
                              "under any plan), or a folder of text files, searched recursively (random windows; "
@@ -464,14 +460,15 @@ def train_job(ctx: Context, job: TrainJob) -> tuple[RankStats, list]:
     memory = PeakMemory(ctx.device).start()
     entry = model_from_flag(job.model)
     model = shard(_builder(job)(), ctx.plan, ctx, seed=job.seed, weights=job.init_from)
-    optimizer = make_optimizer(job, model.parameters())
+    optimizer = make_optimizer(model.parameters(), job.optimizer, job.lr, betas=job.betas,
+                               weight_decay=job.weight_decay, momentum=job.momentum)
     first, position = 0, None
     losses, times = [], []
     tokens_per_step = job.batch_size * job.seq_len
     comm = CommCounter()
     last = job.steps - 1
     recording = timeline.recording(ctx.rank) if job.profile else nullcontext()
-    log = _Log(job, ctx.rank)
+    log = RunLog(job.log_dir, job.log_every, ctx.rank)
     with _Progress(ctx.rank == 0, job.steps) as progress, recording, log:
         if job.resume is not None:
             with progress.busy(f"loading {job.resume}"):
@@ -479,7 +476,7 @@ def train_job(ctx: Context, job: TrainJob) -> tuple[RankStats, list]:
             first, position = info["step"], (info["extra"] or {}).get("data")
             progress.resumed(first)
             progress.say(f"resumed from {job.resume} at step {first}")
-        schedule = lr_schedule(job, optimizer, first)
+        schedule = lr_schedule(optimizer, first, job.steps, job.lr, job.warmup_steps, job.min_lr)
         eval_batches = None if job.eval_data is None else list(job.eval_data.batches(job.batch_size, job.eval_batches))
         batches = job.data.batches(job.batch_size, job.steps - first, position)
         for step, batch in enumerate(batches, start=first):
@@ -521,153 +518,6 @@ def train_job(ctx: Context, job: TrainJob) -> tuple[RankStats, list]:
     spans = [s for s in timeline.collect() if s.step != last or job.steps == 1] if job.profile else []
     stats = RankStats(ctx.rank, ctx.coordinates(), held, memory.peak_bytes(), memory.method, times, comm.summary(), losses)
     return stats, spans
-
-
-def make_optimizer(job: TrainJob, params) -> torch.optim.Optimizer:
-    """AdamW or SGD as the job says; settings it leaves out keep torch's defaults."""
-    import torch
-
-    given = {"betas": job.betas, "weight_decay": job.weight_decay, "momentum": job.momentum}
-    options = {name: value for name, value in given.items() if value is not None}
-    kind = torch.optim.AdamW if job.optimizer == "adamw" else torch.optim.SGD
-    return kind(params, lr=job.lr, **options)
-
-
-def lr_factor(step: int, steps: int, warmup: int, min_ratio: float) -> float:
-    """The learning rate of 0-based ``step`` as a fraction of the peak: linear warmup over ``warmup``
-    steps (the first step already at 1/warmup), then a cosine decay to ``min_ratio`` at the last step.
-
-    >>> [round(lr_factor(s, 6, 2, 0.1), 3) for s in range(6)]
-    [0.5, 1.0, 1.0, 0.775, 0.325, 0.1]
-    """
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = (step - warmup) / max(1, steps - 1 - warmup)
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def lr_schedule(job: TrainJob, optimizer, first: int):
-    """torch's ``LambdaLR`` over :func:`lr_factor`, from step ``first`` (a resumed run carries on where it
-    stood), or ``None`` for a constant learning rate."""
-    import torch
-
-    if job.warmup_steps is None:
-        return None
-    for group in optimizer.param_groups:
-        group["initial_lr"] = job.lr  # the peak, whatever a loaded optimizer state holds
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_factor(first + s, job.steps, job.warmup_steps, job.min_lr / job.lr))
-
-
-def accumulate(model: nn.Module, ctx: Context, batch, loss_fn: Callable, micro_steps: int):
-    """Forward and backward over ``micro_steps`` equal parts of the global batch, gradients averaged:
-    one step on the whole batch. Returns the loss over the whole batch.
-
-    A local stand-in until the shared accumulation API lands (plans without a pipeline; every micro-step
-    synchronises gradients, which costs communication, not correctness)."""
-    rows = batch.inputs.shape[0] // micro_steps
-    total = 0.0
-    for i in range(micro_steps):
-        part = slice(i * rows, (i + 1) * rows)
-        inputs, targets = ctx.shard_batch(batch.inputs[part], batch.targets[part])
-        total = total + model.step(inputs, targets, loss_fn)
-    if micro_steps > 1:
-        for param in model.parameters():
-            if param.grad is not None:
-                param.grad.div_(micro_steps)
-    return total / micro_steps
-
-
-def clip_grad_norm(model: nn.Module, max_norm: float | None) -> float | None:
-    """The global gradient norm, clipped to ``max_norm`` when given (``None``: measured only).
-
-    torch's ``get_total_norm`` per group of gradients of one kind (plain tensors; DTensors of one mesh and
-    placement, whose norm ``full_tensor`` reduces over their mesh): torch's own refuses a mix of plain and
-    DTensor gradients, which a tensor-parallel plan has. The gradients are then scaled as torch's
-    ``clip_grads_with_norm_`` would (by ``max_norm / (norm + 1e-6)`` when below 1). A local stand-in for plans
-    without a pipeline (each stage sees only its own gradients) until the shared ``sk.clip_grad_norm_``
-    lands; ``None`` under a pipeline."""
-    import torch
-    from torch.distributed.tensor import DTensor
-
-    if model.plan.pipeline is not None:
-        return None
-    groups: dict[object, list[torch.Tensor]] = {}
-    for param in model.parameters():
-        grad = param.grad
-        if grad is not None:
-            key = (grad.device_mesh, grad.placements) if isinstance(grad, DTensor) else None
-            groups.setdefault(key, []).append(grad)
-    squares = 0.0
-    for grads in groups.values():
-        norm = torch.nn.utils.get_total_norm(grads)
-        squares += (norm.full_tensor() if isinstance(norm, DTensor) else norm).item() ** 2
-    total = math.sqrt(squares)
-    if max_norm is not None and total > 0:
-        coef = min(1.0, max_norm / (total + 1e-6))
-        for grads in groups.values():
-            torch._foreach_mul_(grads, coef)
-    return total
-
-
-def evaluate(model: nn.Module, ctx: Context, batches: list, loss_fn: Callable) -> float:
-    """The mean loss over held-out global batches (no gradients), averaged over every rank."""
-    import torch
-
-    from ..runtime.apply import mean_over_world
-
-    total = 0.0
-    model.eval()
-    with torch.no_grad():
-        for batch in batches:
-            inputs, targets = ctx.shard_batch(batch.inputs, batch.targets)
-            total += mean_over_world(loss_fn(model(inputs), targets)).item()
-    model.train()
-    return total / len(batches)
-
-
-class _Log:
-    """Rank 0's metrics (:class:`MetricsWriter`) every ``log_every`` steps and at the last; every rank
-    takes part in gathering memory and communication per rank."""
-
-    def __init__(self, job: TrainJob, rank: int):
-        self.every = job.log_every if job.log_dir is not None else None
-        self.writer = MetricsWriter(job.log_dir) if job.log_dir is not None and rank == 0 else None
-        self.tokens, self.seconds = 0, 0.0
-
-    def due(self, done: int, steps: int) -> bool:
-        return self.every is not None and (done % self.every == 0 or done == steps)
-
-    def step_done(self, tokens: int, seconds: float) -> None:
-        self.tokens += tokens
-        self.seconds += seconds
-
-    def write(self, done: int, loss: float, lr: float, norm: float | None, memory: int, comm: tuple[int, int]) -> None:
-        """Tokens/s over the steps since the last line; memory (peak) and communication (this step) per rank."""
-        import torch.distributed as dist
-
-        mine = (memory, comm[1])
-        every = [mine] * dist.get_world_size() if dist.is_initialized() else [mine]
-        if dist.is_initialized():
-            dist.all_gather_object(every, mine)
-        if self.writer is not None:
-            scalars = {"loss": loss, "lr": lr, **({} if norm is None else {"grad_norm": norm}),
-                       "tokens_per_s": self.tokens / self.seconds,
-                       "memory_bytes": {f"rank{r}": m for r, (m, _) in enumerate(every)},
-                       "comm_bytes": {f"rank{r}": c for r, (_, c) in enumerate(every)}}
-            self.writer.write(done, scalars)
-        self.tokens, self.seconds = 0, 0.0
-
-    def eval(self, done: int, loss: float) -> None:
-        if self.writer is not None:
-            self.writer.write(done, {"eval": {"loss": loss, "perplexity": math.exp(loss)}})
-
-    def __enter__(self) -> _Log:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.writer is not None:
-            self.writer.close()
 
 
 class _Progress:
