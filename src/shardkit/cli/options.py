@@ -16,14 +16,16 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import NoReturn, TypeVar
 
 from torch import nn
 
+from ..models.hf import hf_loss
 from ..models.registry import BUILDER_PATH_FORM, MODELS, ModelEntry, is_builder_path, model_entry
 from ..plan import LayoutMap, Mesh, Plan, PlanError, UsageError
-from ..plan.files import read_file
+from ..plan.files import mapping, read_file
 from ..plan.pipeline import SCHEDULES, SPLITS, pipeline_from_args
 from ..plan.plan import RECOMPUTE
 from ..planner.tp_infer import infer_tp_rules
@@ -73,6 +75,14 @@ def positive_float(text: str) -> float:
     return value
 
 
+def non_negative_float(text: str) -> float:
+    """A finite number >= 0."""
+    value = _number(float, text)
+    if value is None or not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return value
+
+
 def _number(kind: Callable[[str], Number], text: str) -> Number | None:
     try:
         return kind(text)
@@ -98,7 +108,7 @@ def module_names(text: str) -> list[str]:
 def model_name(valid: Sequence[str]) -> Callable[[str], str]:
     """A converter accepting a name in ``valid`` or a ``package.module:function`` builder path."""
     def convert(text: str) -> str:
-        if is_builder_path(text) or text in valid:
+        if is_builder_path(text) or text in valid or text.endswith(".json"):
             return text
         if text in MODELS:
             raise argparse.ArgumentTypeError(f"{text!r} has shapes only (meta device): use it with "
@@ -112,8 +122,9 @@ def model_name(valid: Sequence[str]) -> Callable[[str], str]:
 
 def add_model_option(parser: argparse.ArgumentParser, default: str, valid: Sequence[str]) -> None:
     parser.add_argument("--model", default=default, type=model_name(valid), metavar="NAME",
-                        help=f"a registered model ({', '.join(valid)}; default: {default}) or any importable "
-                             f"zero-argument builder returning an nn.Module, as {BUILDER_PATH_FORM}")
+                        help=f"a registered model ({', '.join(valid)}; default: {default}), any importable "
+                             f"zero-argument builder returning an nn.Module, as {BUILDER_PATH_FORM}, or a "
+                             f"transformers config file (.json) of a causal LM")
 
 
 def model_from_flag(name: str) -> ModelEntry:
@@ -125,7 +136,32 @@ def model_from_flag(name: str) -> ModelEntry:
     if is_builder_path(name) and os.getcwd() not in sys.path:
         sys.path.append(os.getcwd())
     with _naming_model_flag(name):
-        return model_entry(name)
+        return hf_config_entry(name) if name.endswith(".json") else model_entry(name)
+
+
+def hf_config_entry(file: str) -> ModelEntry:
+    """A transformers causal LM from its ``config.json`` (no weights: ``AutoModelForCausalLM.from_config``,
+    seeded with 0); its vocabulary and positions are read from the config."""
+    from transformers import AutoConfig
+
+    data = mapping(read_file(file, "transformers config"), f"transformers config {file!r}",
+                   '{"model_type": "llama", "vocab_size": 256, ...}')
+    kind = data.get("model_type")
+    try:
+        config = AutoConfig.for_model(kind, **{k: v for k, v in data.items() if k != "model_type"})
+    except (ValueError, TypeError) as exc:
+        raise UsageError(f"transformers config {file!r}: model_type {kind!r} is not one transformers knows "
+                         f"({exc})") from None
+    return ModelEntry(partial(_build_causal_lm, config), None, hf_loss, None, None,
+                      description=f"transformers {kind} from {file}")
+
+
+def _build_causal_lm(config) -> nn.Module:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config)
 
 
 def meta_model_from_flag(name: str, entry: ModelEntry) -> nn.Module:
@@ -179,7 +215,7 @@ def plan_from_args(args: argparse.Namespace, entry: ModelEntry) -> tuple[Plan, i
         if given:
             raise PlanError(f"--plan is a whole plan, so {', '.join(given)} cannot be combined with it; "
                             f"edit the plan file or drop --plan")
-        plan = Plan.load(args.plan)
+        plan = args.plan if isinstance(args.plan, Plan) else Plan.load(args.plan)
     else:
         mesh = _parse_mesh_flag(DEFAULT_MESH if args.mesh is None else args.mesh)
         rules = load_rules(args.rules) if args.rules is not None else entry.rules_for(mesh) or inferred_rules(args.model, entry, mesh)

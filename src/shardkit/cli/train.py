@@ -10,17 +10,19 @@ and every rank reports memory, step time and communication::
     shardkit train --mesh dp=2,tp=2 --verify
     shardkit train --plan plan.yaml --data ~/notes --steps 100
     shardkit train --model mypkg.models:build --mesh fsdp=2 --seq-len 256
+    shardkit train --config job.yaml --steps 500     # a job file (cli/job.py); flags win over it
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 
@@ -32,7 +34,7 @@ from ..checkpoint.store import checkpoint_to_load, latest_checkpoint, load, mode
 from ..families import token_sizes
 from ..io.batch_stream import BatchStream
 from ..io.data import DEFAULT_MAX_BYTES, TextShards
-from ..models.registry import MODELS, ModelEntry, model_entry
+from ..models.registry import MODELS, ModelEntry
 from ..observe.report import RankStats, print_summary
 from ..plan import Plan, PlanError, UsageError
 from ..planner.initialisation import uninitialised
@@ -42,12 +44,15 @@ from ..runtime.context import Context
 from ..runtime.materialize import open_weights
 from ..runtime.torchrun import in_torchrun
 from ..runtime.world import DEFAULT_TIMEOUT_S, LocalWorld, WorldError, launch
+from .job import BUILDS, OPTIMIZERS, RESUME_FROM_DIR, load_job
 from .options import (
     AUTO_PLAN,
     add_model_option,
     add_plan_options,
     meta_model_from_flag,
     model_from_flag,
+    model_name,
+    non_negative_float,
     non_negative_int,
     path,
     plan_from_args,
@@ -55,6 +60,7 @@ from .options import (
     positive_int,
     rules_hint,
 )
+from .train_step import RunLog, accumulate, clip_grad_norm, evaluate, lr_schedule, make_optimizer
 
 DEFAULT_MODEL = "gpt-small"
 DEFAULT_STEPS = 60
@@ -62,8 +68,8 @@ DEFAULT_BATCH = 8
 DEFAULT_LR = 3e-3
 VERIFY_STEPS = 2
 RESUME_FROM_SAVE = Path("<the --save folder>")
-BUILDS = ("meta", "full")
 BYTE_VOCAB = 256  # the data are bytes: token ids 0..255
+TRAINABLE = sorted(name for name, entry in MODELS.items() if not entry.meta_only)
 
 
 @dataclass(frozen=True)
@@ -87,16 +93,28 @@ class TrainJob:
     save_every: int | None = None
     keep_last: int | None = None
     resume: str | None = None  # the checkpoint folder to start from
+    optimizer: str = "adamw"
+    betas: tuple[float, float] | None = None  # None: the optimizer's defaults
+    weight_decay: float | None = None
+    momentum: float | None = None
+    warmup_steps: int | None = None  # with min_lr: linear warmup, then cosine decay to min_lr
+    min_lr: float | None = None
+    grad_accum: int = 1
+    clip_grad_norm: float | None = None
+    log_dir: str | None = None
+    log_every: int = 1
+    eval_data: BatchStream | None = None
+    eval_every: int | None = None
+    eval_batches: int = 1
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    trainable = sorted(name for name, entry in MODELS.items() if not entry.meta_only)
     parser = subparsers.add_parser(
         "train", help="train a model across a local world and report memory, time and communication per device",
         description="Train a model as a byte-level language model on local text (default: the Python "
                     "standard library's sources) across a local world of processes, as a plan says. The plan is "
                     "validated on the meta device before any process starts.")
-    add_model_option(parser, DEFAULT_MODEL, trainable)
+    add_model_option(parser, DEFAULT_MODEL, TRAINABLE)
     pipe = add_plan_options(parser)
     parser.add_argument("--steps", type=positive_int, default=DEFAULT_STEPS, metavar="N",
                         help=f"optimizer steps (default: {DEFAULT_STEPS})")
@@ -105,7 +123,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--seq-len", type=positive_int, metavar="N",
                         help="tokens (bytes) per sample (default: the model's positions)")
     parser.add_argument("--lr", type=positive_float, default=DEFAULT_LR, metavar="X",
-                        help=f"AdamW learning rate (default: {DEFAULT_LR})")
+                        help=f"learning rate, the peak with --warmup-steps (default: {DEFAULT_LR})")
     parser.add_argument("--data", type=path, metavar="DIR",
                         help="a data folder written by 'shardkit data shard' (every sample once per epoch, resumable "
                              "under any plan), or a folder of text files, searched recursively (random windows; "
@@ -138,19 +156,123 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help=f"first check the sharded model against a single-process run for {VERIFY_STEPS} steps")
     pipe.add_argument("--profile", type=path, metavar="DIR",
                       help="write the pipeline timeline (Chrome/Perfetto trace and PNG) and the bubble fraction to DIR")
-    parser.set_defaults(func=run)
+    parser.add_argument("--config", type=path, metavar="FILE",
+                        help="a job file (YAML/JSON, docs/train.md): model, data, optimizer, schedule, batch, "
+                             "precision, plan, checkpoint, logging, eval; a flag given here wins over the file")
+    step = parser.add_argument_group("optimizer and step")
+    step.add_argument("--optimizer", choices=OPTIMIZERS, help="default: adamw")
+    step.add_argument("--weight-decay", type=non_negative_float, metavar="X",
+                      help="default: the optimizer's (AdamW 0.01, SGD 0)")
+    step.add_argument("--warmup-steps", type=non_negative_int, metavar="N",
+                      help="linear warmup over N steps, then cosine decay to --min-lr (default: constant --lr)")
+    step.add_argument("--min-lr", type=non_negative_float, metavar="X",
+                      help="the learning rate the cosine decay ends at (with --warmup-steps)")
+    step.add_argument("--grad-accum", type=positive_int, metavar="K",
+                      help="split each global batch into K micro-batches, one optimizer step (default: 1)")
+    step.add_argument("--clip-grad-norm", type=positive_float, metavar="X",
+                      help="clip the global gradient norm to X (plans without a pipeline)")
+    seeing = parser.add_argument_group("logging and evaluation")
+    seeing.add_argument("--log-dir", type=path, metavar="DIR",
+                        help="TensorBoard event files and metrics.jsonl (loss, learning rate, gradient norm, "
+                             "tokens/s, memory per rank, communication bytes, eval loss and perplexity)")
+    seeing.add_argument("--log-every", type=positive_int, metavar="N", help="log every N steps (default: 1)")
+    seeing.add_argument("--eval-data", type=path, metavar="DIR",
+                        help="held-out data (a folder of either kind, not the training data) to evaluate on")
+    seeing.add_argument("--eval-every", type=positive_int, metavar="N", help="evaluate every N steps")
+    seeing.add_argument("--eval-batches", type=positive_int, metavar="N",
+                        help="global batches per evaluation (default: 1)")
+    # A flag's default applies only when neither the command line nor --config gives it (see with_config).
+    parser.set_defaults(func=run, **{dest: _marked(value) for dest, value in DEFAULTS.items()},
+                        **dict.fromkeys(FILE_ONLY))
+
+
+class _DefaultInt(int):
+    """A flag's default as the parser leaves it: equal to the value, but told apart from the same value
+    given on the command line (which the flag's type makes a plain int, float or str)."""
+
+
+class _DefaultFloat(float):
+    __doc__ = _DefaultInt.__doc__
+
+
+class _DefaultStr(str):
+    __doc__ = _DefaultInt.__doc__
+
+
+_MARKED = {int: _DefaultInt, float: _DefaultFloat, str: _DefaultStr}
+
+
+def _marked(value: int | float | str) -> int | float | str:
+    return _MARKED[type(value)](value)
+
+
+def _given(value: object) -> bool:
+    """Whether a flag's value came from the command line (not its default, not absent)."""
+    return value is not None and type(value) not in _MARKED.values()
+
+
+#: The defaults of the flags a job file may set; the parser leaves them marked (:func:`_marked`) so that
+#: a flag given on the command line can be told from one left out, whatever its value.
+DEFAULTS = {"model": DEFAULT_MODEL, "steps": DEFAULT_STEPS, "batch_size": DEFAULT_BATCH, "lr": DEFAULT_LR,
+            "seed": 0, "build": "meta", "timeout": DEFAULT_TIMEOUT_S, "data_mb": DEFAULT_MAX_BYTES / 2**20,
+            "optimizer": "adamw", "grad_accum": 1, "log_every": 1, "eval_batches": 1}
+#: Job-file fields with no flag.
+FILE_ONLY = ("betas", "momentum", "param_dtype", "reduce_dtype")
+#: The flags that describe a plan: any of them on the command line replaces the job file's plan.
+PLAN_FLAGS = ("plan", "mesh", "rules", "recompute", "schedule", "microbatches", "split", "split_points")
+
+
+def with_config(args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` completed from ``--config`` and the defaults: a flag given on the command line wins,
+    then the job file, then the flag's default.
+
+    >>> from shardkit.cli import build_parser
+    >>> args = build_parser().parse_args(["train", "--steps", "60"])
+    >>> with_config(args).steps, args.lr == DEFAULT_LR, type(args.lr)
+    (60, True, <class 'float'>)
+    """
+    file = {} if args.config is None else load_job(args.config)
+    if any(_given(getattr(args, flag)) for flag in PLAN_FLAGS):
+        file.pop("plan", None)  # the command line's plan replaces the file's whole plan
+    if file.get("resume") == RESUME_FROM_DIR:
+        file["resume"] = RESUME_FROM_SAVE
+    if "model" in file:
+        try:
+            file["model"] = model_name(TRAINABLE)(file["model"])
+        except argparse.ArgumentTypeError as exc:
+            raise PlanError(f"job file {str(args.config)!r}: model: {exc}") from None
+    for dest, value in file.items():
+        if not _given(getattr(args, dest)):
+            setattr(args, dest, value)
+    for dest, default in DEFAULTS.items():
+        if not _given(getattr(args, dest)):
+            setattr(args, dest, default)
+    return args
 
 
 def build_plan(args: argparse.Namespace) -> tuple[Plan, int]:
-    """The plan and world size from the command line (not yet checked against the model)."""
+    """The plan and world size from the command line and ``--config`` (not yet checked against the model)."""
+    with_config(args)
     if args.plan is not None and str(args.plan) == AUTO_PLAN:
         plan, world_size = auto_plan(args)
     else:
         plan, world_size = plan_from_args(args, model_from_flag(args.model))
+    plan = _with_precision(plan, args)
     if args.profile is not None and plan.pipeline is None:
         raise PlanError(f"--profile records the pipeline timeline (forward/backward per micro-batch and stage), but "
                         f"{plan.mesh!r} has no pipeline; add a 'pp' axis of size >= 2, e.g. --mesh pp=2")
     return plan, world_size
+
+
+def _with_precision(plan: Plan, args: argparse.Namespace) -> Plan:
+    """The job file's ``precision`` section as the plan's mixed-precision policy (``FSDPOptions``);
+    a plan that already sets another dtype is refused, naming both."""
+    given = {name: getattr(args, name) for name in ("param_dtype", "reduce_dtype") if getattr(args, name) is not None}
+    clashes = [f"precision.{name} is {value!r} but the plan's fsdp.{name} is {getattr(plan.fsdp, name)!r}"
+               for name, value in given.items() if getattr(plan.fsdp, name) not in (None, value)]
+    if clashes:
+        raise PlanError([f"{clash}: give it in one place" for clash in clashes])
+    return replace(plan, fsdp=replace(plan.fsdp, **given)) if given else plan
 
 
 def auto_plan(args: argparse.Namespace) -> tuple[Plan, int]:
@@ -205,8 +327,16 @@ def check_job(args: argparse.Namespace, plan: Plan, world_size: int) -> TrainJob
     problems = []
     if positions is not None and seq_len > positions:
         problems.append(f"--seq-len {seq_len}: model {args.model!r} has {positions} positions; valid: 1..{positions}")
-    problems += [f"--batch-size {args.batch_size} / --seq-len {seq_len}: {p}"
-                 for p in plan.resolved(world_size).batch_problems(args.batch_size, seq_len)]
+    if args.batch_size % args.grad_accum:
+        problems.append(f"--batch-size {args.batch_size} does not split into --grad-accum {args.grad_accum} "
+                        f"micro-batches; valid: a batch size that is a multiple of {args.grad_accum}")
+    else:
+        micro = args.batch_size // args.grad_accum
+        what = f"--batch-size {args.batch_size} / --grad-accum {args.grad_accum} = {micro}" \
+            if args.grad_accum > 1 else f"--batch-size {args.batch_size}"
+        problems += [f"{what} / --seq-len {seq_len}: {p}"
+                     for p in plan.resolved(world_size).batch_problems(micro, seq_len)]
+    problems += _step_problems(args, plan)
     if problems:
         raise PlanError(problems)
     data = BatchStream.of(args.data, seq_len, args.seed, max_bytes=int(args.data_mb * 2**20))
@@ -214,7 +344,58 @@ def check_job(args: argparse.Namespace, plan: Plan, world_size: int) -> TrainJob
         data.source.check()
     resume = _resume_folder(args, model, data)
     return TrainJob(args.model, data, args.steps, args.batch_size, seq_len, args.lr, args.seed, args.profile is not None,
-                    args.build, _text(args.init_from), _text(args.save), args.save_every, args.keep_last, _text(resume))
+                    args.build, _text(args.init_from), _text(args.save), args.save_every, args.keep_last, _text(resume),
+                    args.optimizer, args.betas, args.weight_decay, args.momentum, args.warmup_steps, args.min_lr,
+                    args.grad_accum, args.clip_grad_norm, _text(args.log_dir), args.log_every,
+                    _eval_data(args, seq_len), args.eval_every, args.eval_batches)
+
+
+def _step_problems(args: argparse.Namespace, plan: Plan) -> list[str]:
+    """The optimizer, schedule and evaluation settings that cannot run as given, each named."""
+    problems = []
+    if args.optimizer != "adamw" and args.betas is not None:
+        problems.append(f"optimizer.betas: only AdamW has betas, but the optimizer is {args.optimizer!r}")
+    if args.optimizer != "sgd" and args.momentum is not None:
+        problems.append(f"optimizer.momentum: only SGD has momentum, but the optimizer is {args.optimizer!r}")
+    if (args.warmup_steps is None) != (args.min_lr is None):
+        problems.append("--warmup-steps and --min-lr (schedule.warmup_steps, schedule.min_lr) come together: "
+                        "the schedule is a linear warmup then a cosine decay to min_lr; give both, or neither "
+                        "for a constant learning rate")
+    elif args.warmup_steps is not None:
+        if args.warmup_steps >= args.steps:
+            problems.append(f"--warmup-steps {args.warmup_steps}: the run has {args.steps} steps, so the decay would "
+                            f"never start; valid: 0..{args.steps - 1}")
+        if args.min_lr > args.lr:
+            problems.append(f"--min-lr {args.min_lr:g} is above --lr {args.lr:g}; the decay ends at min_lr, "
+                            f"valid: 0..{args.lr:g}")
+    # Until the shared pipeline-aware clipping and accumulation land, these run on plans without a pipeline only:
+    # torch's clip_grad_norm_ sees one stage's gradients, and the pipeline already splits the batch.
+    if plan.pipeline is not None:
+        problems += [f"{flag} {value}: not yet supported with a pipeline ('pp' axis); drop it or the pipeline"
+                     for flag, value in (("--clip-grad-norm", args.clip_grad_norm), ("--eval-every", args.eval_every),
+                                         ("--grad-accum", args.grad_accum if args.grad_accum > 1 else None))
+                     if value is not None]
+    if (args.eval_every is None) != (args.eval_data is None):
+        problems.append("--eval-every and --eval-data (eval.every, eval.data) come together: evaluate every N steps "
+                        "on held-out data; give both, or neither")
+    if args.eval_data is not None and args.data is not None and args.eval_data.resolve() == args.data.resolve():
+        problems.append(f"--eval-data {args.eval_data} is the training data: give held-out data (e.g. a second "
+                        f"folder written by 'shardkit data shard')")
+    if args.eval_data is not None and not args.eval_data.is_dir():
+        problems.append(f"--eval-data {args.eval_data}: no such folder")
+    return problems
+
+
+def _eval_data(args: argparse.Namespace, seq_len: int) -> BatchStream | None:
+    if args.eval_data is None:
+        return None
+    data = BatchStream.of(args.eval_data, seq_len, args.seed, max_bytes=int(args.data_mb * 2**20))
+    if isinstance(data.source, TextShards):
+        data.source.check()
+    elif len(data.source) < args.batch_size:
+        raise UsageError(f"--eval-data {args.eval_data} has {len(data.source)} samples of {seq_len} tokens, fewer "
+                         f"than one global batch of {args.batch_size}: give more held-out data or a smaller batch")
+    return data
 
 
 def _text(value: Path | None) -> str | None:
@@ -270,45 +451,54 @@ def _check_token_sizes(args: argparse.Namespace, entry: ModelEntry, model: nn.Mo
 
 
 def train_job(ctx: Context, job: TrainJob) -> tuple[RankStats, list]:
-    """One rank's training loop: shard, train with AdamW, measure memory, time and communication.
+    """One rank's training loop: shard, train, measure memory, time and communication, log, evaluate.
 
     Returns the rank's stats and, with ``job.profile``, its pipeline timeline spans (the
     last step's left out: it runs under the communication counter, which slows it).
     """
-    import torch
 
     from ..observe.comm import CommCounter
     from ..observe.memory import PeakMemory, state_bytes
     from ..runtime import spans as timeline
     from ..runtime.apply import shard
-    from ..runtime.optimizer import optimizer as make_optimizer
 
     memory = PeakMemory(ctx.device).start()
-    entry = model_entry(job.model)
+    entry = model_from_flag(job.model)
     model = shard(_builder(job)(), ctx.plan, ctx, seed=job.seed, weights=job.init_from)
-    optimizer = make_optimizer(model, torch.optim.AdamW, lr=job.lr)  # ZeRO-1's under Plan(zero=1)
+    optimizer = make_optimizer(model, job.optimizer, job.lr, betas=job.betas, weight_decay=job.weight_decay,
+                               momentum=job.momentum)  # ZeRO-1's partitioned optimizer under Plan(zero=1)
     first, position = 0, None
     losses, times = [], []
     tokens_per_step = job.batch_size * job.seq_len
     comm = CommCounter()
     last = job.steps - 1
     recording = timeline.recording(ctx.rank) if job.profile else nullcontext()
-    with _Progress(ctx.rank == 0, job.steps) as progress, recording:
+    log = RunLog(job.log_dir, job.log_every, ctx.rank)
+    with _Progress(ctx.rank == 0, job.steps) as progress, recording, log:
         if job.resume is not None:
             with progress.busy(f"loading {job.resume}"):
                 info = load(job.resume, model, optimizer)
             first, position = info["step"], (info["extra"] or {}).get("data")
             progress.resumed(first)
             progress.say(f"resumed from {job.resume} at step {first}")
+        schedule = lr_schedule(optimizer, first, job.steps, job.lr, job.warmup_steps, job.min_lr)
+        eval_batches = None if job.eval_data is None else list(job.eval_data.batches(job.batch_size, job.eval_batches))
         batches = job.data.batches(job.batch_size, job.steps - first, position)
         for step, batch in enumerate(batches, start=first):
-            inputs, targets = ctx.shard_batch(batch.inputs, batch.targets)
+            done = step + 1
+            logged = log.due(done, job.steps)
+            if step == last or logged:
+                comm.reset()
             start = time.perf_counter()
-            # Communication is counted on the last (steady-state) step only: the counter sees every op
-            # in Python, which would slow the timed steps.
-            with comm if step == last else nullcontext():
-                loss = model.step(inputs, targets, entry.loss_fn)
+            # Communication is counted on the last (steady-state) step and on logged steps only: the counter
+            # sees every op in Python, which slows the steps it counts.
+            with comm if step == last or logged else nullcontext():
+                loss = accumulate(model, ctx, batch, entry.loss_fn, job.grad_accum)
+                norm = clip_grad_norm(model, job.clip_grad_norm) if logged or job.clip_grad_norm else None
                 optimizer.step()
+            lr = optimizer.param_groups[0]["lr"]
+            if schedule is not None:
+                schedule.step()
             if step == last:
                 held = state_bytes(model, optimizer)  # grads still allocated
             optimizer.zero_grad()
@@ -317,7 +507,13 @@ def train_job(ctx: Context, job: TrainJob) -> tuple[RankStats, list]:
                 times.append(seconds)
             losses.append(loss.item())
             progress.advance(losses[-1], tokens_per_step / seconds)
-            done = step + 1
+            log.step_done(tokens_per_step, seconds)
+            if logged:
+                log.write(done, losses[-1], lr, norm, memory.peak_bytes(), comm.totals())
+            if eval_batches is not None and done % job.eval_every == 0:
+                eval_loss = evaluate(model, ctx, eval_batches, entry.loss_fn)
+                log.eval(done, eval_loss)
+                progress.say(f"step {done}: eval loss {eval_loss:.4f}, perplexity {math.exp(eval_loss):.2f}")
             if job.save is not None and (done == job.steps or (job.save_every and done % job.save_every == 0)):
                 began = time.perf_counter()
                 with progress.busy(f"saving step {done}"):
@@ -382,17 +578,17 @@ class _Progress:
 
 def _builder(job: TrainJob) -> Callable[[], nn.Module]:
     """The model's builder as ``--build`` says: on meta (only shards are allocated) or in full."""
-    entry = model_entry(job.model)
+    entry = model_from_flag(job.model)
     return partial(meta_model, entry.build) if job.build == "meta" else entry.build
 
 
 def _verify(job: TrainJob, plan: Plan, world: LocalWorld | None) -> bool:
     from ..runtime.verify import verify
 
-    entry = model_entry(job.model)
+    entry = model_from_flag(job.model)
     first = next(job.data.batches(job.batch_size, 1))
     batch = (first.inputs, first.targets)
-    result = verify(_builder(job), plan, batch, loss_fn=entry.loss_fn, steps=VERIFY_STEPS, optimizer="adamw",
+    result = verify(_builder(job), plan, batch, loss_fn=entry.loss_fn, steps=VERIFY_STEPS, optimizer=job.optimizer,
                     lr=job.lr, world=world)
     print(result, flush=True)
     return result.ok

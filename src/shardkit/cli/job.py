@@ -1,0 +1,214 @@
+"""``shardkit train --config job.yaml``: one file for a whole training job, read strictly.
+
+The file is pure data, checked as a Plan is: an unknown key is named with the valid ones, a
+value of the wrong type is named with what would be valid, and nothing is coerced (``"3e-3"``
+is text, not a number; ``"false"`` is not a boolean). Each field becomes the ``shardkit train``
+flag of the same meaning (:data:`FIELDS`); a flag given on the command line wins over the file.
+Relative paths in the file are read from the file's folder.
+
+>>> import tempfile, pathlib
+>>> folder = pathlib.Path(tempfile.mkdtemp())
+>>> _ = (folder / "job.yaml").write_text("steps: 10\\noptimizer: {name: sgd, lr: 0.1}\\n")
+>>> sorted(load_job(folder / "job.yaml").items())
+[('lr', 0.1), ('optimizer', 'sgd'), ('steps', 10)]
+>>> _ = (folder / "bad.yaml").write_text("optimizer: {lr: 3e-3}\\n")
+>>> load_job(folder / "bad.yaml")
+Traceback (most recent call last):
+    ...
+shardkit.plan.errors.PlanError: job file ...: optimizer.lr must be a number > 0, got str '3e-3' (YAML reads 3e-3 as text: write 3.0e-3 or 0.003)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from ..plan import Plan, PlanError
+from ..plan.files import _describe, known_keys, mapping, read_file
+
+OPTIMIZERS = ("adamw", "sgd")
+BUILDS = ("meta", "full")
+DTYPES = ("bfloat16", "float16", "float32")
+#: ``plan: auto`` in a job file, as ``--plan auto``: the planner chooses.
+AUTO = "auto"
+#: ``checkpoint.resume: true``: continue from the latest checkpoint in ``checkpoint.dir``.
+RESUME_FROM_DIR = "<checkpoint.dir>"
+
+Check = Callable[[Any, str, Path], Any]
+
+
+def _int(low: int) -> Check:
+    def check(value: Any, where: str, _: Path) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise PlanError(f"{where} must be an integer >= {low}, got {_describe(value)}")
+        return value
+    return check
+
+
+def _number(low: float, *, above: bool) -> Check:
+    def check(value: Any, where: str, _: Path) -> float:
+        valid = f"a number {'>' if above else '>='} {low:g}"
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                or value < low or (above and value == low):
+            hint = ""
+            if isinstance(value, str) and "e" in value.lower():
+                hint = f" (YAML reads {value} as text: write {_yaml_float(value)})"
+            raise PlanError(f"{where} must be {valid}, got {_describe(value)}{hint}")
+        return float(value)
+    return check
+
+
+def _yaml_float(text: str) -> str:
+    mantissa, _, exponent = text.lower().partition("e")
+    try:
+        plain = f"{float(text):g}"
+    except ValueError:
+        return "a number such as 0.001"
+    return f"{mantissa if '.' in mantissa else mantissa + '.0'}e{exponent} or {plain}"
+
+
+def _choice(valid: tuple[str, ...]) -> Check:
+    def check(value: Any, where: str, _: Path) -> str:
+        if value not in valid or not isinstance(value, str):
+            raise PlanError(f"{where} must be one of {list(valid)}, got {_describe(value)}")
+        return value
+    return check
+
+
+def _text(value: Any, where: str, _: Path) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise PlanError(f"{where} must be a non-empty string, got {_describe(value)}")
+    return value
+
+
+def _path(value: Any, where: str, base: Path) -> Path:
+    return base / _text(value, where, base)
+
+
+def _model(value: Any, where: str, base: Path) -> str:
+    """A registered name or builder path as written; a ``.json`` transformers config relative to the file."""
+    text = _text(value, where, base)
+    return str(base / text) if text.endswith(".json") else text
+
+
+def _betas(value: Any, where: str, base: Path) -> tuple[float, float]:
+    if not isinstance(value, list) or len(value) != 2:
+        raise PlanError(f"{where} must be a list of two numbers in [0, 1) such as [0.9, 0.95], got {_describe(value)}")
+    betas = tuple(_number(0, above=False)(beta, f"{where}[{i}]", base) for i, beta in enumerate(value))
+    if any(beta >= 1 for beta in betas):
+        raise PlanError(f"{where} must be two numbers in [0, 1) such as [0.9, 0.95], got {value}")
+    return betas
+
+
+def _resume(value: Any, where: str, base: Path) -> Path | str | None:
+    if value is True:
+        return RESUME_FROM_DIR
+    if value is False:
+        return None
+    valid = "true (the latest checkpoint in checkpoint.dir), false, or a folder"
+    if not isinstance(value, str):
+        raise PlanError(f"{where} must be {valid}, got {_describe(value)}")
+    if value.lower() in ("true", "false", "yes", "no"):
+        raise PlanError(f"{where} must be {valid}, got str {value!r}: write true or false without quotes, "
+                        f"or ./{value} for a folder of that name")
+    return _path(value, where, base)
+
+
+def _plan(value: Any, where: str, base: Path) -> Plan | Path | str:
+    if value == AUTO:
+        return AUTO
+    if isinstance(value, str):
+        return _path(value, where, base)
+    if not isinstance(value, Mapping):
+        raise PlanError(f"{where} must be a plan mapping such as {{mesh: {{fsdp: 2}}}}, a plan file, or "
+                        f"'{AUTO}', got {_describe(value)}")
+    try:
+        return Plan.from_dict(value)
+    except PlanError as exc:
+        raise PlanError([f"{where}: {problem}" for problem in exc.problems]) from None
+
+
+#: Every field of a job file: ``(section, key)`` (section ``None``: top level) -> the ``shardkit train``
+#: flag's destination and the check of its value.
+FIELDS: dict[tuple[str | None, str], tuple[str, Check]] = {
+    (None, "model"): ("model", _model),
+    (None, "build"): ("build", _choice(BUILDS)),
+    (None, "init_from"): ("init_from", _path),
+    (None, "steps"): ("steps", _int(1)),
+    (None, "seed"): ("seed", _int(0)),
+    (None, "timeout"): ("timeout", _number(0, above=True)),
+    (None, "world_size"): ("world_size", _int(1)),
+    (None, "plan"): ("plan", _plan),
+    (None, "clip_grad_norm"): ("clip_grad_norm", _number(0, above=True)),
+    ("data", "folder"): ("data", _path),
+    ("data", "seq_len"): ("seq_len", _int(1)),
+    ("data", "max_mb"): ("data_mb", _number(0, above=True)),
+    ("optimizer", "name"): ("optimizer", _choice(OPTIMIZERS)),
+    ("optimizer", "lr"): ("lr", _number(0, above=True)),
+    ("optimizer", "betas"): ("betas", _betas),
+    ("optimizer", "weight_decay"): ("weight_decay", _number(0, above=False)),
+    ("optimizer", "momentum"): ("momentum", _number(0, above=False)),
+    ("schedule", "warmup_steps"): ("warmup_steps", _int(0)),
+    ("schedule", "min_lr"): ("min_lr", _number(0, above=False)),
+    ("batch", "global"): ("batch_size", _int(1)),
+    ("batch", "grad_accum"): ("grad_accum", _int(1)),
+    ("precision", "param_dtype"): ("param_dtype", _choice(DTYPES)),
+    ("precision", "reduce_dtype"): ("reduce_dtype", _choice(DTYPES)),
+    ("checkpoint", "dir"): ("save", _path),
+    ("checkpoint", "every"): ("save_every", _int(1)),
+    ("checkpoint", "keep_last"): ("keep_last", _int(1)),
+    ("checkpoint", "resume"): ("resume", _resume),
+    ("logging", "log_dir"): ("log_dir", _path),
+    ("logging", "every"): ("log_every", _int(1)),
+    ("eval", "data"): ("eval_data", _path),
+    ("eval", "every"): ("eval_every", _int(1)),
+    ("eval", "batches"): ("eval_batches", _int(1)),
+}
+SECTIONS = tuple(dict.fromkeys(section for section, _ in FIELDS if section is not None))
+
+
+def load_job(path: str | Path) -> dict[str, Any]:
+    """The fields of a job file as ``shardkit train`` flag destinations, each checked.
+
+    A :class:`PlanError` lists every problem, each naming its field (``optimizer.lr``) and what
+    would be valid. Only the fields the file gives are returned (a flag's default is not a field).
+    """
+    path = Path(path)
+    what = f"job file {str(path)!r}"
+    data = mapping(read_file(path, "job"), what, "{model: gpt-tiny, steps: 100, optimizer: {lr: 0.001}}")
+    top = [key for section, key in FIELDS if section is None]
+    known_keys(data, top + list(SECTIONS), what)
+    found: dict[str, Any] = {}
+    problems: list[str] = []
+    for key, value in data.items():
+        if key in SECTIONS:
+            if value is None:
+                problems.append(f"{what}: section {key!r} is empty (null); give its fields or leave it out")
+                continue
+            try:
+                section = mapping(value, f"{what}: {key}", _example(key))
+                known_keys(section, [k for s, k in FIELDS if s == key], f"{what}: section {key!r}")
+            except PlanError as exc:
+                problems += exc.problems
+                continue
+            items = [((key, field), f"{key}.{field}", v) for field, v in section.items()]
+        else:
+            items = [((None, key), key, value)]
+        for field, where, given in items:
+            dest, check = FIELDS[field]
+            try:
+                found[dest] = check(given, where, path.parent)
+            except PlanError as exc:
+                problems += [f"{what}: {problem}" for problem in exc.problems]
+    if problems:
+        raise PlanError(problems)
+    return found
+
+
+def _example(section: str) -> str:
+    return "{" + ", ".join(f"{key}: ..." for s, key in FIELDS if s == section) + "}"
+
+
+__all__ = ["FIELDS", "load_job"]

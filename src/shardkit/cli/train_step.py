@@ -1,0 +1,164 @@
+"""One training step's parts for ``shardkit train``: the optimizer, the learning-rate schedule,
+gradient accumulation, gradient-norm clipping, evaluation on held-out data, and the run's log.
+
+Accumulation and clipping here are local stand-ins for plans without a pipeline, until the shared
+pipeline-aware ones land (issue 11, part 2); ``shardkit train`` refuses them with a pipeline.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from ..io.batch_stream import Batch
+from ..observe.metrics import MetricsWriter
+from ..runtime.apply import mean_over_world
+from ..runtime.context import Context
+from ..runtime.optimizer import optimizer as sk_optimizer
+
+
+def make_optimizer(model: nn.Module, name: str, lr: float, **settings: object) -> torch.optim.Optimizer:
+    """``adamw`` or ``sgd`` over ``model``'s parameters through ``sk.optimizer`` (ZeRO-1's partitioned
+    optimizer under ``Plan(zero=1)``); settings given as ``None`` keep torch's defaults.
+
+    >>> make_optimizer(nn.Linear(1, 1), "sgd", 0.1, momentum=None).defaults["momentum"]
+    0
+    """
+    options = {key: value for key, value in settings.items() if value is not None}
+    kind = torch.optim.AdamW if name == "adamw" else torch.optim.SGD
+    return sk_optimizer(model, kind, lr=lr, **options)
+
+
+def lr_factor(step: int, steps: int, warmup: int, min_ratio: float) -> float:
+    """The learning rate of 0-based ``step`` as a fraction of the peak: linear warmup over ``warmup``
+    steps (the first step already at 1/warmup), then a cosine decay to ``min_ratio`` at the last step.
+
+    >>> [round(lr_factor(s, 6, 2, 0.1), 3) for s in range(6)]
+    [0.5, 1.0, 1.0, 0.775, 0.325, 0.1]
+    """
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - 1 - warmup)
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def lr_schedule(optimizer: torch.optim.Optimizer, first: int, steps: int, lr: float, warmup_steps: int | None,
+                min_lr: float | None) -> torch.optim.lr_scheduler.LambdaLR | None:
+    """torch's ``LambdaLR`` over :func:`lr_factor`, from step ``first`` (a resumed run carries on where it
+    stood), or ``None`` for a constant learning rate (no ``warmup_steps``)."""
+    if warmup_steps is None or min_lr is None:
+        return None
+    for group in optimizer.param_groups:
+        group["initial_lr"] = lr  # the peak, whatever a loaded optimizer state holds
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(first + s, steps, warmup_steps, min_lr / lr))
+
+
+def accumulate(model: nn.Module, ctx: Context, batch: Batch, loss_fn: Callable, micro_steps: int) -> torch.Tensor:
+    """Forward and backward over ``micro_steps`` equal parts of the global batch, gradients averaged:
+    one step on the whole batch. Returns the loss over the whole batch.
+
+    A local stand-in until the shared accumulation API lands (plans without a pipeline; every micro-step
+    synchronises gradients, which costs communication, not correctness)."""
+    rows = batch.inputs.shape[0] // micro_steps
+    total = 0.0
+    for i in range(micro_steps):
+        part = slice(i * rows, (i + 1) * rows)
+        inputs, targets = ctx.shard_batch(batch.inputs[part], batch.targets[part])
+        total = total + model.step(inputs, targets, loss_fn)
+    if micro_steps > 1:
+        for param in model.parameters():
+            if param.grad is not None:
+                param.grad.div_(micro_steps)
+    return total / micro_steps
+
+
+def clip_grad_norm(model: nn.Module, max_norm: float | None) -> float | None:
+    """The global gradient norm, clipped to ``max_norm`` when given (``None``: measured only).
+
+    torch's ``get_total_norm`` per group of gradients of one kind (plain tensors; DTensors of one mesh and
+    placement, whose norm ``full_tensor`` reduces over their mesh): torch's own refuses a mix of plain and
+    DTensor gradients, which a tensor-parallel plan has. The gradients are then scaled as torch's
+    ``clip_grads_with_norm_`` would (by ``max_norm / (norm + 1e-6)`` when below 1). A local stand-in for plans
+    without a pipeline (each stage sees only its own gradients) until the shared ``sk.clip_grad_norm_``
+    lands; ``None`` under a pipeline."""
+    if model.plan.pipeline is not None:
+        return None
+    groups: dict[object, list[torch.Tensor]] = {}
+    for param in model.parameters():
+        grad = param.grad
+        if grad is not None:
+            key = (grad.device_mesh, grad.placements) if isinstance(grad, DTensor) else None
+            groups.setdefault(key, []).append(grad)
+    squares = 0.0
+    for grads in groups.values():
+        norm = torch.nn.utils.get_total_norm(grads)
+        squares += (norm.full_tensor() if isinstance(norm, DTensor) else norm).item() ** 2
+    total = math.sqrt(squares)
+    if max_norm is not None and total > 0:
+        coef = min(1.0, max_norm / (total + 1e-6))
+        for grads in groups.values():
+            torch._foreach_mul_(grads, coef)
+    return total
+
+
+def evaluate(model: nn.Module, ctx: Context, batches: list, loss_fn: Callable) -> float:
+    """The mean loss over held-out global batches (no gradients), averaged over every rank."""
+
+    total = 0.0
+    model.eval()
+    with torch.no_grad():
+        for batch in batches:
+            inputs, targets = ctx.shard_batch(batch.inputs, batch.targets)
+            total += mean_over_world(loss_fn(model(inputs), targets)).item()
+    model.train()
+    return total / len(batches)
+
+
+class RunLog:
+    """Rank 0's metrics (:class:`MetricsWriter`) every ``every`` steps and at the last (nothing without
+    ``log_dir``); every rank takes part in gathering memory and communication per rank."""
+
+    def __init__(self, log_dir: str | None, every: int, rank: int):
+        self.every = every if log_dir is not None else None
+        self.writer = MetricsWriter(log_dir) if log_dir is not None and rank == 0 else None
+        self.tokens, self.seconds = 0, 0.0
+
+    def due(self, done: int, steps: int) -> bool:
+        return self.every is not None and (done % self.every == 0 or done == steps)
+
+    def step_done(self, tokens: int, seconds: float) -> None:
+        self.tokens += tokens
+        self.seconds += seconds
+
+    def write(self, done: int, loss: float, lr: float, norm: float | None, memory: int, comm: tuple[int, int]) -> None:
+        """Tokens/s over the steps since the last line; memory (peak) and communication (this step) per rank."""
+        mine = (memory, comm[1])
+        every = [mine] * dist.get_world_size() if dist.is_initialized() else [mine]
+        if dist.is_initialized():
+            dist.all_gather_object(every, mine)
+        if self.writer is not None:
+            scalars = {"loss": loss, "lr": lr, **({} if norm is None else {"grad_norm": norm}),
+                       "tokens_per_s": self.tokens / self.seconds,
+                       "memory_bytes": {f"rank{r}": m for r, (m, _) in enumerate(every)},
+                       "comm_bytes": {f"rank{r}": c for r, (_, c) in enumerate(every)}}
+            self.writer.write(done, scalars)
+        self.tokens, self.seconds = 0, 0.0
+
+    def eval(self, done: int, loss: float) -> None:
+        if self.writer is not None:
+            self.writer.write(done, {"eval": {"loss": loss, "perplexity": math.exp(loss)}})
+
+    def __enter__(self) -> RunLog:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+__all__ = ["RunLog", "accumulate", "clip_grad_norm", "evaluate", "lr_factor", "lr_schedule", "make_optimizer"]
