@@ -106,8 +106,10 @@ INCONSISTENT = [
     ("optimizer: {lr: 0.001}\nschedule: {warmup_steps: 1, min_lr: 0.01}", ["--min-lr 0.01 is above --lr 0.001"]),
     ("batch: {global: 8, grad_accum: 3}", ["--batch-size 8 does not split into --grad-accum 3"]),
     ("batch: {global: 6, grad_accum: 2}", ["--batch-size 6 / --grad-accum 2 = 3"]),
-    ("plan: {mesh: {pp: 2}, pipeline: {microbatches: 2}}\nclip_grad_norm: 1.0", ["--clip-grad-norm 1.0: not yet supported with a pipeline"]),
-    ("plan: {mesh: {pp: 2}, pipeline: {microbatches: 2}}\nbatch: {grad_accum: 2}", ["--grad-accum 2: not yet supported with a pipeline"]),
+    ("plan: {mesh: {pp: 2}, pipeline: {microbatches: 2}}\ndata: {folder: text}\neval: {every: 5, data: held}",
+     ["--eval-every 5: not yet supported with a pipeline"]),
+    ("plan: {mesh: {pp: 2}, pipeline: {microbatches: 4}}\nbatch: {global: 8, grad_accum: 4}",
+     ["--batch-size 8 / --grad-accum 4 = 2 / --seq-len", "does not split into 4 equal micro-batches"]),
     ("eval: {every: 5}", ["--eval-every and --eval-data"]),
     ("data: {folder: text}\neval: {every: 5, data: text}", ["is the training data"]),
     ("plan: {mesh: {fsdp: 2}, fsdp: {param_dtype: float16}}\nprecision: {param_dtype: bfloat16}",
@@ -120,8 +122,9 @@ INCONSISTENT = [
 @pytest.mark.parametrize(("text", "expected"), INCONSISTENT, ids=[t for t, _ in INCONSISTENT])
 def test_fields_that_cannot_run_together_are_refused_before_any_process(tmp_path, capsys, no_processes, text,
                                                                         expected):
-    (tmp_path / "text").mkdir()
-    (tmp_path / "text" / "a.txt").write_text("some text " * 400)
+    for folder in ("text", "held"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "a.txt").write_text("some text " * 400)
     defaults = "model: gpt-tiny\n" * ("model:" not in text) + "plan: {mesh: {fsdp: 2}}\n" * ("plan:" not in text)
     (tmp_path / "job.yaml").write_text(defaults + text + "\n")
     assert main(["train", "--config", str(tmp_path / "job.yaml")]) == 2

@@ -170,7 +170,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     step.add_argument("--grad-accum", type=positive_int, metavar="K",
                       help="split each global batch into K micro-batches, one optimizer step (default: 1)")
     step.add_argument("--clip-grad-norm", type=positive_float, metavar="X",
-                      help="clip the global gradient norm to X (plans without a pipeline)")
+                      help="clip the global gradient norm (over every shard and pipeline stage) to X")
     seeing = parser.add_argument_group("logging and evaluation")
     seeing.add_argument("--log-dir", type=path, metavar="DIR",
                         help="TensorBoard event files and metrics.jsonl (loss, learning rate, gradient norm, "
@@ -297,13 +297,18 @@ def auto_plan(args: argparse.Namespace) -> tuple[Plan, int]:
     candidates = autoshard(model, devices=world_size, hardware=hardware, global_batch=args.batch_size,
                            seq_len=seq_len, top=10, param_dtype=None)
     print(candidates_text(candidates, args.model, world_size, hardware), end="", file=sys.stderr)
-    fitting = [c for c in candidates if c.grad_accum == 1]  # shardkit train does not accumulate gradients yet
-    if not fitting:
-        raise PlanError(f"--plan auto: every plan for a batch of {args.batch_size} needs gradient accumulation "
-                        f"(the best: {candidates[0].grad_accum} steps), which shardkit train does not do yet; "
-                        f"lower --batch-size")
-    best = fitting[0]
-    print(f"shardkit train: --plan auto chose {best.plan.mesh!r}: {best.reason}", file=sys.stderr)
+    if _given(args.grad_accum):  # the steps the user asked for: the fastest plan with them
+        fitting = [c for c in candidates if c.grad_accum == args.grad_accum]
+        if not fitting:
+            raise PlanError(f"--plan auto: no plan among the best {len(candidates)} runs with --grad-accum "
+                            f"{args.grad_accum}; they use {sorted({c.grad_accum for c in candidates})} steps: "
+                            f"drop --grad-accum to let the planner choose")
+        best = fitting[0]
+    else:  # the planner's accumulation steps too
+        best = candidates[0]
+        args.grad_accum = best.grad_accum
+    print(f"shardkit train: --plan auto chose {best.plan.mesh!r}"
+          f"{f' with --grad-accum {best.grad_accum}' if best.grad_accum > 1 else ''}: {best.reason}", file=sys.stderr)
     return best.plan, world_size
 
 
@@ -368,13 +373,10 @@ def _step_problems(args: argparse.Namespace, plan: Plan) -> list[str]:
         if args.min_lr > args.lr:
             problems.append(f"--min-lr {args.min_lr:g} is above --lr {args.lr:g}; the decay ends at min_lr, "
                             f"valid: 0..{args.lr:g}")
-    # Until the shared pipeline-aware clipping and accumulation land, these run on plans without a pipeline only:
-    # torch's clip_grad_norm_ sees one stage's gradients, and the pipeline already splits the batch.
-    if plan.pipeline is not None:
-        problems += [f"{flag} {value}: not yet supported with a pipeline ('pp' axis); drop it or the pipeline"
-                     for flag, value in (("--clip-grad-norm", args.clip_grad_norm), ("--eval-every", args.eval_every),
-                                         ("--grad-accum", args.grad_accum if args.grad_accum > 1 else None))
-                     if value is not None]
+    # evaluation runs the model's forward alone, which a pipeline's stages do not do
+    if plan.pipeline is not None and args.eval_every is not None:
+        problems.append(f"--eval-every {args.eval_every}: not yet supported with a pipeline ('pp' axis); drop it or "
+                        f"the pipeline")
     if (args.eval_every is None) != (args.eval_data is None):
         problems.append("--eval-every and --eval-data (eval.every, eval.data) come together: evaluate every N steps "
                         "on held-out data; give both, or neither")

@@ -1,8 +1,8 @@
 """One training step's parts for ``shardkit train``: the optimizer, the learning-rate schedule,
 gradient accumulation, gradient-norm clipping, evaluation on held-out data, and the run's log.
 
-Accumulation and clipping here are local stand-ins for plans without a pipeline, until the shared
-pipeline-aware ones land (issue 11, part 2); ``shardkit train`` refuses them with a pipeline.
+Accumulation and clipping are shardkit's own, pipeline-aware (``model.step(..., accumulate=k)``,
+``sk.clip_grad_norm_``).
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from ..io.batch_stream import Batch
 from ..observe.metrics import MetricsWriter
 from ..runtime.apply import mean_over_world
+from ..runtime.clipping import clip_grad_norm_, grad_norm
 from ..runtime.context import Context
 from ..runtime.optimizer import optimizer as sk_optimizer
 
@@ -59,51 +59,18 @@ def lr_schedule(optimizer: torch.optim.Optimizer, first: int, steps: int, lr: fl
 
 
 def accumulate(model: nn.Module, ctx: Context, batch: Batch, loss_fn: Callable, micro_steps: int) -> torch.Tensor:
-    """Forward and backward over ``micro_steps`` equal parts of the global batch, gradients averaged:
-    one step on the whole batch. Returns the loss over the whole batch.
-
-    A local stand-in until the shared accumulation API lands (plans without a pipeline; every micro-step
-    synchronises gradients, which costs communication, not correctness)."""
-    rows = batch.inputs.shape[0] // micro_steps
-    total = 0.0
-    for i in range(micro_steps):
-        part = slice(i * rows, (i + 1) * rows)
-        inputs, targets = ctx.shard_batch(batch.inputs[part], batch.targets[part])
-        total = total + model.step(inputs, targets, loss_fn)
-    if micro_steps > 1:
-        for param in model.parameters():
-            if param.grad is not None:
-                param.grad.div_(micro_steps)
-    return total / micro_steps
+    """One step on this rank's part of the global batch in ``micro_steps`` equal parts
+    (``model.step(..., accumulate=k)``: gradient sync on the last part only, pipelines too).
+    Returns the loss over the whole batch."""
+    inputs, targets = ctx.shard_batch(batch.inputs, batch.targets)
+    return model.step(inputs, targets, loss_fn, accumulate=micro_steps)
 
 
-def clip_grad_norm(model: nn.Module, max_norm: float | None) -> float | None:
-    """The global gradient norm, clipped to ``max_norm`` when given (``None``: measured only).
-
-    torch's ``get_total_norm`` per group of gradients of one kind (plain tensors; DTensors of one mesh and
-    placement, whose norm ``full_tensor`` reduces over their mesh): torch's own refuses a mix of plain and
-    DTensor gradients, which a tensor-parallel plan has. The gradients are then scaled as torch's
-    ``clip_grads_with_norm_`` would (by ``max_norm / (norm + 1e-6)`` when below 1). A local stand-in for plans
-    without a pipeline (each stage sees only its own gradients) until the shared ``sk.clip_grad_norm_``
-    lands; ``None`` under a pipeline."""
-    if model.plan.pipeline is not None:
-        return None
-    groups: dict[object, list[torch.Tensor]] = {}
-    for param in model.parameters():
-        grad = param.grad
-        if grad is not None:
-            key = (grad.device_mesh, grad.placements) if isinstance(grad, DTensor) else None
-            groups.setdefault(key, []).append(grad)
-    squares = 0.0
-    for grads in groups.values():
-        norm = torch.nn.utils.get_total_norm(grads)
-        squares += (norm.full_tensor() if isinstance(norm, DTensor) else norm).item() ** 2
-    total = math.sqrt(squares)
-    if max_norm is not None and total > 0:
-        coef = min(1.0, max_norm / (total + 1e-6))
-        for grads in groups.values():
-            torch._foreach_mul_(grads, coef)
-    return total
+def clip_grad_norm(model: nn.Module, max_norm: float | None) -> float:
+    """The global gradient norm over every shard and pipeline stage, clipped to ``max_norm`` when given
+    (``sk.clip_grad_norm_``; ``None``: measured only)."""
+    norm = clip_grad_norm_(model, max_norm) if max_norm is not None else grad_norm(model)
+    return norm.item()
 
 
 def evaluate(model: nn.Module, ctx: Context, batches: list, loss_fn: Callable) -> float:

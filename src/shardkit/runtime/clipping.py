@@ -56,14 +56,27 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     ...     norm = sk.clip_grad_norm_(model, max_norm=1.0)
     """
     _check(model, max_norm, norm_type)
-    groups = _by_mesh(model)
-    norms = [_group_norm(group, norm_type) for group in groups.values()]
+    total = grad_norm(model, norm_type)
+    for group in _by_mesh(model).values():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
+    return total
+
+
+def grad_norm(model: nn.Module, norm_type: float = 2.0) -> torch.Tensor:
+    """The global gradient norm :func:`clip_grad_norm_` clips to, without clipping (for logging);
+    a collective, like it.
+
+    >>> grad_norm(nn.Linear(2, 2))
+    Traceback (most recent call last):
+    ...
+    shardkit.plan.errors.UsageError: sk.clip_grad_norm_(model, ...): model must be returned by sk.shard, got a Linear; for a model that is not sharded use torch.nn.utils.clip_grad_norm_
+    """
+    _check(model, 1.0, norm_type)
+    norms = [_group_norm(group, norm_type) for group in _by_mesh(model).values()]
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     total = torch.linalg.vector_norm(torch.stack(norms), norm_type) if norms else torch.zeros((), device=device)
     if isinstance(model, PipelinedModule):
         total = _over_stages(total, norm_type, model._sk_runtime.pp_group)
-    for group in groups.values():
-        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
     return total
 
 
@@ -118,4 +131,4 @@ def _over_stages(stage_norm: torch.Tensor, norm_type: float, pp_group: dist.Proc
     return total.pow(1.0 / norm_type)
 
 
-__all__ = ["clip_grad_norm_"]
+__all__ = ["clip_grad_norm_", "grad_norm"]
