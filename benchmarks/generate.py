@@ -5,8 +5,9 @@ A transformers Llama (hidden 256, 4 layers, 8 heads, 4 KV heads, vocabulary 1024
 ``on_token`` callback: the ``N`` tokens after the first (which ends the prefill) over the time from
 the first to the last; the faster of ``--rounds`` rounds is kept. The baseline is tp = 1 in
 the same run (one process, the same ``sk.generate``). The KV-cache bytes are those each rank's
-cache holds after the prefill (``Decoder.nbytes``), against the formula
-``2 (keys, values) x layers x batch x positions x KV heads / tp x head_dim x 4 bytes``.
+cache holds after the prefill (``Decoder.nbytes``), against the planner's estimate
+(``sk.kv_cache_bytes``: keys and values x layers x batch x positions x KV heads / tp x head_dim x
+4 bytes); the script stops if they ever differ.
 
     python benchmarks/generate.py [--tp 1,2,4] [--prompts 128,512,2048] [--new 32] [--rounds 2]
 """
@@ -23,11 +24,11 @@ from rich.table import Table
 import shardkit as sk
 from shardkit.models.hf import LLAMA_RULES, build_llama, tiny_llama_config
 from shardkit.plan.text import format_bytes
+from shardkit.planner.estimate import kv_cache_bytes
 from shardkit.runtime.generate import Decoder
 
 SIZES = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
              intermediate_size=512, vocab_size=1024, max_position_embeddings=4096)
-FLOAT_BYTES = 4
 
 
 def build():
@@ -35,9 +36,8 @@ def build():
 
 
 def expected_cache_bytes(positions: int, tp: int, batch: int = 1) -> int:
-    head_dim = SIZES["hidden_size"] // SIZES["num_attention_heads"]
-    return 2 * SIZES["num_hidden_layers"] * batch * positions * SIZES["num_key_value_heads"] // tp * head_dim \
-        * FLOAT_BYTES
+    """The planner's estimate of one rank's cache (``sk.kv_cache_bytes``, from the model's measured sizes)."""
+    return kv_cache_bytes(sk.meta_model(build), tp=tp, batch_size=batch, seq_len=positions, dtype=torch.float32)
 
 
 def _decode_seconds(model, prompt: torch.Tensor, new: int) -> float:
@@ -76,7 +76,7 @@ def main() -> None:
         results[tp] = sk.launch(measure, plan, prompts, args.new, args.rounds, world_size=tp)[0]
     table = Table(title=f"sk.generate, Llama hidden 256 / 4 layers / 8 heads / 4 KV heads, {args.new} decoded tokens, "
                         f"batch 1; baseline tp=1 in the same run")
-    for column in ("tp", "prompt", "decode tokens/s", "vs tp=1", "KV cache / device", "formula", "vs tp=1 cache"):
+    for column in ("tp", "prompt", "decode tokens/s", "vs tp=1", "KV cache / device", "planner's estimate", "vs tp=1 cache"):
         table.add_column(column, justify="right")
     base = {row["prompt"]: row for row in results[degrees[0]]} if degrees[0] == 1 else None
     for tp in degrees:
@@ -88,7 +88,7 @@ def main() -> None:
                           f"{row['cache_bytes'] / ref['cache_bytes']:.3f}" if ref else "-")
             if row["cache_bytes"] != expected_cache_bytes(row["prompt"], tp):
                 raise SystemExit(f"tp={tp}, prompt {row['prompt']}: the cache holds {row['cache_bytes']} bytes, the "
-                                 f"formula says {expected_cache_bytes(row['prompt'], tp)}")
+                                 f"planner's estimate says {expected_cache_bytes(row['prompt'], tp)}")
     Console(width=200).print(table)
 
 

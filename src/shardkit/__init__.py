@@ -82,6 +82,7 @@ _EXPORTS = {
     "explain_plan": "shardkit.planner.explain",
     "estimate_memory": "shardkit.planner.explain",
     "estimate": "shardkit.planner.estimate",
+    "kv_cache_bytes": "shardkit.planner.estimate",
     "Estimate": "shardkit.planner.estimate",
     "autoshard": "shardkit.planner.autoshard",
     "Candidate": "shardkit.planner.autoshard",

@@ -207,6 +207,21 @@ def estimate(model: Any, plan: Plan, *, batch_size: int, seq_len: int, hardware:
     return costs.estimate(plan, setting, batch_size, hw, memory, parts)
 
 
+def kv_cache_bytes(model: Any, *, tp: int = 1, batch_size: int, seq_len: int, dtype: torch.dtype | None = None) -> int:
+    """Bytes of the KV cache one tensor-parallel rank holds for ``batch_size`` sequences of ``seq_len``
+    positions in ``sk.generate``: keys and values of every layer, for this rank's KV heads
+    (``kv_heads / tp``), ``head_dim`` wide, in ``dtype`` (default: the parameters').
+
+    >>> kv_cache_bytes("llama3-8b", tp=8, batch_size=1, seq_len=8192, dtype=torch.bfloat16) / 2**20
+    128.0
+    """
+    a = analyse(model, seq_len=seq_len, tp=1, dtype=dtype)
+    if a.kv_heads % tp:
+        raise PlanError(f"kv_cache_bytes(tp={tp}): the model's {a.kv_heads} KV heads do not split over tp={tp}")
+    head_dim = a.head_dim or a.hidden // a.heads
+    return 2 * a.layers * batch_size * seq_len * (a.kv_heads // tp) * head_dim * (dtype or a.dtype).itemsize
+
+
 # -- the model's measured costs --------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -493,4 +508,4 @@ def mesh_of(s: Setting) -> Mesh:
     return Mesh(**{a: s.size(a) for a in MESH_ORDER if s.size(a) > 1} or {"dp": 1})
 
 
-__all__ = ["ALLOCATOR_OVERHEAD", "Estimate", "OPTIMIZER_STATES", "Setting", "estimate", "evaluate", "memory_of", "mesh_of", "time_of"]
+__all__ = ["ALLOCATOR_OVERHEAD", "Estimate", "OPTIMIZER_STATES", "Setting", "estimate", "evaluate", "kv_cache_bytes", "memory_of", "mesh_of", "time_of"]
