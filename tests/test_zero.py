@@ -214,3 +214,22 @@ def test_zero1_checkpoints_each_ranks_part_and_resumes_under_any_stage(world, tm
         resumed = world(2).run(_resume_job, str(tmp_path), plan=plan)[0]
         for name, value in after.items():
             torch.testing.assert_close(resumed[name], value, rtol=0, atol=1e-6, msg=f"{name} under zero={plan.zero}")
+
+
+@pytest.mark.parametrize("stage, expected", [("2", "reshard_after_forward=False"), ("3", "zero=3")])
+def test_zero_flag_builds_the_stage(stage, expected, capsys, no_processes):
+    from shardkit.cli import main
+
+    assert main(["explain", "--model", "gpt-tiny", "--mesh", "fsdp=2", "--zero", stage]) == 0
+    out = capsys.readouterr().out
+    assert expected in out and f"zero={stage}" in out
+
+
+def test_zero_flag_is_refused_where_the_stage_cannot_run(tmp_path, capsys, no_processes):
+    from shardkit.cli import main
+
+    assert main(["explain", "--model", "gpt-tiny", "--mesh", "fsdp=2", "--zero", "1"]) == 2
+    assert "zero=1 shards only the optimizer state, over 'dp'" in capsys.readouterr().err
+    sk.Plan(sk.Mesh(dp=2)).save(tmp_path / "plan.yaml")
+    assert main(["explain", "--model", "gpt-tiny", "--plan", str(tmp_path / "plan.yaml"), "--zero", "1"]) == 2
+    assert "--plan is a whole plan, so --zero cannot be combined with it" in capsys.readouterr().err

@@ -24,10 +24,10 @@ from torch import nn
 
 from ..models.hf import hf_loss
 from ..models.registry import BUILDER_PATH_FORM, MODELS, ModelEntry, is_builder_path, model_entry
-from ..plan import LayoutMap, Mesh, Plan, PlanError, UsageError
+from ..plan import FSDPOptions, LayoutMap, Mesh, Plan, PlanError, UsageError
 from ..plan.files import mapping, read_file
 from ..plan.pipeline import SCHEDULES, SPLITS, pipeline_from_args
-from ..plan.plan import RECOMPUTE
+from ..plan.plan import RECOMPUTE, ZERO_STAGES
 from ..planner.tp_infer import infer_tp_rules
 
 DEFAULT_MESH = "fsdp=2,tp=2"
@@ -181,7 +181,7 @@ def _naming_model_flag(name: str) -> Iterator[None]:
 # -- the plan flags ---------------------------------------------------------------------------
 
 def add_plan_options(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
-    """``--plan``, ``--mesh``, ``--rules``, ``--world-size``, ``--recompute`` and the pipeline flags; returns the
+    """``--plan``, ``--mesh``, ``--rules``, ``--world-size``, ``--recompute``, ``--zero`` and the pipeline flags; returns the
     pipeline group."""
     parser.add_argument("--plan", type=path, metavar="FILE",
                         help="a whole plan file (.json, .yaml, .yml); replaces --mesh, --rules and the pipeline flags "
@@ -195,6 +195,9 @@ def add_plan_options(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup
     parser.add_argument("--recompute", choices=list(RECOMPUTE),
                         help="activation recompute per block: full, or selective (the attention core only); "
                              "default: none")
+    parser.add_argument("--zero", type=int, choices=list(ZERO_STAGES),
+                        help="ZeRO stage on the data axes (docs/zero.md): 1 optimizer state sharded over dp, "
+                             "2 FSDP2 without resharding after forward, 3 FSDP2 (fsdp)")
     pipe = parser.add_argument_group("pipeline (with a 'pp' mesh axis)")
     pipe.add_argument("--schedule", choices=list(SCHEDULES), help="pipeline schedule (default: 1f1b)")
     pipe.add_argument("--microbatches", type=positive_int, metavar="N",
@@ -211,7 +214,7 @@ def plan_from_args(args: argparse.Namespace, entry: ModelEntry) -> tuple[Plan, i
                       "--split-points": args.split_points}
     if args.plan is not None:
         given = [flag for flag, value in {"--mesh": args.mesh, "--rules": args.rules, "--recompute": args.recompute,
-                                          **pipeline_flags}.items() if value is not None]
+                                          "--zero": args.zero, **pipeline_flags}.items() if value is not None]
         if given:
             raise PlanError(f"--plan is a whole plan, so {', '.join(given)} cannot be combined with it; "
                             f"edit the plan file or drop --plan")
@@ -219,7 +222,9 @@ def plan_from_args(args: argparse.Namespace, entry: ModelEntry) -> tuple[Plan, i
     else:
         mesh = _parse_mesh_flag(DEFAULT_MESH if args.mesh is None else args.mesh)
         rules = load_rules(args.rules) if args.rules is not None else entry.rules_for(mesh) or inferred_rules(args.model, entry, mesh)
-        plan = Plan(mesh=mesh, rules=rules, recompute=args.recompute or "none")
+        # --zero 2 is FSDP2 kept gathered between forward and backward: the flag asks for exactly that
+        fsdp = FSDPOptions(reshard_after_forward=False) if args.zero == 2 else FSDPOptions()
+        plan = Plan(mesh=mesh, rules=rules, recompute=args.recompute or "none", zero=args.zero, fsdp=fsdp)
     world_size = args.world_size
     if world_size is None:
         if not plan.mesh.is_resolved:

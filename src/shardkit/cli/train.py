@@ -219,7 +219,7 @@ DEFAULTS = {"model": DEFAULT_MODEL, "steps": DEFAULT_STEPS, "batch_size": DEFAUL
 #: Job-file fields with no flag.
 FILE_ONLY = ("betas", "momentum", "param_dtype", "reduce_dtype")
 #: The flags that describe a plan: any of them on the command line replaces the job file's plan.
-PLAN_FLAGS = ("plan", "mesh", "rules", "recompute", "schedule", "microbatches", "split", "split_points")
+PLAN_FLAGS = ("plan", "mesh", "rules", "recompute", "zero", "schedule", "microbatches", "split", "split_points")
 
 
 def with_config(args: argparse.Namespace) -> argparse.Namespace:
@@ -283,7 +283,8 @@ def auto_plan(args: argparse.Namespace) -> tuple[Plan, int]:
 
     given = [flag for flag, value in {"--mesh": args.mesh, "--rules": args.rules, "--schedule": args.schedule,
                                       "--microbatches": args.microbatches, "--split": args.split,
-                                      "--split-points": args.split_points, "--recompute": args.recompute}.items()
+                                      "--split-points": args.split_points, "--recompute": args.recompute,
+                                      "--zero": args.zero}.items()
              if value is not None]
     if given:
         raise PlanError(f"--plan auto chooses the whole plan, so {', '.join(given)} cannot be combined with it; "

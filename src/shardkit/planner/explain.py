@@ -260,7 +260,7 @@ def _options_line(plan: Plan, mesh: Mesh) -> str:
     fsdp = plan.fsdp
     parts = [f"fsdp options: reshard_after_forward={fsdp.reshard_after_forward}, param_dtype={fsdp.param_dtype}, "
              f"reduce_dtype={fsdp.reduce_dtype}", f"sequence_parallel={plan.sequence_parallel}",
-             f"recompute={plan.recompute}"]
+             f"recompute={plan.recompute}"] + ([f"zero={plan.zero}"] if plan.zero is not None else [])
     if plan.pipeline is not None:
         parts.append(f"pipeline: {plan.pipeline.to_dict()}")
     if plan.replicas is not None:
