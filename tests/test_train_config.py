@@ -256,3 +256,23 @@ def test_a_logged_run_writes_tensorboard_and_jsonl_with_eval(tmp_path):
             "comm_bytes/rank0", "eval/loss", "eval/perplexity"} <= tags
     assert [e.value for e in board.Scalars("loss")] == pytest.approx([line["loss"] for line in steps])
     assert [e.step for e in board.Scalars("eval/perplexity")] == [2, 4]
+
+
+def test_a_pipeline_accumulates_clips_and_logs_the_norm_of_every_stage(tmp_path):
+    """pp=2 with accumulation and clipping through shardkit train: the logged norm is the whole model's
+    (every stage's gradients), clipped to 0.5 from above it."""
+    train, _ = _text_folders(tmp_path)
+    (tmp_path / "job.yaml").write_text(
+        "model: gpt-tiny\nsteps: 2\nplan: {mesh: {pp: 2}, pipeline: {microbatches: 2}}\nclip_grad_norm: 0.5\n"
+        "data: {folder: train, seq_len: 16}\nbatch: {global: 8, grad_accum: 2}\nlogging: {log_dir: logs}\n")
+    assert main(["train", "--config", str(tmp_path / "job.yaml")]) == 0
+    lines = [json.loads(line) for line in (tmp_path / "logs" / METRICS_FILE).read_text().splitlines()]
+    assert [line["step"] for line in lines] == [1, 2]
+    # the same weights (built on meta, seeded by module name) and data under fsdp=2: the first step's norm
+    # before clipping is the same number, so the pipeline's counts every stage
+    (tmp_path / "job.yaml").write_text((tmp_path / "job.yaml").read_text()
+                                       .replace("{mesh: {pp: 2}, pipeline: {microbatches: 2}}", "{mesh: {fsdp: 2}}")
+                                       .replace("log_dir: logs", "log_dir: logs-fsdp"))
+    assert main(["train", "--config", str(tmp_path / "job.yaml")]) == 0
+    whole = json.loads((tmp_path / "logs-fsdp" / METRICS_FILE).read_text().splitlines()[0])
+    assert lines[0]["grad_norm"] == pytest.approx(whole["grad_norm"], rel=1e-4) and whole["grad_norm"] > 0.5
