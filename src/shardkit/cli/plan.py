@@ -25,7 +25,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..plan import UsageError
-from ..plan.text import format_bytes
+from ..plan.text import format_bytes, format_seconds
 from ..planner.autoshard import AXES, Candidates, autoshard
 from ..planner.catalogue import CATALOGUE
 from ..planner.estimate import OPTIMIZER_STATES
@@ -140,7 +140,7 @@ def candidates_text(candidates: Candidates, model: str, devices: int, hw: Hardwa
                       str(plan.fsdp.reshard_after_forward) if plan.mesh.size_of("fsdp") > 1 else "-",
                       format_bytes(state, digits=1), format_bytes(mem["activations"], digits=1),
                       format_bytes(other, digits=1), format_bytes(mem["total"], digits=1),
-                      _seconds(e.step_time), f"{e.tokens_per_s:,.0f}", f"{100 * e.mfu:.1f}%", c.reason)
+                      format_seconds(e.step_time), f"{e.tokens_per_s:,.0f}", f"{100 * e.mfu:.1f}%", c.reason)
     console.print(table)
     if candidates.rejected:
         refused = Table("family", "why not", title="\nrefused", **_TABLE_STYLE)
@@ -153,9 +153,6 @@ def candidates_text(candidates: Candidates, model: str, devices: int, hw: Hardwa
 def _mesh(plan) -> str:
     return " ".join(f"{a}={s}" for a, s in plan.mesh.items())
 
-
-def _seconds(value: float) -> str:
-    return f"{value:.3g} s" if value >= 1 else f"{value * 1e3:.3g} ms"
 
 
 __all__ = ["candidates_text", "local_hardware", "local_hardware_dir", "parse_axes", "planner_model"]

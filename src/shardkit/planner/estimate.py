@@ -66,7 +66,7 @@ from typing import Any
 import torch
 
 from ..plan import Mesh, Plan, PlanError, UsageError
-from ..plan.text import format_bytes
+from ..plan.text import format_bytes, format_seconds
 from .analysis import ModelAnalysis, analyse
 from .hardware import Hardware, Link, ring_terms
 from .hardware import hardware as as_hardware
@@ -113,11 +113,11 @@ class Estimate:
     def summary(self) -> str:
         """Memory by component, step time by part, tokens/s and MFU, as plain text lines."""
         memory = ", ".join(f"{k} {format_bytes(self.memory[k], digits=2)}" for k in MEMORY_KEYS if self.memory[k])
-        parts = ", ".join(f"{k} {_seconds(v)}" for k, v in self.step_time_parts.items() if v > 0)
+        parts = ", ".join(f"{k} {format_seconds(v)}" for k, v in self.step_time_parts.items() if v > 0)
         accumulation = f", {self.grad_accum} accumulation steps" if self.grad_accum > 1 else ""
         lines = [f"memory per device{accumulation}: {format_bytes(self.memory['total'], digits=2)} of "
                  f"{format_bytes(self.hardware.memory, digits=2)} on {self.hardware.name} ({memory})",
-                 f"step time: {_seconds(self.step_time)} ({parts}); {self.tokens_per_s:,.0f} tokens/s; "
+                 f"step time: {format_seconds(self.step_time)} ({parts}); {self.tokens_per_s:,.0f} tokens/s; "
                  f"MFU {100 * self.mfu:.1f}%"]
         return "\n".join(lines + list(self.notes))
 
@@ -494,13 +494,6 @@ def _collective(name: str, size: float, n: int, link: Link, calls: int = 1) -> f
     steps, factor = ring_terms(name, n)
     return link.seconds(size, factor=factor, steps=steps * calls)
 
-
-def _seconds(value: float) -> str:
-    if value >= 1:
-        return f"{value:.2f} s"
-    if value >= 1e-3:
-        return f"{value * 1e3:.1f} ms"
-    return f"{value * 1e6:.0f} us"
 
 
 def mesh_of(s: Setting) -> Mesh:

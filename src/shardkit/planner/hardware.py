@@ -152,9 +152,11 @@ class Hardware:
             raise PlanError([f"Hardware: {p}" for p in problems])
         for name in _NESTED:  # copies, so a caller's later change to its mapping changes nothing here
             object.__setattr__(self, name, dict(getattr(self, name)))
+        # by value, although the mappings are dicts; computed once: the estimator's link cache hashes it per call
+        object.__setattr__(self, "_hash", hash(json.dumps(self.to_dict(), sort_keys=True)))
 
-    def __hash__(self) -> int:  # by value, although the mappings are dicts
-        return hash(json.dumps(self.to_dict(), sort_keys=True))
+    def __hash__(self) -> int:
+        return self._hash
 
     @property
     def usable_memory(self) -> int:
