@@ -106,8 +106,6 @@ INCONSISTENT = [
     ("optimizer: {lr: 0.001}\nschedule: {warmup_steps: 1, min_lr: 0.01}", ["--min-lr 0.01 is above --lr 0.001"]),
     ("batch: {global: 8, grad_accum: 3}", ["--batch-size 8 does not split into --grad-accum 3"]),
     ("batch: {global: 6, grad_accum: 2}", ["--batch-size 6 / --grad-accum 2 = 3"]),
-    ("plan: {mesh: {pp: 2}, pipeline: {microbatches: 2}}\ndata: {folder: text}\neval: {every: 5, data: held}",
-     ["--eval-every 5: not yet supported with a pipeline"]),
     ("plan: {mesh: {pp: 2}, pipeline: {microbatches: 4}}\nbatch: {global: 8, grad_accum: 4}",
      ["--batch-size 8 / --grad-accum 4 = 2 / --seq-len", "does not split into 4 equal micro-batches"]),
     ("eval: {every: 5}", ["--eval-every and --eval-data"]),
@@ -258,21 +256,25 @@ def test_a_logged_run_writes_tensorboard_and_jsonl_with_eval(tmp_path):
     assert [e.step for e in board.Scalars("eval/perplexity")] == [2, 4]
 
 
-def test_a_pipeline_accumulates_clips_and_logs_the_norm_of_every_stage(tmp_path):
-    """pp=2 with accumulation and clipping through shardkit train: the logged norm is the whole model's
-    (every stage's gradients), clipped to 0.5 from above it."""
-    train, _ = _text_folders(tmp_path)
+def test_a_pipeline_accumulates_clips_evaluates_and_logs_the_norm_of_every_stage(tmp_path):
+    """pp=2 with accumulation, clipping and evaluation through shardkit train: the logged norm is the whole
+    model's (every stage's gradients), clipped to 0.5 from above it; the held-out loss is fsdp=2's."""
+    _text_folders(tmp_path)
     (tmp_path / "job.yaml").write_text(
         "model: gpt-tiny\nsteps: 2\nplan: {mesh: {pp: 2}, pipeline: {microbatches: 2}}\nclip_grad_norm: 0.5\n"
-        "data: {folder: train, seq_len: 16}\nbatch: {global: 8, grad_accum: 2}\nlogging: {log_dir: logs}\n")
+        "data: {folder: train, seq_len: 16}\nbatch: {global: 8, grad_accum: 2}\nlogging: {log_dir: logs}\n"
+        "eval: {data: held_out, every: 1, batches: 2}\n")
     assert main(["train", "--config", str(tmp_path / "job.yaml")]) == 0
     lines = [json.loads(line) for line in (tmp_path / "logs" / METRICS_FILE).read_text().splitlines()]
-    assert [line["step"] for line in lines] == [1, 2]
-    # the same weights (built on meta, seeded by module name) and data under fsdp=2: the first step's norm
-    # before clipping is the same number, so the pipeline's counts every stage
+    steps, evals = [line for line in lines if "loss" in line], [line["eval"] for line in lines if "eval" in line]
+    assert [line["step"] for line in steps] == [1, 2] and len(evals) == 2
+    # the same weights (built on meta, seeded by module name), data and updates under fsdp=2: the first step's
+    # norm before clipping is the same number, so the pipeline's counts every stage; and the same eval losses
     (tmp_path / "job.yaml").write_text((tmp_path / "job.yaml").read_text()
                                        .replace("{mesh: {pp: 2}, pipeline: {microbatches: 2}}", "{mesh: {fsdp: 2}}")
                                        .replace("log_dir: logs", "log_dir: logs-fsdp"))
     assert main(["train", "--config", str(tmp_path / "job.yaml")]) == 0
-    whole = json.loads((tmp_path / "logs-fsdp" / METRICS_FILE).read_text().splitlines()[0])
-    assert lines[0]["grad_norm"] == pytest.approx(whole["grad_norm"], rel=1e-4) and whole["grad_norm"] > 0.5
+    whole = [json.loads(line) for line in (tmp_path / "logs-fsdp" / METRICS_FILE).read_text().splitlines()]
+    assert steps[0]["grad_norm"] == pytest.approx(whole[0]["grad_norm"], rel=1e-4) and whole[0]["grad_norm"] > 0.5
+    assert [e["loss"] for e in evals] == pytest.approx([line["eval"]["loss"] for line in whole if "eval" in line],
+                                                       rel=1e-4)

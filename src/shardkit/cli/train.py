@@ -374,10 +374,6 @@ def _step_problems(args: argparse.Namespace, plan: Plan) -> list[str]:
         if args.min_lr > args.lr:
             problems.append(f"--min-lr {args.min_lr:g} is above --lr {args.lr:g}; the decay ends at min_lr, "
                             f"valid: 0..{args.lr:g}")
-    # evaluation runs the model's forward alone, which a pipeline's stages do not do
-    if plan.pipeline is not None and args.eval_every is not None:
-        problems.append(f"--eval-every {args.eval_every}: not yet supported with a pipeline ('pp' axis); drop it or "
-                        f"the pipeline")
     if (args.eval_every is None) != (args.eval_data is None):
         problems.append("--eval-every and --eval-data (eval.every, eval.data) come together: evaluate every N steps "
                         "on held-out data; give both, or neither")

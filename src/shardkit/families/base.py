@@ -157,6 +157,14 @@ class Family:
         raise PlanError(f"the {self.name!r} family has no per-stage forward; pipelines need a family that cuts "
                         f"the model into units")
 
+    def stage_decode(self, model: nn.Module, units: Sequence[Unit], x: torch.Tensor, cache: Any,
+                     past: int) -> torch.Tensor:
+        """:meth:`stage_forward` for decoding: ``x`` holds the tokens (first stage) or hidden states
+        after the ``past`` positions already in ``cache`` (the model's KV cache; this stage's layers
+        read and extend their own entries)."""
+        raise PlanError(f"the {self.name!r} family cannot decode one pipeline stage with a KV cache; sk.generate "
+                        f"runs pipelines of the reference GPT and transformers causal LMs")
+
     # -- tensor parallel --------------------------------------------------------------------------
     def attentions(self, model: nn.Module) -> list[Attention]:
         """Every attention module with its head counts (on the meta device is fine)."""

@@ -8,6 +8,7 @@ Recognised by its modules: ``embed``, ``pos_embed``, a ``layers`` ModuleList, ``
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -42,10 +43,16 @@ class GPTFamily(Family):
 
     def stage_forward(self, model: nn.Module, units: Sequence[Unit], x: torch.Tensor) -> torch.Tensor:
         """The forward restricted to ``units`` (the first stage takes token ids)."""
+        return self.stage_decode(model, units, x, None, 0)
+
+    def stage_decode(self, model: nn.Module, units: Sequence[Unit], x: torch.Tensor, cache: Any,
+                     past: int) -> torch.Tensor:
         for unit in units:
             if unit.name == "embed":
-                positions = torch.arange(x.shape[1], device=x.device)
+                positions = torch.arange(past, past + x.shape[1], device=x.device)
                 x = model.embed(x) + model.pos_embed(positions)
+            elif unit.block and cache is not None:
+                x = model.get_submodule(unit.name)(x, cache.layers[int(unit.name.rpartition(".")[2])])
             else:
                 x = model.get_submodule(unit.name)(x)
         return x

@@ -206,16 +206,25 @@ class HFCausalLMFamily(HFFamily):
 
     def stage_forward(self, model: nn.Module, units: Sequence[Unit], x: torch.Tensor) -> torch.Tensor:
         """The forward restricted to ``units``; rotary embeddings and the causal mask recomputed here."""
+        return self.stage_decode(model, units, x, None, 0)
+
+    def stage_decode(self, model: nn.Module, units: Sequence[Unit], x: torch.Tensor, cache: Any,
+                     past: int) -> torch.Tensor:
         inner = model.model
         hidden = inner.embed_tokens(x) if units[0].name == "model.embed_tokens" else x
         blocks = [u for u in units if u.block]
         if blocks:
-            position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-            mask = _causal_mask(inner, hidden, position_ids)
+            position_ids = torch.arange(past, past + hidden.shape[1], device=hidden.device).unsqueeze(0)
+            first = model.get_submodule(blocks[0].name)
+            # the mask's key length is read from this stage's first layer's cache (the others stay empty here)
+            mask = _causal_mask(inner, hidden, position_ids, cache, int(blocks[0].name.rpartition(".")[2]))
             position_embeddings = inner.rotary_emb(hidden, position_ids=position_ids)
+            extra = {} if cache is None else {
+                "cache" if "cache" in inspect.signature(first.forward).parameters else "past_key_values": cache,
+                "use_cache": True}
             for unit in blocks:
                 hidden = model.get_submodule(unit.name)(hidden, attention_mask=mask, position_ids=position_ids,
-                                                        position_embeddings=position_embeddings)
+                                                        position_embeddings=position_embeddings, **extra)
         for unit in units:
             if unit.name == "model.norm":
                 hidden = inner.norm(hidden)
@@ -224,14 +233,17 @@ class HFCausalLMFamily(HFFamily):
         return hidden
 
 
-def _causal_mask(inner: nn.Module, hidden: torch.Tensor, position_ids: torch.Tensor) -> Any:
+def _causal_mask(inner: nn.Module, hidden: torch.Tensor, position_ids: torch.Tensor, cache: Any = None,
+                 layer: int = 0) -> Any:
     from transformers.masking_utils import create_causal_mask
 
     kwargs = {"config": inner.config, "inputs_embeds": hidden, "attention_mask": None, "position_ids": position_ids}
     params = inspect.signature(create_causal_mask).parameters
-    kwargs["cache" if "cache" in params else "past_key_values"] = None
+    kwargs["cache" if "cache" in params else "past_key_values"] = cache
     if "cache_position" in params:
         kwargs["cache_position"] = position_ids[0]
+    if cache is not None and "layer_idx" in params:
+        kwargs["layer_idx"] = layer
     return create_causal_mask(**kwargs)
 
 

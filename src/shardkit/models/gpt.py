@@ -176,7 +176,7 @@ class GPT(nn.Module):
 
     def kv_cache(self) -> KVCache:
         """An empty cache for ``forward(..., cache=)``."""
-        return KVCache(len(self.layers))
+        return KVCache(self.config.layers)  # every layer's slot, also on a pipeline stage holding some of them
 
     def forward(self, idx: torch.Tensor, positions: torch.Tensor | None = None,
                 cache: KVCache | None = None) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Token generation on a tensor-parallel model (``sk.generate``), with a KV cache per rank.
+"""Token generation on a tensor- and pipeline-parallel model (``sk.generate``), with a KV cache per rank.
 
 Each decode step runs only the new token: the model's attention keeps the keys and values of
 the tokens before it. After shardkit's tensor parallel every rank's attention computes its own
@@ -13,6 +13,10 @@ transformers' ``generate`` is not used on a sharded model because it runs its ow
 stopping criteria, padding and logits processors per rank; ours is the loop of this module,
 with the chosen token broadcast from the first ``tp`` rank so every rank feeds the same token
 to its next step.
+
+A pipeline (``pp``) runs its stages one after another for each step, the hidden states of the
+new positions sent to the next stage's rank, and each stage's cache holds its own layers; the
+last stage chooses the token and broadcasts it back over ``pp``.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from torch import nn
 from ..families import family_of
 from ..families.hf import is_hf_model
 from ..plan import Plan, PlanError, UsageError
+from .pipeline import PipelinedModule
 
 #: The only mesh axis generation may split (every other axis must have size 1).
 GENERATION_AXIS = "tp"
@@ -40,16 +45,15 @@ def generation_problems(plan: Plan) -> list[str]:
     >>> generation_problems(Plan(mesh=Mesh(tp=2)))
     []
     >>> print(generation_problems(Plan(mesh=Mesh(fsdp=2, tp=2)))[0])
-    sk.generate runs tensor-parallel models: mesh axis 'fsdp' has size 2, but every axis other than 'tp' must have size 1 (e.g. Mesh(tp=4))
+    sk.generate runs tensor- and pipeline-parallel models: mesh axis 'fsdp' has size 2, but every axis other than 'tp' and 'pp' (with a pipeline) must have size 1 (e.g. Mesh(tp=4) or Mesh(pp=2, tp=2))
     """
     problems = []
-    if plan.pipeline is not None or plan.mesh.size_of("pp") > 1:
-        problems.append(f"sk.generate does not run pipeline-parallel models (mesh pp={plan.mesh.size_of('pp')}); "
-                        f"use a mesh of 'tp' only, e.g. Mesh(tp={plan.mesh.size})")
+    allowed = (GENERATION_AXIS, "pp") if plan.pipeline is not None else (GENERATION_AXIS,)
     for axis, size in zip(plan.mesh.names, plan.mesh.shape):
-        if axis not in (GENERATION_AXIS, "pp") and size > 1:
-            problems.append(f"sk.generate runs tensor-parallel models: mesh axis {axis!r} has size {size}, but every "
-                            f"axis other than {GENERATION_AXIS!r} must have size 1 (e.g. Mesh(tp=4))")
+        if axis not in allowed and size > 1:
+            problems.append(f"sk.generate runs tensor- and pipeline-parallel models: mesh axis {axis!r} has size "
+                            f"{size}, but every axis other than 'tp' and 'pp' (with a pipeline) must have size 1 "
+                            f"(e.g. Mesh(tp=4) or Mesh(pp=2, tp=2))")
     if plan.sequence_parallel:
         problems.append("Plan(sequence_parallel=True) splits the sequence over 'tp', but a decode step has one "
                         "token; generate with sequence_parallel=False (the weights are the same)")
@@ -102,8 +106,10 @@ def generate(model: nn.Module, input_ids: torch.Tensor, *, max_new_tokens: int, 
     if vocab is not None and top_k is not None and top_k > vocab:
         raise UsageError(f"sk.generate: top_k={top_k} is more than the model's vocabulary of {vocab}; valid: 1 to "
                          f"{vocab}, or None for every token")
+    pipeline = model._sk_runtime if isinstance(model, PipelinedModule) else None
     group = _tp_group(plan)
-    leader = group is None or dist.get_rank(group) == 0
+    # the rank choosing each token: the first tp rank (of the last pipeline stage)
+    leader = (group is None or dist.get_rank(group) == 0) and (pipeline is None or pipeline.has_last)
     device = next(model.parameters()).device
     generator = None
     if temperature > 0 and leader:
@@ -116,11 +122,13 @@ def generate(model: nn.Module, input_ids: torch.Tensor, *, max_new_tokens: int, 
             decoder = Decoder(model)
             tokens, new = input_ids.to(device), []
             for _ in range(max_new_tokens):
-                logits = decoder.step(tokens)[:, -1].float()
-                token = _choose(logits, temperature, top_k, generator) if leader else \
-                    torch.empty(logits.shape[0], dtype=torch.long, device=device)
-                if group is not None:
+                logits = decoder.step(tokens)
+                token = _choose(logits[:, -1].float(), temperature, top_k, generator) if leader else \
+                    torch.empty(input_ids.shape[0], dtype=torch.long, device=device)
+                if group is not None and (pipeline is None or pipeline.has_last):
                     dist.broadcast(token, group=group, group_src=0)
+                if pipeline is not None:
+                    dist.broadcast(token, group=pipeline.pp_group, group_src=pipeline.last_pp_rank)
                 new.append(token)
                 if on_token is not None:
                     on_token(token)
@@ -158,7 +166,9 @@ def _is_int(value: object) -> bool:
 
 
 def _cache_kind(model: nn.Module) -> str:
-    if callable(getattr(model, "kv_cache", None)) and "cache" in inspect.signature(model.forward).parameters:
+    # a pipelined model's forward runs one stage: the model's own forward is the one after the mixin's
+    forward = super(PipelinedModule, model).forward if isinstance(model, PipelinedModule) else model.forward
+    if callable(getattr(model, "kv_cache", None)) and "cache" in inspect.signature(forward).parameters:
         return "own"
     can_generate = getattr(model, "can_generate", None)
     if is_hf_model(model) and callable(can_generate) and can_generate():
@@ -172,13 +182,17 @@ class Decoder:
     """A model and its KV cache: ``step(new_ids)`` runs the new tokens after the cached ones and
     returns their logits ``[batch, new, vocab]`` (transformers models: the last position's only).
 
+    A pipelined model (``sk.shard`` with a pipeline) runs every stage in turn
+    (:meth:`PipelinedModule.through_stages`); ``step`` returns the logits on the ranks of the
+    last stage and ``None`` on the others, and each rank's cache fills only for its own layers.
     ``cache.layers[i].keys`` / ``.values`` are ``[batch, local kv heads, positions, head_dim]``
     for both kinds of cache; :attr:`nbytes` is what this rank holds.
     """
 
     def __init__(self, model: nn.Module):
-        self.model = model
+        self.model, self.past = model, 0
         self.kwargs: dict = {}
+        self.pipelined = isinstance(model, PipelinedModule)
         if _cache_kind(model) == "own":
             self.cache = model.kv_cache()
             return
@@ -190,7 +204,10 @@ class Decoder:
         if "logits_to_keep" in parameters:
             self.kwargs["logits_to_keep"] = 1
 
-    def step(self, ids: torch.Tensor) -> torch.Tensor:
+    def step(self, ids: torch.Tensor) -> torch.Tensor | None:
+        past, self.past = self.past, self.past + ids.shape[1]
+        if self.pipelined:
+            return self.model.through_stages(ids, cache=self.cache, past=past)
         if not self.kwargs:
             return self.model(ids, cache=self.cache)
         return self.model(input_ids=ids, **self.kwargs).logits

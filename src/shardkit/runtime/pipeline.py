@@ -67,7 +67,9 @@ class PipelinedModule:
         """The pipeline stages this rank runs."""
         return list(self._sk_runtime.local)
 
-    def forward(self, *args: Any, stage: int | None = None) -> Any:
+    def forward(self, *args: Any, stage: int | None = None, cache: Any = None, past: int = 0) -> Any:
+        """Run stage ``stage`` (default: this rank's only stage); with ``cache``, decode after ``past``
+        cached positions (:meth:`Family.stage_decode`)."""
         runtime = self._sk_runtime
         if stage is None:
             if len(runtime.local) != 1:
@@ -75,7 +77,34 @@ class PipelinedModule:
             stage = runtime.local[0]
         if stage not in runtime.local:
             raise UsageError(f"stage {stage} does not run on this rank (it runs stages {runtime.local})")
-        return runtime.assignment.layout.family.stage_forward(self, runtime.units[stage], *args)
+        family = runtime.assignment.layout.family
+        if cache is not None:
+            return family.stage_decode(self, runtime.units[stage], *args, cache, past)
+        return family.stage_forward(self, runtime.units[stage], *args)
+
+    def through_stages(self, x: torch.Tensor, *, cache: Any = None, past: int = 0) -> torch.Tensor | None:
+        """The whole model's forward on ``x`` (token ids), forward only: every stage in turn on the
+        whole batch, hidden states sent point-to-point to the next stage's rank. Returns the last
+        stage's output on the ranks running it, ``None`` on the others; every rank of the pipeline
+        calls it. With ``cache`` (the model's KV cache) and ``past`` (the positions already in it)
+        each stage decodes (:meth:`Family.stage_decode`).
+
+        torch's schedules are not used here: their stages fix the shapes they send at their first
+        step, where decoding sends a prompt and then one token at a time, and they have no place
+        for a KV cache.
+        """
+        return self._sk_runtime.through_stages(self, x, cache, past)
+
+    def evaluate(self, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], torch.Tensor]) -> torch.Tensor:
+        """The loss of a batch without gradients, averaged over micro-batches and data ranks and
+        equal on every rank, as :meth:`step` returns it: each of the pipeline's micro-batches
+        goes through every stage in turn (:meth:`through_stages`). The model's training mode
+        is left as it is.
+
+        Not torch's ``schedule.eval``: it fails on the zero-bubble schedules ("can't
+        steal_bwd_input if this stage doesn't have backward", torch 2.13); this runs under any.
+        """
+        return self._sk_runtime.evaluate(self, inputs, targets, loss_fn)
 
     def step(self, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], torch.Tensor],
              accumulate: int = 1) -> torch.Tensor:
@@ -209,14 +238,44 @@ class _Runtime:
                 if self.data_parallel is not None:
                     self.data_parallel.set_requires_gradient_sync(True)
             with timeline.span("sync"):
-                loss = torch.stack([t.detach() for t in losses]).sum().float() if self.has_last \
-                    else torch.zeros((), device=device)
-                dist.broadcast(loss, group=self.pp_group, group_src=self.last_pp_rank)
-                for axis in DATA_AXES:
-                    if self.plan.mesh.size_of(axis) > 1:
-                        dist.all_reduce(loss, group=self.ctx.mesh[axis].get_group())
+                return self._mean_loss(losses)
+
+    def evaluate(self, model: nn.Module, inputs: Any, targets: Any, loss_fn: Callable) -> torch.Tensor:
+        inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+        problems = self.plan.pipeline.check_batch(int(inputs[0].shape[0])) if self.plan.pipeline else []
+        if problems:
+            raise PlanError(problems)
+        losses = []
+        with torch.no_grad():
+            for part_inputs, part_targets in micro_batches(inputs, targets, self.microbatches):
+                output = self.through_stages(model, part_inputs[0], None, 0)
+                if output is not None:
+                    losses.append(loss_fn(output, part_targets.to(output.device)) / self.microbatches)
+        return self._mean_loss(losses)
+
+    def _mean_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        """The sum of the last stage's (scaled) micro-batch losses, equal on every rank and averaged over data ranks."""
+        loss = torch.stack([t.detach() for t in losses]).sum().float() if self.has_last \
+            else torch.zeros((), device=self.ctx.device)
+        dist.broadcast(loss, group=self.pp_group, group_src=self.last_pp_rank)
+        for axis in DATA_AXES:
+            if self.plan.mesh.size_of(axis) > 1:
+                dist.all_reduce(loss, group=self.ctx.mesh[axis].get_group())
         return loss / self.plan.mesh.data_size
 
+
+    def through_stages(self, model: nn.Module, x: torch.Tensor, cache: Any, past: int) -> torch.Tensor | None:
+        ranks, device = self.assignment.ranks, self.ctx.device
+        x = x.to(device)
+        for s in range(self.assignment.num_stages):
+            if s not in self.local:
+                continue
+            if s > 0 and ranks[s - 1] != self.pp_rank:
+                x = _receive(self.pp_group, ranks[s - 1], device)
+            x = model(x, stage=s, cache=cache, past=past)  # through __call__: FSDP2's hooks run
+            if s + 1 < self.assignment.num_stages and ranks[s + 1] != self.pp_rank:
+                _send(x, self.pp_group, ranks[s + 1])
+        return x if self.has_last else None
 
     def _check_part_shape(self, shape: tuple[int, ...], accumulate: int) -> None:
         """torch's stages fix their buffers' shapes on the first step: refuse a step whose parts differ."""
@@ -228,6 +287,30 @@ class _Runtime:
                              f"(accumulate={accumulate}), but torch's pipeline stages were built for parts of shape "
                              f"{list(first)} by the first step (accumulate={k}); keep the batch shape and accumulate "
                              f"the same on every step")
+
+
+#: dtypes a hidden state may have between stages, by the code :func:`_send` sends ahead of it
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_MAX_DIMS = 6
+
+
+def _send(tensor: torch.Tensor, group: dist.ProcessGroup, dst: int) -> None:
+    """Send a tensor of any shape: a fixed-size header (dims, shape, dtype) first, then the data."""
+    if tensor.dtype not in _DTYPES or tensor.dim() > _MAX_DIMS:
+        raise UsageError(f"a pipeline stage's output of dtype {tensor.dtype} and shape {list(tensor.shape)} cannot be "
+                         f"sent to the next stage: give {[str(d) for d in _DTYPES]} with at most {_MAX_DIMS} dims")
+    header = [tensor.dim(), _DTYPES.index(tensor.dtype), *tensor.shape] + [0] * (_MAX_DIMS - tensor.dim())
+    dist.send(torch.tensor(header, device=tensor.device), group=group, group_dst=dst)
+    dist.send(tensor.contiguous(), group=group, group_dst=dst)
+
+
+def _receive(group: dist.ProcessGroup, src: int, device: torch.device) -> torch.Tensor:
+    header = torch.empty(2 + _MAX_DIMS, dtype=torch.long, device=device)
+    dist.recv(header, group=group, group_src=src)
+    dims, dtype, *shape = header.tolist()
+    tensor = torch.empty(shape[:dims], dtype=_DTYPES[dtype], device=device)
+    dist.recv(tensor, group=group, group_src=src)
+    return tensor
 
 
 def _count_saved(params: Callable[[], list[torch.Tensor]], record: Any) -> Any:
