@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ import torch
 import shardkit.cli.generate as generate_cli
 from shardkit.checkpoint.store import save
 from shardkit.cli import main
-from shardkit.models.gpt import GPT_RULES, build_tiny_gpt
+from shardkit.models.gpt import GPT, GPT_RULES, GPTConfig, build_tiny_gpt
 from shardkit.models.hf import GPT2_RULES, LLAMA_RULES, build_tiny_gpt2, build_tiny_llama
 from shardkit.plan import Mesh, Pipeline, Plan, PlanError, UsageError
 from shardkit.planner.validate import validate
@@ -140,9 +141,8 @@ def test_gqa_with_fewer_kv_heads_than_tp_ranks_is_refused_before_launch():
 
 
 @pytest.mark.parametrize("plan,expected", [
-    (Plan(mesh=Mesh(pp=2, tp=2), rules=GPT_RULES, pipeline=Pipeline(microbatches=2)),
-     r"does not run pipeline-parallel models \(mesh pp=2\)"),
     (Plan(mesh=Mesh(fsdp=2, tp=2)), r"mesh axis 'fsdp' has size 2"),
+    (Plan(mesh=Mesh(dp=2, pp=2), pipeline=Pipeline(microbatches=2)), r"mesh axis 'dp' has size 2"),
     (Plan(mesh=Mesh(tp=2), sequence_parallel=True), r"sequence_parallel=True\) .* one token"),
 ])
 def test_plans_generate_cannot_run_are_refused_with_the_reason(plan, expected):
@@ -152,21 +152,6 @@ def test_plans_generate_cannot_run_are_refused_with_the_reason(plan, expected):
     model.plan = plan  # as sk.shard leaves it: generate refuses before any collective
     with pytest.raises(PlanError, match=expected):
         generate(model, PROMPT, max_new_tokens=2)
-
-
-def _generate_on_a_pipeline(ctx):
-    model = shard(build_tiny_gpt(), ctx.plan, ctx)
-    try:
-        generate(model, PROMPT, max_new_tokens=2)
-    except PlanError as exc:
-        return str(exc)
-    return "no error"
-
-
-def test_a_pipelined_model_is_refused_on_every_rank(world):
-    plan = Plan(mesh=Mesh(pp=2), pipeline=Pipeline(microbatches=2))
-    for message in world(2).run(_generate_on_a_pipeline, plan=plan, timeout=120):
-        assert "does not run pipeline-parallel models (mesh pp=2)" in message
 
 
 @pytest.mark.parametrize("ids,kwargs,expected", [
@@ -191,6 +176,83 @@ def test_bad_arguments_are_refused_naming_the_argument(ids, kwargs, expected):
 def test_a_model_without_a_cache_is_refused():
     with pytest.raises(UsageError, match=r"cannot decode Sequential: it needs a transformers model"):
         generate(torch.nn.Sequential(torch.nn.Embedding(8, 4), torch.nn.Linear(4, 8)), PROMPT % 8, max_new_tokens=1)
+
+
+# -- pipelines: pp=2, pp=2 x tp=2, a zero-bubble V schedule ---------------------------------------
+def build_four_layer_gpt() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab=256, layers=4, dim=64, heads=4, seq_len=32))
+
+
+def _cached_layers(model: torch.nn.Module) -> list[int]:
+    """The layers whose cache fills on this rank in a prefill of PROMPT."""
+    decoder = Decoder(model)
+    with torch.no_grad():
+        decoder.step(PROMPT)
+    return [i for i, layer in enumerate(decoder.cache.layers) if getattr(layer, "keys", None) is not None]
+
+
+def _pp_generation(ctx):
+    """Greedy and sampled tokens of Llama and the reference GPT under the world's pipeline plan (rules added
+    where it has 'tp'), each rank's cached layers; on pp=2 also a 4-layer GPT under the zbv schedule."""
+    out = {}
+    models = [("llama", build_tiny_llama, LLAMA_RULES), ("gpt", build_tiny_gpt, GPT_RULES)]
+    for name, build, rules in models:
+        model = shard(build(), replace(ctx.plan, rules=rules) if ctx.plan.mesh.size_of("tp") > 1 else ctx.plan, ctx)
+        streamed = []
+        out[name, "greedy"] = generate(model, PROMPT, max_new_tokens=NEW, on_token=streamed.append)
+        out[name, "streamed"] = torch.stack(streamed, dim=1)
+        out[name, "sampled"] = generate(model, PROMPT, max_new_tokens=NEW, **SAMPLING)
+        out[name, "layers"] = _cached_layers(model)
+    if ctx.plan.mesh.size_of("tp") == 1:
+        plan = replace(ctx.plan, pipeline=Pipeline(microbatches=2, schedule="zbv", virtual_stages=2))
+        out["zbv", "greedy"] = generate(shard(build_four_layer_gpt(), plan, ctx), PROMPT, max_new_tokens=NEW)
+    return out
+
+
+PIPELINE_PLANS = {"pp2": Plan(mesh=Mesh(pp=2), pipeline=Pipeline(microbatches=2)),
+                  "pp2xtp2": Plan(mesh=Mesh(pp=2, tp=2), pipeline=Pipeline(microbatches=2))}
+
+
+@pytest.fixture(scope="module")
+def pipeline_runs(world):
+    """{plan name: every rank's results} for each plan of PIPELINE_PLANS."""
+    return {name: world(plan.mesh.size).run(_pp_generation, plan=plan, timeout=300)
+            for name, plan in PIPELINE_PLANS.items()}
+
+
+@pytest.mark.parametrize("plan", list(PIPELINE_PLANS))
+def test_llama_greedy_under_a_pipeline_equals_transformers_generate(pipeline_runs, plan):
+    expected = _hf_greedy(build_tiny_llama(), PROMPT, NEW)
+    for rank in pipeline_runs[plan]:
+        assert torch.equal(rank["llama", "greedy"], expected)
+        assert torch.equal(rank["llama", "streamed"], expected[:, PROMPT.shape[1]:])
+
+
+@pytest.mark.parametrize("plan", list(PIPELINE_PLANS))
+def test_gpt_greedy_under_a_pipeline_equals_a_single_process_loop(pipeline_runs, plan):
+    expected = _greedy_without_cache(build_tiny_gpt().eval(), PROMPT, NEW)
+    assert all(torch.equal(rank["gpt", "greedy"], expected) for rank in pipeline_runs[plan])
+
+
+def test_a_zero_bubble_v_pipeline_generates_as_one_process(pipeline_runs):
+    expected = _greedy_without_cache(build_four_layer_gpt().eval(), PROMPT, NEW)
+    assert all(torch.equal(rank["zbv", "greedy"], expected) for rank in pipeline_runs["pp2"])
+
+
+@pytest.mark.parametrize("plan", list(PIPELINE_PLANS))
+@pytest.mark.parametrize("name,build", [("llama", build_tiny_llama), ("gpt", build_tiny_gpt)])
+def test_sampling_under_a_pipeline_equals_one_process_with_the_same_seed(pipeline_runs, plan, name, build):
+    single = generate(build(), PROMPT, max_new_tokens=NEW, **SAMPLING)
+    assert all(torch.equal(rank[name, "sampled"], single) for rank in pipeline_runs[plan])
+
+
+@pytest.mark.parametrize("plan", list(PIPELINE_PLANS))
+@pytest.mark.parametrize("name", ["llama", "gpt"])
+def test_each_pipeline_stage_caches_only_its_own_layers(pipeline_runs, plan, name):
+    ranks = pipeline_runs[plan]
+    assert len(ranks) == PIPELINE_PLANS[plan].mesh.size
+    assert sorted({tuple(rank[name, "layers"]) for rank in ranks}) == [(0,), (1,)]  # a stage's tp ranks: one entry
 
 
 # -- shardkit generate ----------------------------------------------------------------------------
@@ -239,10 +301,23 @@ def test_cli_generates_from_a_hf_folder_as_transformers_does(hf_folder, cli):
     assert ranks == [expected, expected]
 
 
+def test_cli_generates_under_a_pipeline_from_a_checkpoint_and_a_hf_folder(tp_results, checkpoint, hf_folder, cli):
+    code, ranks = cli("--model", "gpt-tiny", "--checkpoint", str(checkpoint), "--mesh", "pp=2", "--prompt", "hi",
+                      "--max-new-tokens", "12")
+    expected = _greedy_without_cache(_scaled_gpt(), torch.tensor([list(b"hi")]), 12)[0, 2:].tolist()
+    assert code == 0 and ranks == [expected, expected]
+    ids = ",".join(map(str, PROMPT[1].tolist()))
+    code, ranks = cli("--model", "llama-tiny", "--hf", str(hf_folder), "--mesh", "pp=2", "--prompt-ids", ids,
+                      "--max-new-tokens", str(NEW))
+    expected = _hf_greedy(build_tiny_llama(), PROMPT[1:], NEW)[0, PROMPT.shape[1]:].tolist()
+    assert code == 0 and ranks == [expected, expected]
+
+
 @pytest.mark.parametrize("argv,expected", [
     (["--model", "llama-tiny", "--mesh", "tp=4", "--prompt-ids", "1,2"],
      r"invalid plan: .*2 key/value heads, but each rank must hold whole heads; valid tp sizes: \[1, 2\]"),
     (["--model", "llama-tiny", "--mesh", "fsdp=2", "--prompt-ids", "1,2"], r"--mesh fsdp=2: .*axis 'fsdp' has size 2"),
+    (["--model", "llama-tiny", "--mesh", "pp=4", "--prompt-ids", "1,2"], r"pipeline has 4 stages but the model has only 2"),
     (["--model", "llama-tiny", "--mesh", "tp=-1", "--prompt-ids", "1"], r"--mesh tp=-1: give every axis its size"),
     (["--model", "llama-tiny", "--prompt-ids", "1,256"], r"--prompt-ids holds id 256.*valid ids: 0 to 255"),
     (["--model", "llama-tiny", "--prompt-ids", "1", "--top-k", "3"], r"--top-k apply only to sampling"),

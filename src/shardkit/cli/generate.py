@@ -1,7 +1,7 @@
-"""``shardkit generate``: continue a prompt with a tensor-parallel model, streaming tokens as they come::
+"""``shardkit generate``: continue a prompt with a tensor- or pipeline-parallel model, streaming tokens as they come::
 
     shardkit generate --model gpt-small --checkpoint runs/gpt --mesh tp=2 --prompt "def " --max-new-tokens 80
-    shardkit generate --model llama-tiny --hf exported --mesh tp=2 --prompt-ids 1,15,27 --max-new-tokens 20
+    shardkit generate --model llama-tiny --hf exported --mesh pp=2,tp=2 --prompt-ids 1,15,27 --max-new-tokens 20
 
 The weights come from a checkpoint folder written by ``sk.save`` / ``shardkit train --save``
 (read with ``sk.load``, under this command's plan) or from a HuggingFace safetensors folder
@@ -9,7 +9,7 @@ The weights come from a checkpoint folder written by ``sk.save`` / ``shardkit tr
 for a byte-level model (vocabulary 256, as ``shardkit train`` trains: token = byte), printed back
 as text; ``--prompt-ids`` gives token ids, printed back as ids. Everything is checked before any
 process starts: the plan against the model (whole KV heads per ``tp`` rank), the plan against
-generation (``tp`` only), the weights' names and shapes, the prompt against the vocabulary and
+generation (``tp`` and ``pp`` only), the weights' names and shapes, the prompt against the vocabulary and
 the positions.
 """
 
@@ -25,7 +25,7 @@ from ..checkpoint.manifest import CheckpointError, model_mismatch
 from ..checkpoint.store import checkpoint_to_load, load, model_parameters
 from ..families import token_sizes
 from ..models.registry import MODELS, model_entry
-from ..plan import Mesh, Plan, PlanError, UsageError
+from ..plan import Mesh, Pipeline, Plan, PlanError, UsageError
 from ..planner.meta import meta_model
 from ..planner.validate import validate
 from ..runtime.apply import shard
@@ -67,8 +67,8 @@ class GenerateJob:
 def register(subparsers: argparse._SubParsersAction) -> None:
     usable = sorted(name for name, entry in MODELS.items() if not entry.meta_only)
     parser = subparsers.add_parser(
-        "generate", help="continue a prompt with a tensor-parallel model, streaming the tokens",
-        description="Generate tokens with a model split over 'tp' across a local world, weights from a "
+        "generate", help="continue a prompt with a tensor- or pipeline-parallel model, streaming the tokens",
+        description="Generate tokens with a model split over 'tp' and 'pp' across a local world, weights from a "
                     "checkpoint (sk.save) or a HuggingFace folder; greedy unless --temperature is given. "
                     "Everything is checked before any process starts.")
     add_model_option(parser, "gpt-tiny", usable)
@@ -78,7 +78,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                               "complete one is read), or one checkpoint folder")
     weights.add_argument("--hf", type=path, metavar="DIR", help="a HuggingFace model folder (safetensors)")
     parser.add_argument("--mesh", default=DEFAULT_MESH, metavar="AXES",
-                        help=f"the mesh; only 'tp' may be larger than 1 (default: {DEFAULT_MESH})")
+                        help=f"the mesh; only 'tp' and 'pp' (pipeline stages, split evenly) may be larger than 1 "
+                             f"(default: {DEFAULT_MESH})")
     parser.add_argument("--rules", type=path, metavar="FILE",
                         help="JSON/YAML file: a list of [regex, layout] pairs (default: the model's rules)")
     prompt = parser.add_mutually_exclusive_group(required=True)
@@ -120,7 +121,8 @@ def check_job(args: argparse.Namespace) -> tuple[Plan, GenerateJob]:
                         f"device of the mesh, e.g. --mesh tp=2")
     rules = load_rules(args.rules) if args.rules is not None else \
         entry.rules_for(mesh) or inferred_rules(args.model, entry, mesh)
-    plan = Plan(mesh=mesh, rules=rules).resolved(mesh.size)
+    pipeline = Pipeline(schedule="sequential") if mesh.size_of("pp") > 1 else None  # even stages, one batch
+    plan = Plan(mesh=mesh, rules=rules, pipeline=pipeline).resolved(mesh.size)
     problems = generation_problems(plan)
     if problems:
         raise PlanError([f"--mesh {args.mesh}: {p}" for p in problems])
