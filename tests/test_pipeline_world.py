@@ -81,3 +81,39 @@ def test_scoped_model_runs_its_stages_on_their_devices(world):
     assert (stages0, stages1) == ([0], [1])
     assert {n.split(".")[0] for n in names0} == {"embed", "block1"}
     assert {n.split(".")[0] for n in names1} == {"block2", "head"}
+
+
+def _evaluate_between_steps(ctx, batch, held_out):
+    """Held-out loss, step, held-out loss, step, held-out loss (SGD): as one process would compute them."""
+    model = sk.shard(build_gpt4(), ctx.plan, ctx)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    losses = []
+    for _ in range(2):
+        losses.append(model.evaluate(*held_out, gpt_loss).item())
+        optimizer.zero_grad()
+        losses.append(model.step(*batch, gpt_loss).item())
+        optimizer.step()
+    return losses + [model.evaluate(*held_out, gpt_loss).item()]
+
+
+@pytest.mark.parametrize(("schedule", "virtual"), [("1f1b", 1), ("zero-bubble", 1), ("zbv", 2)])
+def test_evaluate_between_steps_equals_one_process(world, schedule, virtual):
+    """model.evaluate runs forward only under every schedule (torch's schedule.eval fails on zero-bubble ones)
+    and leaves training as it was."""
+    batch, held_out = tokens(4), tokens(8, 16)
+    held_out = (held_out[0].roll(1, 0), held_out[1].roll(1, 0))
+    model, expected = build_gpt4(), []
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    for _ in range(2):
+        with torch.no_grad():
+            expected.append(gpt_loss(model(held_out[0]), held_out[1]).item())
+        optimizer.zero_grad()
+        loss = gpt_loss(model(batch[0]), batch[1])
+        loss.backward()
+        expected.append(loss.item())
+        optimizer.step()
+    with torch.no_grad():
+        expected.append(gpt_loss(model(held_out[0]), held_out[1]).item())
+    plan = Plan(mesh=Mesh(pp=2), pipeline=Pipeline(schedule=schedule, microbatches=2, virtual_stages=virtual))
+    for losses in world(2).run(_evaluate_between_steps, batch, held_out, plan=plan, timeout=300):
+        assert losses == pytest.approx(expected, rel=1e-5)
