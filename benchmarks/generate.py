@@ -1,15 +1,16 @@
-"""Sharded generation: decode tokens/s and KV-cache bytes per device at tp = 1, 2, 4.
+"""Sharded generation: decode tokens/s and KV-cache bytes per device at tp = 1, 2, 4 and pipelines.
 
 A transformers Llama (hidden 256, 4 layers, 8 heads, 4 KV heads, vocabulary 1024) split over
-``tp`` in a local gloo world, one prompt of each length. Decode speed is timed by ``sk.generate``'s
+``tp`` and ``pp`` (stages split evenly) in a local gloo world, one prompt of each length. Decode speed is timed by ``sk.generate``'s
 ``on_token`` callback: the ``N`` tokens after the first (which ends the prefill) over the time from
 the first to the last; the faster of ``--rounds`` rounds is kept. The baseline is tp = 1 in
-the same run (one process, the same ``sk.generate``). The KV-cache bytes are those each rank's
+the same run (one process, the same ``sk.generate``). The KV-cache bytes are the most any rank's
 cache holds after the prefill (``Decoder.nbytes``), against the planner's estimate
-(``sk.kv_cache_bytes``: keys and values x layers x batch x positions x KV heads / tp x head_dim x
-4 bytes); the script stops if they ever differ.
+(``sk.kv_cache_bytes``: keys and values x layers / pp x batch x positions x KV heads / tp x
+head_dim x 4 bytes); the script stops if they ever differ.
 
-    python benchmarks/generate.py [--tp 1,2,4] [--prompts 128,512,2048] [--new 32] [--rounds 2]
+    python benchmarks/generate.py [--meshes "tp=1 tp=2 tp=4 pp=2 pp=2,tp=2"] [--prompts 128,512,2048]
+                                  [--new 32] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -35,9 +36,10 @@ def build():
     return build_llama(tiny_llama_config(**SIZES))
 
 
-def expected_cache_bytes(positions: int, tp: int, batch: int = 1) -> int:
+def expected_cache_bytes(positions: int, mesh: sk.Mesh, batch: int = 1) -> int:
     """The planner's estimate of one rank's cache (``sk.kv_cache_bytes``, from the model's measured sizes)."""
-    return kv_cache_bytes(sk.meta_model(build), tp=tp, batch_size=batch, seq_len=positions, dtype=torch.float32)
+    return kv_cache_bytes(sk.meta_model(build), tp=mesh.size_of("tp"), pp=mesh.size_of("pp"), batch_size=batch,
+                          seq_len=positions, dtype=torch.float32)
 
 
 def _decode_seconds(model, prompt: torch.Tensor, new: int) -> float:
@@ -61,34 +63,46 @@ def measure(ctx, prompts: list[int], new: int, rounds: int) -> list[dict]:
     return rows
 
 
+def plan_for(mesh: sk.Mesh) -> sk.Plan:
+    """Llama's tensor-parallel rules; with ``pp``, stages split evenly (decoding runs no schedule)."""
+    pipeline = sk.Pipeline(schedule="sequential") if mesh.size_of("pp") > 1 else None
+    if mesh.size_of("tp") == 1:
+        return sk.Plan(mesh=mesh, pipeline=pipeline)
+    return sk.Plan(mesh=mesh, rules=LLAMA_RULES, pipeline=pipeline)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tp", default="1,2,4")
+    parser.add_argument("--meshes", default="tp=1 tp=2 tp=4 pp=2 pp=2,tp=2",
+                        help="space-separated meshes; the first is the baseline (tp=1)")
     parser.add_argument("--prompts", default="128,512,2048")
     parser.add_argument("--new", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
-    degrees = [int(t) for t in args.tp.split(",")]
+    meshes = [sk.Mesh.parse(m) for m in args.meshes.split()]
     prompts = [int(p) for p in args.prompts.split(",")]
     results = {}
-    for tp in degrees:
-        plan = sk.Plan(mesh=sk.Mesh(tp=tp), rules=LLAMA_RULES)
-        results[tp] = sk.launch(measure, plan, prompts, args.new, args.rounds, world_size=tp)[0]
+    for mesh in meshes:
+        ranks = sk.launch(measure, plan_for(mesh), prompts, args.new, args.rounds, world_size=mesh.size)
+        # speed as rank 0 saw it (every rank receives each token); the cache of the rank holding the most
+        results[mesh] = [{**row, "cache_bytes": max(r[i]["cache_bytes"] for r in ranks)}
+                         for i, row in enumerate(ranks[0])]
     table = Table(title=f"sk.generate, Llama hidden 256 / 4 layers / 8 heads / 4 KV heads, {args.new} decoded tokens, "
-                        f"batch 1; baseline tp=1 in the same run")
-    for column in ("tp", "prompt", "decode tokens/s", "vs tp=1", "KV cache / device", "planner's estimate", "vs tp=1 cache"):
+                        f"batch 1; baseline {meshes[0]} in the same run")
+    for column in ("mesh", "prompt", "decode tokens/s", "vs base", "KV cache / device", "planner's estimate",
+                   "vs base cache"):
         table.add_column(column, justify="right")
-    base = {row["prompt"]: row for row in results[degrees[0]]} if degrees[0] == 1 else None
-    for tp in degrees:
-        for row in results[tp]:
-            ref = base[row["prompt"]] if base else None
-            table.add_row(str(tp), str(row["prompt"]), f"{row['tokens_per_s']:.1f}",
-                          f"{row['tokens_per_s'] / ref['tokens_per_s']:.2f}x" if ref else "-",
-                          format_bytes(row["cache_bytes"]), format_bytes(expected_cache_bytes(row["prompt"], tp)),
-                          f"{row['cache_bytes'] / ref['cache_bytes']:.3f}" if ref else "-")
-            if row["cache_bytes"] != expected_cache_bytes(row["prompt"], tp):
-                raise SystemExit(f"tp={tp}, prompt {row['prompt']}: the cache holds {row['cache_bytes']} bytes, the "
-                                 f"planner's estimate says {expected_cache_bytes(row['prompt'], tp)}")
+    base = {row["prompt"]: row for row in results[meshes[0]]}
+    for mesh in meshes:
+        for row in results[mesh]:
+            ref, expected = base[row["prompt"]], expected_cache_bytes(row["prompt"], mesh)
+            table.add_row(",".join(f"{n}={s}" for n, s in zip(mesh.names, mesh.shape)), str(row["prompt"]),
+                          f"{row['tokens_per_s']:.1f}", f"{row['tokens_per_s'] / ref['tokens_per_s']:.2f}x",
+                          format_bytes(row["cache_bytes"]), format_bytes(expected),
+                          f"{row['cache_bytes'] / ref['cache_bytes']:.3f}")
+            if row["cache_bytes"] != expected:
+                raise SystemExit(f"{mesh}, prompt {row['prompt']}: the cache holds {row['cache_bytes']} bytes, the "
+                                 f"planner's estimate says {expected}")
     Console(width=200).print(table)
 
 

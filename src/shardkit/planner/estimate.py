@@ -207,19 +207,26 @@ def estimate(model: Any, plan: Plan, *, batch_size: int, seq_len: int, hardware:
     return costs.estimate(plan, setting, batch_size, hw, memory, parts)
 
 
-def kv_cache_bytes(model: Any, *, tp: int = 1, batch_size: int, seq_len: int, dtype: torch.dtype | None = None) -> int:
-    """Bytes of the KV cache one tensor-parallel rank holds for ``batch_size`` sequences of ``seq_len``
-    positions in ``sk.generate``: keys and values of every layer, for this rank's KV heads
-    (``kv_heads / tp``), ``head_dim`` wide, in ``dtype`` (default: the parameters').
+def kv_cache_bytes(model: Any, *, tp: int = 1, pp: int = 1, batch_size: int, seq_len: int,
+                   dtype: torch.dtype | None = None) -> int:
+    """Bytes of the KV cache one rank holds for ``batch_size`` sequences of ``seq_len`` positions in
+    ``sk.generate``: keys and values of its layers (with ``pp`` stages split evenly, the stage with
+    the most: ``ceil(layers / pp)``), for its KV heads (``kv_heads / tp``), ``head_dim`` wide, in
+    ``dtype`` (default: the parameters').
 
     >>> kv_cache_bytes("llama3-8b", tp=8, batch_size=1, seq_len=8192, dtype=torch.bfloat16) / 2**20
     128.0
+    >>> kv_cache_bytes("llama3-8b", tp=8, pp=4, batch_size=1, seq_len=8192, dtype=torch.bfloat16) / 2**20
+    32.0
     """
     a = analyse(model, seq_len=seq_len, tp=1, dtype=dtype)
     if a.kv_heads % tp:
         raise PlanError(f"kv_cache_bytes(tp={tp}): the model's {a.kv_heads} KV heads do not split over tp={tp}")
+    if not 1 <= pp <= a.layers:
+        raise PlanError(f"kv_cache_bytes(pp={pp}): the model has {a.layers} layers; valid: 1 to {a.layers} stages")
     head_dim = a.head_dim or a.hidden // a.heads
-    return 2 * a.layers * batch_size * seq_len * (a.kv_heads // tp) * head_dim * (dtype or a.dtype).itemsize
+    layers = -(-a.layers // pp)
+    return 2 * layers * batch_size * seq_len * (a.kv_heads // tp) * head_dim * (dtype or a.dtype).itemsize
 
 
 # -- the model's measured costs --------------------------------------------------------------------
