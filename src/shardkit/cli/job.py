@@ -47,11 +47,12 @@ def _int(low: int) -> Check:
     return check
 
 
-def _number(low: float, *, above: bool) -> Check:
+def _number(low: float, *, above: bool, below: float | None = None) -> Check:
+    """A number >= ``low`` (``above``: > ``low``) and, with ``below``, < ``below``; never a string."""
     def check(value: Any, where: str, _: Path) -> float:
-        valid = f"a number {'>' if above else '>='} {low:g}"
+        valid = f"a number {'>' if above else '>='} {low:g}" + ("" if below is None else f" and < {below:g}")
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-                or value < low or (above and value == low):
+                or value < low or (above and value == low) or (below is not None and value >= below):
             hint = ""
             if isinstance(value, str) and "e" in value.lower():
                 hint = f" (YAML reads {value} as text: write {_yaml_float(value)})"
@@ -165,6 +166,7 @@ FIELDS: dict[tuple[str | None, str], tuple[str, Check]] = {
     ("eval", "data"): ("eval_data", _path),
     ("eval", "every"): ("eval_every", _int(1)),
     ("eval", "batches"): ("eval_batches", _int(1)),
+    ("eval", "holdout"): ("eval_holdout", _number(0, above=True, below=1)),
 }
 SECTIONS = tuple(dict.fromkeys(section for section, _ in FIELDS if section is not None))
 

@@ -83,6 +83,18 @@ def non_negative_float(text: str) -> float:
     return value
 
 
+def fraction(text: str) -> float:
+    """A number strictly between 0 and 1 (``nan``, 0, 1 and beyond are refused).
+
+    >>> fraction("0.1")
+    0.1
+    """
+    value = _number(float, text)
+    if value is None or not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"must be a fraction between 0 and 1 (exclusive) such as 0.1, got {text!r}")
+    return value
+
+
 def _number(kind: Callable[[str], Number], text: str) -> Number | None:
     try:
         return kind(text)

@@ -34,6 +34,7 @@ from ..checkpoint.store import checkpoint_to_load, latest_checkpoint, load, mode
 from ..families import token_sizes
 from ..io.batch_stream import BatchStream
 from ..io.data import DEFAULT_MAX_BYTES, TextShards
+from ..io.sharded_data import ShardedDataset
 from ..models.registry import MODELS, ModelEntry
 from ..observe.report import RankStats, print_summary
 from ..plan import Plan, PlanError, UsageError
@@ -49,6 +50,7 @@ from .options import (
     AUTO_PLAN,
     add_model_option,
     add_plan_options,
+    fraction,
     meta_model_from_flag,
     model_from_flag,
     model_name,
@@ -178,6 +180,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     seeing.add_argument("--log-every", type=positive_int, metavar="N", help="log every N steps (default: 1)")
     seeing.add_argument("--eval-data", type=path, metavar="DIR",
                         help="held-out data (a folder of either kind, not the training data) to evaluate on")
+    seeing.add_argument("--eval-holdout", type=fraction, metavar="F",
+                        help="evaluate on the last fraction F (0 < F < 1) of the training data instead, never trained "
+                             "on: whole shards of a sharded folder (the last ceil(F x shards)), the last bytes of text")
     seeing.add_argument("--eval-every", type=positive_int, metavar="N", help="evaluate every N steps")
     seeing.add_argument("--eval-batches", type=positive_int, metavar="N",
                         help="global batches per evaluation (default: 1)")
@@ -345,15 +350,13 @@ def check_job(args: argparse.Namespace, plan: Plan, world_size: int) -> TrainJob
     problems += _step_problems(args, plan)
     if problems:
         raise PlanError(problems)
-    data = BatchStream.of(args.data, seq_len, args.seed, max_bytes=int(args.data_mb * 2**20))
-    if isinstance(data.source, TextShards):
-        data.source.check()
+    data, eval_data = _data(args, seq_len)
     resume = _resume_folder(args, model, data)
     return TrainJob(args.model, data, args.steps, args.batch_size, seq_len, args.lr, args.seed, args.profile is not None,
                     args.build, _text(args.init_from), _text(args.save), args.save_every, args.keep_last, _text(resume),
                     args.optimizer, args.betas, args.weight_decay, args.momentum, args.warmup_steps, args.min_lr,
                     args.grad_accum, args.clip_grad_norm, _text(args.log_dir), args.log_every,
-                    _eval_data(args, seq_len), args.eval_every, args.eval_batches)
+                    eval_data, args.eval_every, args.eval_batches)
 
 
 def _step_problems(args: argparse.Namespace, plan: Plan) -> list[str]:
@@ -374,9 +377,15 @@ def _step_problems(args: argparse.Namespace, plan: Plan) -> list[str]:
         if args.min_lr > args.lr:
             problems.append(f"--min-lr {args.min_lr:g} is above --lr {args.lr:g}; the decay ends at min_lr, "
                             f"valid: 0..{args.lr:g}")
-    if (args.eval_every is None) != (args.eval_data is None):
-        problems.append("--eval-every and --eval-data (eval.every, eval.data) come together: evaluate every N steps "
-                        "on held-out data; give both, or neither")
+    held_out = [flag for flag, value in (("--eval-data", args.eval_data), ("--eval-holdout", args.eval_holdout))
+                if value is not None]
+    if len(held_out) == 2:
+        problems.append("--eval-data and --eval-holdout (eval.data, eval.holdout): give one, a held-out folder or the "
+                        "fraction of the training data to hold out, not both")
+    elif (args.eval_every is None) != (not held_out):
+        problems.append("--eval-every and --eval-data or --eval-holdout (eval.every, eval.data or eval.holdout) come "
+                        "together: evaluate every N steps on a held-out folder or on a held-out fraction of the "
+                        "training data; give --eval-every with one of them, or none")
     if args.eval_data is not None and args.data is not None and args.eval_data.resolve() == args.data.resolve():
         problems.append(f"--eval-data {args.eval_data} is the training data: give held-out data (e.g. a second "
                         f"folder written by 'shardkit data shard')")
@@ -385,16 +394,31 @@ def _step_problems(args: argparse.Namespace, plan: Plan) -> list[str]:
     return problems
 
 
-def _eval_data(args: argparse.Namespace, seq_len: int) -> BatchStream | None:
-    if args.eval_data is None:
-        return None
-    data = BatchStream.of(args.eval_data, seq_len, args.seed, max_bytes=int(args.data_mb * 2**20))
+def _data(args: argparse.Namespace, seq_len: int) -> tuple[BatchStream, BatchStream | None]:
+    """The training data and the held-out data to evaluate on (``None``: no evaluation), checked before launch:
+    ``--eval-holdout`` splits the training data (:meth:`BatchStream.split`), ``--eval-data`` is a folder."""
+    max_bytes = int(args.data_mb * 2**20)
+    data = BatchStream.of(args.data, seq_len, args.seed, max_bytes=max_bytes)
     if isinstance(data.source, TextShards):
         data.source.check()
-    elif len(data.source) < args.batch_size:
-        raise UsageError(f"--eval-data {args.eval_data} has {len(data.source)} samples of {seq_len} tokens, fewer "
-                         f"than one global batch of {args.batch_size}: give more held-out data or a smaller batch")
-    return data
+    if args.eval_holdout is not None:
+        try:
+            data, held = data.split(args.eval_holdout)
+        except UsageError as exc:
+            raise UsageError(f"--eval-holdout {args.eval_holdout:g}: {exc}") from None
+    elif args.eval_data is not None:
+        held = BatchStream.of(args.eval_data, seq_len, args.seed, max_bytes=max_bytes)
+        if isinstance(held.source, TextShards):
+            held.source.check()
+    else:
+        return data, None
+    if isinstance(held.source, ShardedDataset) and len(held.source) < args.batch_size:
+        what = f"--eval-data {args.eval_data}" if args.eval_holdout is None else \
+            f"--eval-holdout {args.eval_holdout:g}: the last {len(held.source.shards)} of " \
+            f"{len(held.source.manifest.shards)} shards"
+        raise UsageError(f"{what} has {len(held.source)} samples of {seq_len} tokens, fewer than one global batch "
+                         f"of {args.batch_size}: give more held-out data or a smaller batch")
+    return data, held
 
 
 def _text(value: Path | None) -> str | None:
@@ -599,8 +623,8 @@ def run(args: argparse.Namespace) -> int:
     leader = not in_torchrun() or os.environ["RANK"] == "0"
     if leader:
         print(f"shardkit train: {job.model} on {plan.mesh!r} ({world_size} processes), {job.steps} steps of "
-              f"{job.batch_size} x {job.seq_len} tokens from {job.data.describe()}",
-              flush=True)
+              f"{job.batch_size} x {job.seq_len} tokens from {job.data.describe()}"
+              f"{'' if job.eval_data is None else f', evaluating on {job.eval_data.describe()}'}", flush=True)
     start = time.perf_counter()
     try:
         with nullcontext() if in_torchrun() else LocalWorld(world_size) as world:  # closed on exit, killed on error

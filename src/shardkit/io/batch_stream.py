@@ -14,6 +14,10 @@ and a resumed run carries on from there, under any plan: the position counts glo
 >>> again = next(stream.batches(batch_size=2, steps=1, position=first.position))
 >>> again.position["batches"], torch.equal(again.inputs, second.inputs)
 (2, True)
+
+:meth:`BatchStream.split` holds out the end of the data to evaluate on (the last whole shards
+of a sharded folder, the last bytes of a text stream); the fraction is part of both parts'
+fingerprints, so a position saved under one holdout is refused under another.
 """
 
 from __future__ import annotations
@@ -48,12 +52,14 @@ class Batch:
 class BatchStream:
     """Global batches of ``seq_len`` tokens from text or a sharded data folder (see the module).
 
-    Pickles as its settings; every rank draws the same global batches.
+    Pickles as its settings; every rank draws the same global batches. ``holdout``: the fraction
+    held out of the data this stream is a part of (:meth:`split`), ``None`` for all of it.
     """
 
     source: TextShards | ShardedDataset
     seq_len: int
     seed: int
+    holdout: float | None = None
 
     @classmethod
     def of(cls, data: TextShards | ShardedDataset | str | Path | None, seq_len: int, seed: int,
@@ -75,14 +81,57 @@ class BatchStream:
     def fingerprint(self) -> str:
         """What the batches depend on, hashed: a position is only valid for the same fingerprint."""
         if isinstance(self.source, ShardedDataset):
-            return self.source.fingerprint
-        text = f"{self.source.root}|{self.source.pattern}|{self.source.max_bytes}|{self.seq_len}|{self.seed}"
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
+            fingerprint = self.source.fingerprint
+        else:
+            text = f"{self.source.root}|{self.source.pattern}|{self.source.max_bytes}|{self.seq_len}|{self.seed}"
+            if self.source.byte_range is not None:
+                text += f"|{self.source.byte_range}"
+            fingerprint = hashlib.sha256(text.encode()).hexdigest()[:16]
+        if self.holdout is None:
+            return fingerprint
+        return hashlib.sha256(f"{fingerprint}|holdout={self.holdout!r}".encode()).hexdigest()[:16]
+
+    def split(self, fraction: float) -> tuple[BatchStream, BatchStream]:
+        """The training part and the held-out part (``0 < fraction < 1``): of a sharded folder, the last
+        ``ceil(fraction * shards)`` whole shards are held out (at least one shard remains); of text, the
+        last ``ceil(fraction * bytes)`` bytes of the capped stream, each part large enough for one window.
+
+        >>> train, held = BatchStream.of(TextShards(max_bytes=1000), seq_len=8, seed=0).split(0.1)
+        >>> train.source.byte_range, held.source.byte_range, train.fingerprint != held.fingerprint
+        ((0, 900), (900, 1000), True)
+        >>> held.describe()
+        'the last 10% of the text stream of ... (100 B)'
+        """
+        if not 0 < fraction < 1:
+            raise UsageError(f"holdout={fraction!r}: valid: a fraction between 0 and 1 (exclusive), e.g. 0.1")
+        parts = self.source.split(fraction)
+        if isinstance(self.source, TextShards):
+            sizes = [part.span[1] - part.span[0] for part in parts]
+            if min(sizes) < self.seq_len + 1:
+                raise UsageError(f"holding out {fraction:g} of the {sum(sizes):,} bytes of text leaves {sizes[0]:,} "
+                                 f"to train on and {sizes[1]:,} held out; each part needs seq_len + 1 = "
+                                 f"{self.seq_len + 1} bytes for one window: use more data, a shorter seq_len or "
+                                 f"another fraction")
+        train, held = (BatchStream(part, self.seq_len, self.seed, fraction) for part in parts)
+        return train, held
 
     def describe(self) -> str:
-        if isinstance(self.source, ShardedDataset):
-            return f"{len(self.source):,} samples of {self.seq_len} tokens in {self.source.folder}"
-        return f"{self.source.root} (up to {format_bytes(self.source.max_bytes)})"
+        """The data in words, with the part a :meth:`split` gave (the first part, or the last: held out)."""
+        source = self.source
+        if isinstance(source, ShardedDataset):
+            text = f"{len(source):,} samples of {self.seq_len} tokens in {source.folder}"
+            if source.selected:
+                count, total = len(source.shards), len(source.manifest.shards)
+                text += f" ({'the first' if source.shards.start == 0 else 'the last'} {count} of {total} shards)"
+            return text
+        if source.byte_range is None:
+            return f"{source.root} (up to {format_bytes(source.max_bytes)})"
+        start, stop = source.byte_range
+        if self.holdout is None:
+            return f"bytes {start:,}..{stop - 1:,} of the text stream of {source.root}"
+        share = 1 - self.holdout if start == 0 else self.holdout
+        return (f"the {'first' if start == 0 else 'last'} {100 * share:g}% of the text stream of {source.root} "
+                f"({format_bytes(stop - start)})")
 
     def check_position(self, position: dict[str, Any] | None) -> None:
         """Refuse a position saved from other data (another folder, seq_len or seed)."""

@@ -7,12 +7,14 @@ demos and tests need no download. Any folder of text files works the same way.
 The byte stream is built lazily and capped (the first ``max_bytes`` of text in walk
 order), so start-up stays fast however big the folder is. Batches are drawn with a seeded
 generator, so every rank draws the same global batch and then takes its slice with
-``ctx.shard_batch``.
+``ctx.shard_batch``. A part of the stream (``byte_range``, or :meth:`TextShards.split`)
+draws its windows from that part only.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import math
 import os
 import sysconfig
 from collections.abc import Iterator
@@ -50,7 +52,8 @@ class TextShards:
     ``root=None`` means the standard library sources (``pattern`` defaults to ``*.py``
     there, to ``*`` elsewhere). Files are visited in a sorted walk (files of a folder
     before its sub-folders, names sorted), so the stream is the same on every machine
-    with the same files. Binary or non-UTF-8 files are skipped.
+    with the same files. Binary or non-UTF-8 files are skipped. ``byte_range=(start, stop)``
+    draws every window from bytes ``start .. stop - 1`` of the stream (default: all of it).
 
     >>> shards = TextShards(max_bytes=4096)
     >>> x, y = next(shards.batches(seq_len=8, batch_size=2, seed=0, steps=1))
@@ -59,19 +62,24 @@ class TextShards:
     """
 
     def __init__(self, root: str | Path | None = None, pattern: str | None = None,
-                 max_bytes: int = DEFAULT_MAX_BYTES):
+                 max_bytes: int = DEFAULT_MAX_BYTES, byte_range: tuple[int, int] | None = None):
         if max_bytes < 2:
             raise PlanError(f"max_bytes={max_bytes}: the data stream needs at least 2 bytes; use e.g. {DEFAULT_MAX_BYTES}")
+        if byte_range is not None and not 0 <= byte_range[0] < byte_range[1] <= max_bytes:
+            raise PlanError(f"byte_range={byte_range}: valid: (start, stop) with 0 <= start < stop <= "
+                            f"max_bytes={max_bytes}")
         self.root = stdlib_root() if root is None else Path(root)
         self.pattern = pattern or ("*.py" if root is None else "*")
         self.max_bytes = max_bytes
+        self.byte_range = byte_range
         self._stream: torch.Tensor | None = None
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_stream": None}  # each process rebuilds the stream: send paths, not bytes
 
     def __repr__(self) -> str:
-        return f"TextShards({str(self.root)!r}, pattern={self.pattern!r}, max_bytes={self.max_bytes})"
+        part = "" if self.byte_range is None else f", byte_range={self.byte_range}"
+        return f"TextShards({str(self.root)!r}, pattern={self.pattern!r}, max_bytes={self.max_bytes}{part})"
 
     def files(self) -> Iterator[Path]:
         """Every file under ``root`` matching ``pattern``, in sorted walk order (lazy)."""
@@ -119,23 +127,51 @@ class TextShards:
             self._stream = torch.frombuffer(bytearray(b"".join(buffer)), dtype=torch.uint8)
         return self._stream
 
+    @property
+    def span(self) -> tuple[int, int]:
+        """The bytes ``(start, stop)`` of :attr:`stream` that windows are drawn from (reads the stream)."""
+        return (0, self.stream.numel()) if self.byte_range is None else self.byte_range
+
+    def split(self, fraction: float) -> tuple[TextShards, TextShards]:
+        """This span cut in two: the first part, and the last ``ceil(fraction * bytes)`` bytes
+        (held out); ``0 < fraction < 1``. No window of one part reads a byte of the other.
+
+        >>> first, last = TextShards(max_bytes=1000).split(0.1)
+        >>> first.byte_range, last.byte_range
+        ((0, 900), (900, 1000))
+        """
+        if not 0 < fraction < 1:
+            raise PlanError(f"split(fraction={fraction!r}): valid: a number between 0 and 1 (exclusive)")
+        start, stop = self.span
+        cut = stop - math.ceil(fraction * (stop - start))
+        parts = (TextShards(self.root, self.pattern, self.max_bytes, (start, cut)),
+                 TextShards(self.root, self.pattern, self.max_bytes, (cut, stop)))
+        for part in parts:
+            part._stream = self._stream  # read once, shared (never pickled)
+        return parts
+
     def batches(self, seq_len: int, batch_size: int, seed: int, steps: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """``steps`` batches of ``(inputs, targets)``, int64 ``[batch_size, seq_len]``.
 
-        Each row is a random window of the stream; ``targets`` is ``inputs`` shifted by one
-        byte. The same ``seed`` gives the same batches in every process.
+        Each row is a random window of :attr:`span` (``seq_len + 1`` bytes, all inside it);
+        ``targets`` is ``inputs`` shifted by one byte. The same ``seed`` gives the same batches
+        in every process.
         """
         if seq_len < 1 or batch_size < 1 or steps < 0:
             raise PlanError(f"batches(seq_len={seq_len}, batch_size={batch_size}, steps={steps}): "
                             f"seq_len and batch_size must be >= 1 and steps >= 0")
         stream = self.stream
-        windows = stream.numel() - seq_len
+        start, stop = self.span
+        if stop > stream.numel():
+            raise PlanError(f"byte_range={self.byte_range}: the data stream has only {stream.numel()} bytes "
+                            f"({self.root})")
+        windows = stop - start - seq_len
         if windows < 1:
-            raise PlanError(f"the data stream has {stream.numel()} bytes, too few for seq_len={seq_len}; "
-                            f"use seq_len < {stream.numel()} or more data (max_bytes={self.max_bytes}, {self.root})")
+            raise PlanError(f"the data stream has {stop - start} bytes, too few for seq_len={seq_len}; "
+                            f"use seq_len < {stop - start} or more data (max_bytes={self.max_bytes}, {self.root})")
         generator = torch.Generator().manual_seed(seed)
         offsets = torch.arange(seq_len + 1)
         for _ in range(steps):
-            starts = torch.randint(0, windows, (batch_size, 1), generator=generator)
+            starts = torch.randint(start, start + windows, (batch_size, 1), generator=generator)
             rows = stream[starts + offsets].long()
             yield rows[:, :-1].contiguous(), rows[:, 1:].contiguous()

@@ -14,12 +14,15 @@ data-parallel degree: :class:`ShardedDataset` and its :class:`Loader`.
   ``p`` is order positions ``p + b*G .. p + (b+1)*G - 1``; rank ``r`` of ``R`` takes the
   contiguous slice ``r*G/R .. (r+1)*G/R - 1`` of it (as ``Context.shard_batch`` slices a batch).
   Resuming at a saved position with any degree that divides ``G`` continues the same order.
+- **Selection.** ``shards=range(a, b)`` reads only those shards of the manifest (their samples
+  numbered from 0 as above); :meth:`ShardedDataset.split` holds out the last whole shards.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import operator
 from collections.abc import Iterator
 from pathlib import Path
@@ -69,16 +72,24 @@ class ShardedDataset:
     >>> shutil.rmtree(root)
     """
 
-    def __init__(self, folder: str | Path, seq_len: int = 128, seed: int = 0):
+    def __init__(self, folder: str | Path, seq_len: int = 128, seed: int = 0, shards: range | None = None):
         seq_len = _integer("seq_len", seq_len, 1, None, "tokens per sample (inputs), an integer >= 1")
         seed = _integer("seed", seed, 0, _MAX_U64, f"an integer in 0..{_MAX_U64}")
         self.folder, self.seq_len, self.seed = Path(folder), seq_len, seed
         self.manifest = read_manifest(self.folder)
-        counts = [samples_in(shard.tokens, seq_len) for shard in self.manifest.shards]
-        #: the global index of each shard's first sample, then the number of samples
+        count = len(self.manifest.shards)
+        if shards is not None and not (isinstance(shards, range) and shards.step == 1
+                                       and 0 <= shards.start < shards.stop <= count):
+            raise UsageError(f"ShardedDataset: shards={shards!r} is not valid; valid: range(a, b) with "
+                             f"0 <= a < b <= {count} (the folder's shards)")
+        #: the manifest indices of the shards read (``None`` given: all of them)
+        self.shards = range(count) if shards is None else shards
+        self.selected = shards is not None
+        counts = [samples_in(self.manifest.shards[shard].tokens, seq_len) for shard in self.shards]
+        #: the global index of each selected shard's first sample, then the number of samples
         self.first_sample = np.cumsum([0, *counts])
         if len(self) == 0:
-            longest = max(shard.tokens for shard in self.manifest.shards)
+            longest = max(self.manifest.shards[shard].tokens for shard in self.shards)
             raise UsageError(f"seq_len={seq_len}: the longest shard of {str(self.folder)!r} has {longest} tokens, "
                              f"too few for one sample of seq_len + 1 tokens; valid: seq_len < {longest}, or write "
                              f"fewer, larger shards")
@@ -89,19 +100,51 @@ class ShardedDataset:
         return int(self.first_sample[-1])
 
     def __repr__(self) -> str:
-        return (f"ShardedDataset({str(self.folder)!r}, seq_len={self.seq_len}, seed={self.seed}): "
-                f"{len(self)} samples from {len(self.manifest.shards)} shards")
+        part = f", shards={self.shards!r}" if self.selected else ""
+        return (f"ShardedDataset({str(self.folder)!r}, seq_len={self.seq_len}, seed={self.seed}{part}): "
+                f"{len(self)} samples from {len(self.shards)} shards")
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_tokens": {}}  # each process maps (and checks) the files itself
 
     @property
     def fingerprint(self) -> str:
-        """What the samples and their order depend on (every shard's name, size and sha256, ``seq_len``
-        and ``seed``), hashed to 16 hex digits: store it with a position, compare it on resume."""
+        """What the samples and their order depend on (every shard's name, size and sha256, ``seq_len``,
+        ``seed`` and the selected shards), hashed to 16 hex digits: store it with a position, compare it
+        on resume."""
         shards = [(shard.name, shard.size, shard.sha256) for shard in self.manifest.shards]
-        text = json.dumps({"shards": shards, "seq_len": self.seq_len, "seed": self.seed})
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
+        fields = {"shards": shards, "seq_len": self.seq_len, "seed": self.seed}
+        if self.selected:
+            fields["selected"] = [self.shards.start, self.shards.stop]
+        return hashlib.sha256(json.dumps(fields).encode()).hexdigest()[:16]
+
+    def split(self, fraction: float) -> tuple[ShardedDataset, ShardedDataset]:
+        """The selected shards in two: the first ones, and the last ``ceil(fraction * shards)`` (at least
+        one, held out); ``0 < fraction < 1``, and at least one shard must remain in the first part.
+        Samples never cross shards, so the parts share none.
+
+        >>> import shutil, tempfile
+        >>> from shardkit.io.shard_writer import write_shards
+        >>> root = Path(tempfile.mkdtemp())
+        >>> _ = (root / "a.txt").write_text("the quick brown fox jumps over the lazy dog " * 4)
+        >>> _ = write_shards(root / "a.txt", root / "out", shards=4)
+        >>> train, held = ShardedDataset(root / "out", seq_len=4).split(0.25)
+        >>> train.shards, held.shards, len(train) + len(held) == len(ShardedDataset(root / "out", seq_len=4))
+        (range(0, 3), range(3, 4), True)
+        >>> shutil.rmtree(root)
+        """
+        count = len(self.shards)
+        if not 0 < fraction < 1:
+            raise UsageError(f"split(fraction={fraction!r}): valid: a number between 0 and 1 (exclusive)")
+        held = math.ceil(fraction * count)
+        if held >= count:
+            valid = f"a fraction <= {(count - 1) / count:.3g}, or" if count > 1 else "a folder of"
+            raise UsageError(f"holding out {fraction:g} of the {count} shard(s) of {str(self.folder)!r} holds out "
+                             f"{held}, leaving none to train on; valid: {valid} more shards ('shardkit data shard "
+                             f"--shards N')")
+        cut = self.shards.stop - held
+        return (ShardedDataset(self.folder, self.seq_len, self.seed, range(self.shards.start, cut)),
+                ShardedDataset(self.folder, self.seq_len, self.seed, range(cut, self.shards.stop)))
 
     def order(self, epoch: int, start: int = 0, stop: int | None = None) -> torch.Tensor:
         """The global sample indices at order positions ``start .. stop - 1`` of ``epoch`` (int64).
@@ -123,7 +166,7 @@ class ShardedDataset:
         rows = np.empty((wanted.size, self.seq_len + 1), dtype=np.uint8)
         for row, (shard, index) in enumerate(zip(shards.tolist(), wanted.tolist())):
             start = (index - int(self.first_sample[shard])) * self.seq_len
-            rows[row] = self._shard_tokens(shard)[start: start + self.seq_len + 1]
+            rows[row] = self._shard_tokens(self.shards[shard])[start: start + self.seq_len + 1]
         return torch.from_numpy(rows).long()
 
     def loader(self, global_batch: int, rank: int = 0, ranks: int = 1, position: int = 0,
