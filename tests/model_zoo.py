@@ -59,6 +59,25 @@ def build_mistral():
         vocab_size=256, max_position_embeddings=64, attn_implementation=ATTN)))
 
 
+def build_mistral_window():
+    """Mistral with a sliding window of 4 positions (its forward masks every layer with it)."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    return _seeded(lambda: MistralForCausalLM(MistralConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+        vocab_size=256, max_position_embeddings=64, sliding_window=4, attn_implementation=ATTN)))
+
+
+def build_qwen2_window():
+    """Qwen2 with layer 0 full and layer 1 on a sliding window of 4 (``config.layer_types``)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    return _seeded(lambda: Qwen2ForCausalLM(Qwen2Config(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+        vocab_size=256, max_position_embeddings=64, use_sliding_window=True, sliding_window=4, max_window_layers=1,
+        attn_implementation=ATTN)))
+
+
 def build_gemma():
     """Gemma: tied embeddings by default, explicit head_dim."""
     from transformers import GemmaConfig, GemmaForCausalLM

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from model_zoo import build_mistral_window, build_qwen2_window
 from scoped_net import build_scoped
 
 import shardkit as sk
@@ -117,3 +118,22 @@ def test_evaluate_between_steps_equals_one_process(world, schedule, virtual):
     plan = Plan(mesh=Mesh(pp=2), pipeline=Pipeline(schedule=schedule, microbatches=2, virtual_stages=virtual))
     for losses in world(2).run(_evaluate_between_steps, batch, held_out, plan=plan, timeout=300):
         assert losses == pytest.approx(expected, rel=1e-5)
+
+
+def _generate_on_stages(ctx, build, prompt):
+    return sk.generate(sk.shard(build(), ctx.plan, ctx), prompt, max_new_tokens=8)
+
+
+@pytest.mark.parametrize("build", [build_mistral_window, build_qwen2_window], ids=["mistral", "qwen2-hybrid"])
+def test_sliding_window_layers_keep_their_window_on_a_pipeline(world, build):
+    """Each stage masks a layer as the model's own forward does (a sliding window of 4 on 16 tokens; Qwen2
+    with one full and one windowed layer): training and generation equal one process."""
+    plan = Plan(mesh=Mesh(pp=2), pipeline=Pipeline(microbatches=2))
+    check(build, plan, world(2), loss_fn=hf_loss, batch=tokens(4))
+    prompt = tokens(2, 7)[0]
+    model = build()
+    model.generation_config.eos_token_id = None
+    expected = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8, do_sample=False,
+                              pad_token_id=0)
+    for tokens_out in world(2).run(_generate_on_stages, build, prompt, plan=plan, timeout=120):
+        assert torch.equal(tokens_out, expected)

@@ -11,8 +11,11 @@ from model_zoo import (
     build_gpt2,
     build_llama_dropout,
     build_llama_tied,
+    build_mistral,
+    build_mistral_window,
     build_opt,
     build_phi3,
+    build_qwen2_window,
     build_shared_blocks,
     build_with_unused,
     fused_rules,
@@ -155,6 +158,14 @@ def test_context_parallel_needs_attention_it_knows_and_no_attention_dropout():
     assert "takes neither 'positions' nor 'position_ids'" in problem
     (problem,) = _problems(build_llama_dropout, sk.Plan(sk.Mesh(sp=2)))
     assert "attention dropout 0.1" in problem and "set it to 0.0" in problem
+
+
+def test_context_parallel_refuses_sliding_window_layers_shorter_than_the_positions():
+    (problem,) = _problems(build_qwen2_window, sk.Plan(sk.Mesh(sp=2)))
+    assert "layers [1] attend over a sliding window of 4 positions" in problem and "(up to 64 positions" in problem
+    (problem,) = _problems(build_mistral_window, sk.Plan(sk.Mesh(sp=2)))
+    assert "layers [0, 1] attend over a sliding window of 4" in problem
+    sk.validate(sk.Plan(sk.Mesh(sp=2)), meta_model(build_mistral))  # its window of 4096 covers all 64 positions
 
 
 # -- data parallel: what the runtime must know ---------------------------------------------------------

@@ -141,6 +141,13 @@ class HFFamily(Family):
         if "position_ids" not in inspect.signature(model.forward).parameters:
             problems.append(f"{type(model).__name__}.forward takes no 'position_ids', so it cannot be given the "
                             f"global positions of its sequence chunk under context parallel")
+        layers = _config_value(model, "num_hidden_layers") or 0
+        windowed = [i for i in range(layers) if _attention_kind(model, i) == "sliding_attention"]
+        window, positions = _config_value(model, "sliding_window"), self.max_positions(model)
+        if windowed and window is not None and (positions is None or positions > window):
+            problems.append(f"{type(model).__name__} layers {windowed} attend over a sliding window of {window} "
+                            f"positions, but context parallel's ring attention attends over the whole causal past "
+                            f"(up to {positions} positions here); remove the 'sp' axis for this model")
         return problems
 
     def position_argument(self, model: nn.Module) -> str:
@@ -216,14 +223,15 @@ class HFCausalLMFamily(HFFamily):
         if blocks:
             position_ids = torch.arange(past, past + hidden.shape[1], device=hidden.device).unsqueeze(0)
             first = model.get_submodule(blocks[0].name)
-            # the mask's key length is read from this stage's first layer's cache (the others stay empty here)
-            mask = _causal_mask(inner, hidden, position_ids, cache, int(blocks[0].name.rpartition(".")[2]))
+            layers = [int(u.name.rpartition(".")[2]) for u in blocks]
+            masks = _causal_masks(inner, hidden, position_ids, cache, layers)
             position_embeddings = inner.rotary_emb(hidden, position_ids=position_ids)
             extra = {} if cache is None else {
                 "cache" if "cache" in inspect.signature(first.forward).parameters else "past_key_values": cache,
                 "use_cache": True}
-            for unit in blocks:
-                hidden = model.get_submodule(unit.name)(hidden, attention_mask=mask, position_ids=position_ids,
+            for unit, layer in zip(blocks, layers):
+                hidden = model.get_submodule(unit.name)(hidden, attention_mask=masks[_attention_kind(inner, layer)],
+                                                        position_ids=position_ids,
                                                         position_embeddings=position_embeddings, **extra)
         for unit in units:
             if unit.name == "model.norm":
@@ -233,18 +241,45 @@ class HFCausalLMFamily(HFFamily):
         return hidden
 
 
-def _causal_mask(inner: nn.Module, hidden: torch.Tensor, position_ids: torch.Tensor, cache: Any = None,
-                 layer: int = 0) -> Any:
-    from transformers.masking_utils import create_causal_mask
+#: transformers' mask builder for each kind of attention layer (``config.layer_types``)
+_MASKS = {"full_attention": "create_causal_mask", "sliding_attention": "create_sliding_window_causal_mask"}
 
-    kwargs = {"config": inner.config, "inputs_embeds": hidden, "attention_mask": None, "position_ids": position_ids}
-    params = inspect.signature(create_causal_mask).parameters
-    kwargs["cache" if "cache" in params else "past_key_values"] = cache
-    if "cache_position" in params:
-        kwargs["cache_position"] = position_ids[0]
-    if cache is not None and "layer_idx" in params:
-        kwargs["layer_idx"] = layer
-    return create_causal_mask(**kwargs)
+
+def _attention_kind(inner: nn.Module, layer: int) -> str:
+    """What a decoder layer attends to, as the model's own forward decides: ``config.layer_types``,
+    else a sliding window wherever the config has one (Mistral), else the whole causal past."""
+    config = inner.config
+    kinds = getattr(config, "layer_types", None)
+    if kinds:
+        return kinds[layer]
+    return "sliding_attention" if getattr(config, "sliding_window", None) is not None else "full_attention"
+
+
+def _causal_masks(inner: nn.Module, hidden: torch.Tensor, position_ids: torch.Tensor, cache: Any,
+                  layers: list[int]) -> dict[str, Any]:
+    """The mask of each kind of attention among ``layers`` (``{kind: mask}``), built by transformers; with a
+    cache, the key length comes from the stage's first layer of that kind (the others' caches stay empty here)."""
+    from transformers import masking_utils
+
+    masks = {}
+    for layer in layers:
+        kind = _attention_kind(inner, layer)
+        if kind in masks:
+            continue
+        if kind not in _MASKS:
+            raise PlanError(f"decoder layer {layer} of {type(inner).__name__} has attention of kind {kind!r}, which "
+                            f"shardkit's pipeline stages cannot mask (known: {sorted(_MASKS)}); use a plan without "
+                            f"a pipeline ('pp') for this model")
+        build = getattr(masking_utils, _MASKS[kind])
+        params = inspect.signature(build).parameters
+        kwargs = {"config": inner.config, "inputs_embeds": hidden, "attention_mask": None,
+                  "position_ids": position_ids, "cache" if "cache" in params else "past_key_values": cache}
+        if "cache_position" in params:
+            kwargs["cache_position"] = position_ids[0]
+        if cache is not None and "layer_idx" in params:
+            kwargs["layer_idx"] = layer
+        masks[kind] = build(**kwargs)
+    return masks
 
 
 class GPT2Family(HFFamily):
