@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import shutil
 from dataclasses import replace
 
 import pytest
@@ -69,6 +70,12 @@ def _tp_generation(ctx, folder):
         out[name, "training"] = model.training
     gpt2 = shard(build_tiny_gpt2(), Plan(mesh=Mesh(tp=2), rules=GPT2_RULES), ctx)  # fused, permuted c_attn
     out["gpt2", "greedy"] = generate(gpt2, PROMPT, max_new_tokens=NEW)
+    with torch.no_grad():  # a weight of the last block made nan on every rank: each rank stops with the same error
+        gpt2.transformer.h[-1].mlp.c_proj.bias.fill_(float("nan"))
+    try:
+        generate(gpt2, PROMPT, max_new_tokens=NEW)
+    except UsageError as exc:
+        out["gpt2", "nan"] = str(exc)
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(SCALE)
@@ -102,6 +109,12 @@ def test_llama_greedy_under_tp_equals_transformers_generate(tp_results):
 
 def test_gpt2_greedy_under_tp_equals_transformers_generate(tp_results):
     assert torch.equal(tp_results[0]["gpt2", "greedy"], _hf_greedy(build_tiny_gpt2(), PROMPT, NEW))
+
+
+def test_nan_logits_stop_every_rank_with_the_reason(tp_results):
+    for rank in tp_results:
+        assert "logits for new token 1 of prompt(s) [0, 1] are nan or +inf" in rank["gpt2", "nan"]
+        assert "stopped after 0 new tokens" in rank["gpt2", "nan"]
 
 
 def test_gpt_greedy_under_tp_equals_a_single_process_loop(tp_results):
@@ -155,8 +168,8 @@ def test_plans_generate_cannot_run_are_refused_with_the_reason(plan, expected):
 
 
 @pytest.mark.parametrize("ids,kwargs,expected", [
-    (PROMPT.float(), {"max_new_tokens": 2}, r"input_ids must be an integer tensor .*torch.float32"),
-    (PROMPT[0], {"max_new_tokens": 2}, r"integer tensor \[batch, prompt\].*shape \[5\]"),
+    (PROMPT.float(), {"max_new_tokens": 2}, r"input_ids must be a torch.int64 or torch.int32 tensor .*torch.float32"),
+    (PROMPT[0], {"max_new_tokens": 2}, r"int32 tensor \[batch, prompt\].*shape \[5\]"),
     (PROMPT, {"max_new_tokens": 0}, r"max_new_tokens must be a positive integer, got 0"),
     (PROMPT, {"max_new_tokens": True}, r"max_new_tokens must be a positive integer, got True"),
     (PROMPT, {"max_new_tokens": 2, "temperature": -1.0}, r"temperature must be a finite number >= 0"),
@@ -164,6 +177,9 @@ def test_plans_generate_cannot_run_are_refused_with_the_reason(plan, expected):
     (PROMPT, {"max_new_tokens": 2, "top_k": 5}, r"top_k=5 applies only to sampling"),
     (PROMPT, {"max_new_tokens": 2, "seed": 1}, r"seed=1 applies only to sampling"),
     (PROMPT, {"max_new_tokens": 2, "temperature": 1.0, "top_k": 0}, r"top_k must be a positive integer"),
+    (PROMPT.to(torch.uint8), {"max_new_tokens": 2}, r"torch.int64 or torch.int32 tensor.*torch.uint8"),
+    (PROMPT[:0], {"max_new_tokens": 2}, r"at least one prompt.*shape \[0, 5\]"),
+    (PROMPT, {"max_new_tokens": 2, "temperature": 1.0, "seed": 2**64}, r"seed must be an integer from 0 to 2\*\*64 - 1"),
     (PROMPT, {"max_new_tokens": 2, "temperature": 1.0, "top_k": 257}, r"top_k=257 is more than .* 256"),
     (PROMPT + 200, {"max_new_tokens": 2}, r"ids from 203 to 438.*valid ids: 0 to 255"),
     (PROMPT, {"max_new_tokens": 28}, r"33 positions, but GPT has 32; valid: max_new_tokens <= 27"),
@@ -171,6 +187,20 @@ def test_plans_generate_cannot_run_are_refused_with_the_reason(plan, expected):
 def test_bad_arguments_are_refused_naming_the_argument(ids, kwargs, expected):
     with pytest.raises(UsageError, match=expected):
         generate(build_tiny_gpt(), ids, **kwargs)
+
+
+def test_a_tiny_temperature_samples_the_likeliest_token():
+    model = build_tiny_gpt()
+    greedy = generate(model, PROMPT, max_new_tokens=4)
+    assert torch.equal(generate(model, PROMPT, max_new_tokens=4, temperature=1e-45, seed=2**64 - 1), greedy)
+
+
+def test_nan_weights_in_one_process_are_named():
+    model = build_tiny_gpt()
+    with torch.no_grad():
+        model.lm_head.weight[3].fill_(float("nan"))
+    with pytest.raises(UsageError, match=r"new token 1 of prompt\(s\) \[0, 1\] are nan or \+inf"):
+        generate(model, PROMPT, max_new_tokens=2)
 
 
 def test_a_model_without_a_cache_is_refused():
@@ -299,6 +329,25 @@ def test_cli_generates_from_a_hf_folder_as_transformers_does(hf_folder, cli):
     assert code == 0
     expected = _hf_greedy(build_tiny_llama(), PROMPT[:1], NEW)[0, PROMPT.shape[1]:].tolist()
     assert ranks == [expected, expected]
+
+
+def test_cli_takes_a_transformers_config_file_as_the_model(hf_folder, cli):
+    ids = ",".join(map(str, PROMPT[0].tolist()))
+    code, ranks = cli("--model", str(hf_folder / "config.json"), "--hf", str(hf_folder), "--mesh", "tp=2",
+                      "--prompt-ids", ids, "--max-new-tokens", "4")
+    expected = _hf_greedy(build_tiny_llama(), PROMPT[:1], 4)[0, PROMPT.shape[1]:].tolist()
+    assert code == 0 and ranks == [expected, expected]
+
+
+def test_cli_refuses_a_damaged_checkpoint_before_any_process(tp_results, checkpoint, tmp_path, capsys, no_processes):
+    damaged = tmp_path / "damaged"
+    shutil.copytree(checkpoint, damaged)
+    part = sorted(damaged.rglob("*.distcp"))[0]
+    part.write_bytes(part.read_bytes()[:100])
+    assert main(["generate", "--model", "gpt-tiny", "--checkpoint", str(damaged), "--prompt", "hi",
+                 "--max-new-tokens", "3"]) == 2
+    err = capsys.readouterr().err
+    assert f"--checkpoint {damaged}" in err and "is damaged" in err and part.name in err
 
 
 def test_cli_generates_under_a_pipeline_from_a_checkpoint_and_a_hf_folder(tp_results, checkpoint, hf_folder, cli):

@@ -137,3 +137,25 @@ def test_sliding_window_layers_keep_their_window_on_a_pipeline(world, build):
                               pad_token_id=0)
     for tokens_out in world(2).run(_generate_on_stages, build, prompt, plan=plan, timeout=120):
         assert torch.equal(tokens_out, expected)
+
+
+def _extra_inputs(ctx):
+    """A pipelined Llama given (ids, attention_mask): step and evaluate refuse on every rank (none waits)."""
+    model = sk.shard(build_tiny_llama(), ctx.plan, ctx)
+    ids, targets = tokens(4)
+    messages = []
+    for call in (model.step, model.evaluate):
+        try:
+            call((ids, torch.ones_like(ids)), targets, hf_loss)
+        except sk.UsageError as exc:
+            messages.append(str(exc))
+    messages.append(model.evaluate([ids], targets, hf_loss).item())  # a list of one tensor is an input tuple
+    return messages
+
+
+def test_inputs_a_pipeline_cannot_carry_are_refused_on_every_rank(world):
+    plan = Plan(mesh=Mesh(pp=2), pipeline=Pipeline(microbatches=2))
+    for *refusals, loss in world(2).run(_extra_inputs, plan=plan, timeout=120):
+        assert len(refusals) == 2 and loss > 0
+        for message in refusals:
+            assert "takes 1 input tensor(s) (the token ids), but got 2: [4, 16] torch.int64, [4, 16]" in message

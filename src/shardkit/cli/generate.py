@@ -21,10 +21,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..checkpoint.manifest import CheckpointError, model_mismatch
-from ..checkpoint.store import checkpoint_to_load, load, model_parameters
+from ..checkpoint.manifest import CheckpointError, damage_message, model_mismatch, size_problems
+from ..checkpoint.store import checkpoint_to_load, checkpoints_beside, load, model_parameters
 from ..families import token_sizes
-from ..models.registry import MODELS, model_entry
+from ..models.registry import MODELS
 from ..plan import Mesh, Pipeline, Plan, PlanError, UsageError
 from ..planner.meta import meta_model
 from ..planner.validate import validate
@@ -153,7 +153,13 @@ def check_job(args: argparse.Namespace) -> tuple[Plan, GenerateJob]:
 
 
 def _check_checkpoint(folder: Path, model) -> None:
+    """The checkpoint's parameters against the model's, and every file's size (a truncated or missing file);
+    each process checks the sha256 of its share of the files when it loads."""
     found, manifest = checkpoint_to_load(folder)
+    damaged = size_problems(found, manifest)
+    if damaged:
+        raise CheckpointError(f"--checkpoint {folder}: "
+                              f"{damage_message(found, manifest, damaged, checkpoints_beside(found))}")
     problems = model_mismatch(manifest.parameters, model_parameters(model))
     if problems:
         raise CheckpointError(f"--checkpoint {found}: holds another model's parameters: {'; '.join(problems)}; "
@@ -192,7 +198,7 @@ def generate_job(ctx: Context, job: GenerateJob) -> list[int]:
     """One rank: build on meta, shard, read the weights, generate; returns the new token ids."""
     import torch
 
-    model = shard(meta_model(model_entry(job.model).build), ctx.plan, ctx, weights=job.hf)
+    model = shard(meta_model(model_from_flag(job.model).build), ctx.plan, ctx, weights=job.hf)
     if job.checkpoint is not None:
         load(job.checkpoint, model)
     stream = _Stream(ctx.rank == 0, job.text, job.prompt)

@@ -16,11 +16,9 @@ from torch import nn
 
 from ..io.batch_stream import Batch
 from ..observe.metrics import MetricsWriter
-from ..runtime.apply import mean_over_world
 from ..runtime.clipping import clip_grad_norm_, grad_norm
 from ..runtime.context import Context
 from ..runtime.optimizer import optimizer as sk_optimizer
-from ..runtime.pipeline import PipelinedModule
 
 
 def make_optimizer(model: nn.Module, name: str, lr: float, **settings: object) -> torch.optim.Optimizer:
@@ -75,18 +73,15 @@ def clip_grad_norm(model: nn.Module, max_norm: float | None) -> float:
 
 
 def evaluate(model: nn.Module, ctx: Context, batches: list, loss_fn: Callable) -> float:
-    """The mean loss over held-out global batches (no gradients), averaged over every rank; a
-    pipeline runs each batch through its stages (``model.evaluate``)."""
+    """The mean loss over held-out global batches (no gradients), averaged over every rank
+    (``model.evaluate``: a pipeline runs each batch through its stages)."""
 
     total = 0.0
     model.eval()
     with torch.no_grad():
         for batch in batches:
             inputs, targets = ctx.shard_batch(batch.inputs, batch.targets)
-            if isinstance(model, PipelinedModule):
-                total += model.evaluate(inputs, targets, loss_fn).item()
-            else:
-                total += mean_over_world(loss_fn(model(inputs), targets)).item()
+            total += model.evaluate(inputs, targets, loss_fn).item()
     model.train()
     return total / len(batches)
 

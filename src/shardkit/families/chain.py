@@ -90,7 +90,8 @@ def _chain_order(model: nn.Module, units: list[Unit], inputs: tuple) -> tuple[Un
             problems.append(f"module {unit.name!r} runs {count} times in one forward; a pipeline unit must run once "
                             f"(a module reused in two places cannot live in one stage only)")
         if count == 0 and any(True for _ in model.get_submodule(unit.modules[0]).parameters()):
-            problems.append(f"module {unit.name!r} has parameters but never runs in forward; remove it from the model")
+            problems.append(f"module {unit.name!r} has parameters but the forward never calls it (it may call "
+                            f"modules inside it directly); a chain pipeline calls each of its top-level modules once")
     expected: Any = meta_inputs
     for position, (index, args, kwargs, out) in enumerate(calls):
         takes_previous = (len(args) == len(expected) and all(a is b for a, b in zip(args, expected)) and not kwargs)

@@ -32,7 +32,7 @@ from .pieces import full_parameter
 
 
 class ShardedModule:
-    """Mixed into a sharded model's class: one ``step`` for every plan.
+    """Mixed into a sharded model's class: one ``step`` (and ``evaluate``) for every plan.
 
     >>> loss = model.step(inputs, targets, loss_fn)   # doctest: +SKIP
     """
@@ -58,6 +58,12 @@ class ShardedModule:
                 losses += [self._micro_step(x, y, loss_fn, accumulate) for x, y in first]
         losses.append(self._micro_step(*last, loss_fn, accumulate))
         return mean_over_world(torch.stack(losses).sum())
+
+    def evaluate(self, inputs: Any, targets: Any, loss_fn) -> torch.Tensor:
+        """The loss of this rank's batch without gradients, averaged over all ranks as :meth:`step`
+        returns it (a pipelined model has the same method). The training mode is left as it is."""
+        with torch.no_grad():
+            return mean_over_world(loss_fn(self(inputs), targets))
 
     def _micro_step(self, inputs: Any, targets: Any, loss_fn, count: int) -> torch.Tensor:
         loss = loss_fn(self(inputs), targets) / count

@@ -36,6 +36,10 @@ from .pipeline import PipelinedModule
 
 #: The only mesh axis generation may split (every other axis must have size 1).
 GENERATION_AXIS = "tp"
+#: Token id dtypes an embedding takes.
+ID_DTYPES = (torch.int64, torch.int32)
+#: The largest seed torch's generator takes.
+MAX_SEED = 2**64 - 1
 
 
 def generation_problems(plan: Plan) -> list[str]:
@@ -121,14 +125,19 @@ def generate(model: nn.Module, input_ids: torch.Tensor, *, max_new_tokens: int, 
         with torch.no_grad():
             decoder = Decoder(model)
             tokens, new = input_ids.to(device), []
-            for _ in range(max_new_tokens):
+            for step in range(max_new_tokens):
                 logits = decoder.step(tokens)
-                token = _choose(logits[:, -1].float(), temperature, top_k, generator) if leader else \
+                token = _choose_or_flag(logits[:, -1].float(), temperature, top_k, generator) if leader else \
                     torch.empty(input_ids.shape[0], dtype=torch.long, device=device)
                 if group is not None and (pipeline is None or pipeline.has_last):
                     dist.broadcast(token, group=group, group_src=0)
                 if pipeline is not None:
                     dist.broadcast(token, group=pipeline.pp_group, group_src=pipeline.last_pp_rank)
+                if bool((token < 0).any()):  # every rank sees the flag, so every rank stops here
+                    rows = (token < 0).nonzero().flatten().tolist()
+                    raise UsageError(f"sk.generate: the model's logits for new token {step + 1} of prompt(s) {rows} "
+                                     f"are nan or +inf: its weights or activations are not finite (check the "
+                                     f"weights it loaded); stopped after {step} new tokens")
                 new.append(token)
                 if on_token is not None:
                     on_token(token)
@@ -140,12 +149,12 @@ def generate(model: nn.Module, input_ids: torch.Tensor, *, max_new_tokens: int, 
 
 def _check_arguments(input_ids: object, max_new_tokens: object, temperature: object, top_k: object,
                      seed: object) -> None:
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype.is_floating_point \
-            or input_ids.dtype == torch.bool or input_ids.shape[1] == 0:
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype not in ID_DTYPES \
+            or 0 in input_ids.shape:
         what = type(input_ids).__name__ if not isinstance(input_ids, torch.Tensor) else \
             f"a {input_ids.dtype} tensor of shape {list(input_ids.shape)}"
-        raise UsageError(f"sk.generate: input_ids must be an integer tensor [batch, prompt] with at least one "
-                         f"token, got {what}")
+        raise UsageError(f"sk.generate: input_ids must be a torch.int64 or torch.int32 tensor [batch, prompt] with "
+                         f"at least one prompt of at least one token, got {what}")
     if not _is_int(max_new_tokens) or max_new_tokens < 1:
         raise UsageError(f"sk.generate: max_new_tokens must be a positive integer, got {max_new_tokens!r}")
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) \
@@ -153,8 +162,9 @@ def _check_arguments(input_ids: object, max_new_tokens: object, temperature: obj
         raise UsageError(f"sk.generate: temperature must be a finite number >= 0 (0: greedy), got {temperature!r}")
     if top_k is not None and (not _is_int(top_k) or top_k < 1):
         raise UsageError(f"sk.generate: top_k must be a positive integer or None, got {top_k!r}")
-    if seed is not None and (not _is_int(seed) or seed < 0):
-        raise UsageError(f"sk.generate: seed must be a non-negative integer or None, got {seed!r}")
+    if seed is not None and (not _is_int(seed) or not 0 <= seed <= MAX_SEED):
+        raise UsageError(f"sk.generate: seed must be an integer from 0 to 2**64 - 1 (torch's generator) or None, "
+                         f"got {seed!r}")
     if temperature == 0 and (top_k is not None or seed is not None):
         given = ", ".join(f"{n}={v!r}" for n, v in (("top_k", top_k), ("seed", seed)) if v is not None)
         raise UsageError(f"sk.generate: {given} applies only to sampling (temperature > 0), but temperature=0 is "
@@ -219,12 +229,21 @@ class Decoder:
                    if isinstance(t, torch.Tensor))
 
 
+def _choose_or_flag(logits: torch.Tensor, temperature: float, top_k: int | None,
+                    generator: torch.Generator | None) -> torch.Tensor:
+    """:func:`_choose`, with ``-1`` for each row whose logits hold nan or +inf (no token can be chosen)."""
+    bad = logits.isnan().any(dim=-1) | logits.isposinf().any(dim=-1)
+    token = _choose(logits.masked_fill(bad[:, None], 0.0), temperature, top_k, generator)
+    return token.masked_fill(bad, -1)
+
+
 def _choose(logits: torch.Tensor, temperature: float, top_k: int | None,
             generator: torch.Generator | None) -> torch.Tensor:
     """The next token per row of ``logits [batch, vocab]``: argmax, or a sample."""
     if temperature == 0:
         return logits.argmax(dim=-1)
-    logits = logits / temperature
+    # shifted so the likeliest token scores 0: a tiny temperature sends the others to -inf (greedy), not to nan
+    logits = (logits - logits.max(dim=-1, keepdim=True).values) / temperature
     if top_k is not None and top_k < logits.shape[-1]:
         kth = logits.topk(top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -22,6 +22,7 @@ The returned module is the pruned model with ``step(inputs, targets, loss_fn) ->
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -93,7 +94,7 @@ class PipelinedModule:
         step, where decoding sends a prompt and then one token at a time, and they have no place
         for a KV cache.
         """
-        return self._sk_runtime.through_stages(self, x, cache, past)
+        return self._sk_runtime.through_stages(self, (x,), cache, past)
 
     def evaluate(self, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], torch.Tensor]) -> torch.Tensor:
         """The loss of a batch without gradients, averaged over micro-batches and data ranks and
@@ -213,7 +214,7 @@ class _Runtime:
         return self.assignment.num_stages - 1 in self.local
 
     def step(self, inputs: Any, targets: Any, loss_fn: Callable, accumulate: int = 1) -> torch.Tensor:
-        inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+        inputs = self._check_inputs(inputs)
         problems = self.plan.pipeline.check_batch(int(inputs[0].shape[0])) if self.plan.pipeline else []
         if problems:
             raise PlanError(problems)
@@ -241,17 +242,32 @@ class _Runtime:
                 return self._mean_loss(losses)
 
     def evaluate(self, model: nn.Module, inputs: Any, targets: Any, loss_fn: Callable) -> torch.Tensor:
-        inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+        inputs = self._check_inputs(inputs)
         problems = self.plan.pipeline.check_batch(int(inputs[0].shape[0])) if self.plan.pipeline else []
         if problems:
             raise PlanError(problems)
         losses = []
         with torch.no_grad():
             for part_inputs, part_targets in micro_batches(inputs, targets, self.microbatches):
-                output = self.through_stages(model, part_inputs[0], None, 0)
+                output = self.through_stages(model, tuple(part_inputs), None, 0)
                 if output is not None:
                     losses.append(loss_fn(output, part_targets.to(output.device)) / self.microbatches)
         return self._mean_loss(losses)
+
+    def _check_inputs(self, inputs: Any) -> tuple:
+        """``inputs`` as a tuple of tensors the first stage takes (the same check on every rank, so no
+        rank waits for a stage that failed); :class:`UsageError` otherwise."""
+        inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+        family = self.assignment.layout.family
+        takes = _positional_inputs(family.stage_forward)
+        if not all(isinstance(x, torch.Tensor) for x in inputs) or (takes is not None and len(inputs) != takes):
+            given = ", ".join(f"{list(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
+                              for x in inputs)
+            raise UsageError(f"a pipeline of the {family.name!r} family takes {takes} input tensor(s) (the token ids), "
+                             f"but got {len(inputs)}: {given}; later stages receive only the hidden states, so an "
+                             f"attention mask or other extra input cannot reach them: pass the token ids alone "
+                             f"(pack sequences rather than pad them)")
+        return inputs
 
     def _mean_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
         """The sum of the last stage's (scaled) micro-batch losses, equal on every rank and averaged over data ranks."""
@@ -264,15 +280,16 @@ class _Runtime:
         return loss / self.plan.mesh.data_size
 
 
-    def through_stages(self, model: nn.Module, x: torch.Tensor, cache: Any, past: int) -> torch.Tensor | None:
+    def through_stages(self, model: nn.Module, inputs: tuple, cache: Any, past: int) -> torch.Tensor | None:
         ranks, device = self.assignment.ranks, self.ctx.device
-        x = x.to(device)
+        args = tuple(x.to(device) for x in inputs)
         for s in range(self.assignment.num_stages):
             if s not in self.local:
                 continue
             if s > 0 and ranks[s - 1] != self.pp_rank:
-                x = _receive(self.pp_group, ranks[s - 1], device)
-            x = model(x, stage=s, cache=cache, past=past)  # through __call__: FSDP2's hooks run
+                args = (_receive(self.pp_group, ranks[s - 1], device),)
+            x = model(*args, stage=s, cache=cache, past=past)  # through __call__: FSDP2's hooks run
+            args = (x,)
             if s + 1 < self.assignment.num_stages and ranks[s + 1] != self.pp_rank:
                 _send(x, self.pp_group, ranks[s + 1])
         return x if self.has_last else None
@@ -287,6 +304,14 @@ class _Runtime:
                              f"(accumulate={accumulate}), but torch's pipeline stages were built for parts of shape "
                              f"{list(first)} by the first step (accumulate={k}); keep the batch shape and accumulate "
                              f"the same on every step")
+
+
+def _positional_inputs(stage_forward: Callable) -> int | None:
+    """How many inputs a family's ``stage_forward(model, units, ...)`` takes (``None``: any number)."""
+    parameters = list(inspect.signature(stage_forward).parameters.values())[2:]
+    if any(p.kind is p.VAR_POSITIONAL for p in parameters):
+        return None
+    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in parameters)
 
 
 #: dtypes a hidden state may have between stages, by the code :func:`_send` sends ahead of it
