@@ -27,6 +27,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/checkpoint.py --repeats 3
 	$(PY) benchmarks/recompute.py
 	$(PY) benchmarks/planner.py --steps 3
+	$(PY) benchmarks/generate.py --new 16 --rounds 1
 
 clean:
 	rm -rf .venv build dist src/*.egg-info .pytest_cache
