@@ -44,7 +44,8 @@ def test_a_seed_beyond_64_bits_is_refused_by_the_flag_and_the_field(tmp_path, ca
     with pytest.raises(SystemExit) as caught:
         main(TINY + ["--seed", "99999999999999999999999"])
     assert caught.value.code == 2
-    assert "argument --seed: must be an integer from 0 to 18446744073709551615 (2**64 - 1" in capsys.readouterr().err
+    assert "argument --seed: must be a 64-bit seed (at most 2**64 - 1 = 18446744073709551615), an integer >= 0, got " \
+        "'99999999999999999999999'" in capsys.readouterr().err
     (tmp_path / "job.yaml").write_text("seed: 99999999999999999999999\n")
     assert main(["train", "--config", str(tmp_path / "job.yaml")]) == 2
     assert "seed must be an integer >= 0 and <= 18446744073709551615 (2**64 - 1" in capsys.readouterr().err

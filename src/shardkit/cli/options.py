@@ -80,7 +80,7 @@ def seed(text: str) -> int:
     """
     value = _number(int, text)
     if value is None or not 0 <= value <= SEED_MAX:
-        raise argparse.ArgumentTypeError(f"must be an integer from 0 to {SEED_MAX} (2**64 - 1, a 64-bit seed), "
+        raise argparse.ArgumentTypeError(f"must be a 64-bit seed (at most 2**64 - 1 = {SEED_MAX}), an integer >= 0, "
                                          f"got {text!r}")
     return value
 
