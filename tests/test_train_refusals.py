@@ -172,3 +172,22 @@ def test_an_interrupt_is_one_line_and_130(monkeypatch, capsys, no_processes):
     monkeypatch.setattr(train_cli, "check_job", interrupted)
     assert main(TINY) == 130
     assert capsys.readouterr().err == "shardkit train: interrupted\n"
+
+
+# --plan auto: the planner's accumulation steps unless --grad-accum (or batch.grad_accum) is given
+
+def test_plan_auto_takes_the_planners_accumulation_unless_it_is_given(monkeypatch):
+    from types import SimpleNamespace
+
+    import shardkit.cli.plan as plan_cli
+    import shardkit.planner.autoshard as autoshard_module
+    from shardkit.plan import Plan, PlanError
+
+    best = SimpleNamespace(plan=Plan(mesh=Mesh(fsdp=2)), grad_accum=2, reason="the fastest")
+    monkeypatch.setattr(autoshard_module, "autoshard", lambda *args, **kwargs: [best])
+    monkeypatch.setattr(plan_cli, "local_hardware", lambda world_size: None)
+    monkeypatch.setattr(plan_cli, "candidates_text", lambda *args: "")
+    args = _args("--plan", "auto", "--model", "gpt-tiny", "--world-size", "2")
+    assert train_cli.build_plan(args) == (best.plan, 2) and args.grad_accum == 2   # the default 1 is not given
+    with pytest.raises(PlanError, match="no plan among the best 1 runs with --grad-accum 1"):
+        train_cli.build_plan(_args("--plan", "auto", "--model", "gpt-tiny", "--world-size", "2", "--grad-accum", "1"))
