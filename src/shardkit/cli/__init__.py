@@ -28,7 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run a sub-command; its exit status: 0 done, 1 a job failed, 2 an invalid plan or command line.
+    """Run a sub-command; its exit status: 0 done, 1 a job failed, 2 an invalid plan or command line,
+    130 interrupted (Ctrl-C).
 
     A command-line error exits with status 2 while parsing (one line on stderr, see :class:`OneLineParser`).
     """
@@ -41,6 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as exc:
         print(f"shardkit {args.command}: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback (a local world's processes end with it)
+        print(f"shardkit {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from typing import Any
 
 from ..plan import Plan, PlanError
 from ..plan.files import _describe, known_keys, mapping, read_file
+from .options import SEED_MAX
 
 OPTIMIZERS = ("adamw", "sgd")
 BUILDS = ("meta", "full")
@@ -39,10 +40,12 @@ RESUME_FROM_DIR = "<checkpoint.dir>"
 Check = Callable[[Any, str, Path], Any]
 
 
-def _int(low: int) -> Check:
+def _int(low: int, high: int | None = None, why: str = "") -> Check:
+    """An integer >= ``low`` and, with ``high``, <= ``high`` (``why``: what the bound is); never a bool."""
     def check(value: Any, where: str, _: Path) -> int:
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise PlanError(f"{where} must be an integer >= {low}, got {_describe(value)}")
+        if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+            bound = "" if high is None else f" and <= {high}{why}"
+            raise PlanError(f"{where} must be an integer >= {low}{bound}, got {_describe(value)}")
         return value
     return check
 
@@ -138,7 +141,7 @@ FIELDS: dict[tuple[str | None, str], tuple[str, Check]] = {
     (None, "build"): ("build", _choice(BUILDS)),
     (None, "init_from"): ("init_from", _path),
     (None, "steps"): ("steps", _int(1)),
-    (None, "seed"): ("seed", _int(0)),
+    (None, "seed"): ("seed", _int(0, SEED_MAX, " (2**64 - 1, a 64-bit seed)")),
     (None, "timeout"): ("timeout", _number(0, above=True)),
     (None, "world_size"): ("world_size", _int(1)),
     (None, "plan"): ("plan", _plan),

@@ -67,6 +67,24 @@ def non_negative_int(text: str) -> int:
     return value
 
 
+#: The largest seed: 64 bits, what ``torch.Generator.manual_seed`` (the text data's random windows, sampling)
+#: and the sharded data's epoch order take; module initialisation hashes the seed, so any integer works there.
+SEED_MAX = 2**64 - 1
+
+
+def seed(text: str) -> int:
+    """A seed: an integer in ``0 .. 2**64 - 1`` (a larger one would overflow in the worker processes).
+
+    >>> seed("18446744073709551615")
+    18446744073709551615
+    """
+    value = _number(int, text)
+    if value is None or not 0 <= value <= SEED_MAX:
+        raise argparse.ArgumentTypeError(f"must be a 64-bit seed (at most 2**64 - 1 = {SEED_MAX}), an integer >= 0, "
+                                         f"got {text!r}")
+    return value
+
+
 def positive_float(text: str) -> float:
     """A finite number > 0 (``nan``, ``inf``, 0 and negatives are refused)."""
     value = _number(float, text)

@@ -51,6 +51,7 @@ from .options import (
     add_model_option,
     add_plan_options,
     fraction,
+    inferred_rules,
     meta_model_from_flag,
     model_from_flag,
     model_name,
@@ -62,6 +63,7 @@ from .options import (
     positive_int,
     rules_hint,
 )
+from .options import seed as seed_flag
 from .train_step import RunLog, accumulate, clip_grad_norm, evaluate, lr_schedule, make_optimizer
 
 DEFAULT_MODEL = "gpt-small"
@@ -132,8 +134,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "default: Python stdlib sources)")
     parser.add_argument("--data-mb", type=positive_float, default=DEFAULT_MAX_BYTES / 2**20, metavar="X",
                         help=f"text folders: read at most this many MiB (default: {DEFAULT_MAX_BYTES / 2**20:g})")
-    parser.add_argument("--seed", type=non_negative_int, default=0, metavar="N",
-                        help="seed of the batch sampling and of the initialisation (default: 0)")
+    parser.add_argument("--seed", type=seed_flag, default=0, metavar="N",
+                        help="seed of the batch sampling and of the initialisation, 0 to 2**64 - 1 (default: 0)")
     parser.add_argument("--build", choices=BUILDS, default="meta",
                         help="meta (default): build the model on the meta device and allocate only each process's "
                              "shards, initialised the same whatever the plan; full: every process builds the whole "
@@ -223,8 +225,13 @@ DEFAULTS = {"model": DEFAULT_MODEL, "steps": DEFAULT_STEPS, "batch_size": DEFAUL
             "optimizer": "adamw", "grad_accum": 1, "log_every": 1, "eval_batches": 1}
 #: Job-file fields with no flag.
 FILE_ONLY = ("betas", "momentum", "param_dtype", "reduce_dtype")
-#: The flags that describe a plan: any of them on the command line replaces the job file's plan.
-PLAN_FLAGS = ("plan", "mesh", "rules", "recompute", "zero", "schedule", "microbatches", "split", "split_points")
+#: The flags that give a whole plan: either on the command line replaces the job file's plan.
+PLAN_FLAGS = ("plan", "mesh")
+#: The flags that set one option of the plan the --mesh flag builds, and where that option goes in a job
+#: file's plan: with the file's plan and no --mesh or --plan they are refused, never dropped or merged.
+PLAN_OPTION_FLAGS = {"rules": "rules", "recompute": "recompute", "zero": "zero", "schedule": "pipeline.schedule",
+                     "microbatches": "pipeline.microbatches", "split": "pipeline.split",
+                     "split_points": "pipeline.split_points"}
 
 
 def with_config(args: argparse.Namespace) -> argparse.Namespace:
@@ -239,6 +246,8 @@ def with_config(args: argparse.Namespace) -> argparse.Namespace:
     file = {} if args.config is None else load_job(args.config)
     if any(_given(getattr(args, flag)) for flag in PLAN_FLAGS):
         file.pop("plan", None)  # the command line's plan replaces the file's whole plan
+    elif "plan" in file:
+        _refuse_plan_options(args, file["plan"])
     if file.get("resume") == RESUME_FROM_DIR:
         file["resume"] = RESUME_FROM_SAVE
     if "model" in file:
@@ -246,6 +255,8 @@ def with_config(args: argparse.Namespace) -> argparse.Namespace:
             file["model"] = model_name(TRAINABLE)(file["model"])
         except argparse.ArgumentTypeError as exc:
             raise PlanError(f"job file {str(args.config)!r}: model: {exc}") from None
+    #: the destinations the user gave, on the command line or in the file (a default is not given)
+    args.given = frozenset(dest for dest in DEFAULTS if _given(getattr(args, dest)) or dest in file)
     for dest, value in file.items():
         if not _given(getattr(args, dest)):
             setattr(args, dest, value)
@@ -255,18 +266,67 @@ def with_config(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
+def _refuse_plan_options(args: argparse.Namespace, plan: object) -> None:
+    """Plan options given as flags while the job file gives the plan (and no --mesh or --plan): one line
+    naming them, saying to put them into the file's plan or to give the whole plan by flags.
+
+    >>> from shardkit.cli import build_parser
+    >>> args = build_parser().parse_args(["train", "--zero", "2", "--schedule", "gpipe"])
+    >>> _refuse_plan_options(args, Plan.from_dict({"mesh": {"dp": 2}}))
+    Traceback (most recent call last):
+        ...
+    shardkit.plan.errors.UsageError: --zero 2, --schedule gpipe: options of the plan, and the job file gives the plan (a flag would replace its whole plan with the default mesh): put them into the file's plan, plan: {..., zero: 2, pipeline: {schedule: gpipe}}, or give the whole plan by flags (--mesh AXES, or --plan FILE)
+    """
+    given = {dest: getattr(args, dest) for dest in PLAN_OPTION_FLAGS if getattr(args, dest) is not None}
+    if not given:
+        return
+    flags = ", ".join(f"--{dest.replace('_', '-')} {_flag_text(value)}" for dest, value in given.items())
+    them = "them" if len(given) > 1 else "it"
+    if plan == AUTO_PLAN:
+        raise UsageError(f"{flags}: the job file's plan is '{AUTO_PLAN}' (the planner chooses the whole plan), so "
+                         f"{flags.split()[0] if len(given) == 1 else 'they'} cannot be combined with it; drop {them}, "
+                         f"or give the whole plan by flags (--mesh AXES, or --plan FILE)")
+    top, pipeline = [], []
+    for dest, value in given.items():
+        key = PLAN_OPTION_FLAGS[dest]
+        text = "[[regex, layout], ...]" if dest == "rules" else \
+            f"[{', '.join(value)}]" if isinstance(value, list) else str(value)
+        (pipeline if key.startswith("pipeline.") else top).append(f"{key.removeprefix('pipeline.')}: {text}")
+    fields = ", ".join(top + ([f"pipeline: {{{', '.join(pipeline)}}}"] if pipeline else []))
+    where = f"plan: {{..., {fields}}}" if isinstance(plan, Plan) else f"the plan file {plan} ({fields})"
+    raise UsageError(f"{flags}: {'options' if len(given) > 1 else 'an option'} of the plan, and the job file gives "
+                     f"the plan (a flag would replace its whole plan with the default mesh): put {them} into the "
+                     f"file's plan, {where}, or give the whole plan by flags (--mesh AXES, or --plan FILE)")
+
+
+def _flag_text(value: object) -> str:
+    return ",".join(value) if isinstance(value, list) else str(value)
+
+
 def build_plan(args: argparse.Namespace) -> tuple[Plan, int]:
     """The plan and world size from the command line and ``--config`` (not yet checked against the model)."""
     with_config(args)
     if args.plan is not None and str(args.plan) == AUTO_PLAN:
         plan, world_size = auto_plan(args)
     else:
+        if isinstance(args.plan, Plan):
+            args.plan = _with_model_rules(args.plan, args)
         plan, world_size = plan_from_args(args, model_from_flag(args.model))
     plan = _with_precision(plan, args)
     if args.profile is not None and plan.pipeline is None:
         raise PlanError(f"--profile records the pipeline timeline (forward/backward per micro-batch and stage), but "
                         f"{plan.mesh!r} has no pipeline; add a 'pp' axis of size >= 2, e.g. --mesh pp=2")
     return plan, world_size
+
+
+def _with_model_rules(plan: Plan, args: argparse.Namespace) -> Plan:
+    """A job file's plan mapping with model axes and no ``rules``: the model's own rules, as ``--mesh`` gives
+    them (built-in, transformers' tensor-parallel plan, or inferred from the dataflow); rules given are kept."""
+    if plan.rules is not None or not plan.mesh.model_axes:
+        return plan
+    entry = model_from_flag(args.model)
+    rules = entry.rules_for(plan.mesh) or inferred_rules(args.model, entry, plan.mesh)
+    return plan if rules is None else replace(plan, rules=rules)
 
 
 def _with_precision(plan: Plan, args: argparse.Namespace) -> Plan:
@@ -303,7 +363,7 @@ def auto_plan(args: argparse.Namespace) -> tuple[Plan, int]:
     candidates = autoshard(model, devices=world_size, hardware=hardware, global_batch=args.batch_size,
                            seq_len=seq_len, top=10, param_dtype=None)
     print(candidates_text(candidates, args.model, world_size, hardware), end="", file=sys.stderr)
-    if _given(args.grad_accum):  # the steps the user asked for: the fastest plan with them
+    if "grad_accum" in args.given:  # the steps the user asked for: the fastest plan with them
         fitting = [c for c in candidates if c.grad_accum == args.grad_accum]
         if not fitting:
             raise PlanError(f"--plan auto: no plan among the best {len(candidates)} runs with --grad-accum "
@@ -386,9 +446,23 @@ def _step_problems(args: argparse.Namespace, plan: Plan) -> list[str]:
         problems.append("--eval-every and --eval-data or --eval-holdout (eval.every, eval.data or eval.holdout) come "
                         "together: evaluate every N steps on a held-out folder or on a held-out fraction of the "
                         "training data; give --eval-every with one of them, or none")
-    if args.eval_data is not None and args.data is not None and args.eval_data.resolve() == args.data.resolve():
-        problems.append(f"--eval-data {args.eval_data} is the training data: give held-out data (e.g. a second "
-                        f"folder written by 'shardkit data shard')")
+    given = getattr(args, "given", frozenset())
+    if args.eval_every is None and "eval_batches" in given:
+        problems.append(f"--eval-batches {args.eval_batches} (eval.batches) applies only with --eval-every "
+                        f"(eval.every): evaluate every N steps on --eval-data or --eval-holdout, or drop it")
+    if args.log_dir is None and "log_every" in given:
+        problems.append(f"--log-every {args.log_every} (logging.every) applies only with --log-dir "
+                        f"(logging.log_dir): give the folder to log in, or drop it")
+    if args.eval_data is not None and args.data is not None:
+        held, train = args.eval_data.resolve(), args.data.resolve()
+        if held == train:
+            problems.append(f"--eval-data {args.eval_data} is the training data: give held-out data (e.g. a second "
+                            f"folder written by 'shardkit data shard')")
+        elif held.is_relative_to(train) or train.is_relative_to(held):
+            how = "is inside" if held.is_relative_to(train) else "contains"
+            problems.append(f"--eval-data {args.eval_data} {how} the training data --data {args.data}, so it would "
+                            f"evaluate on training text: give a held-out folder outside it (e.g. a second folder "
+                            f"written by 'shardkit data shard') or --eval-holdout F")
     if args.eval_data is not None and not args.eval_data.is_dir():
         problems.append(f"--eval-data {args.eval_data}: no such folder")
     return problems
@@ -418,6 +492,14 @@ def _data(args: argparse.Namespace, seq_len: int) -> tuple[BatchStream, BatchStr
             f"{len(held.source.manifest.shards)} shards"
         raise UsageError(f"{what} has {len(held.source)} samples of {seq_len} tokens, fewer than one global batch "
                          f"of {args.batch_size}: give more held-out data or a smaller batch")
+    if isinstance(held.source, ShardedDataset) and args.eval_batches * args.batch_size > len(held.source):
+        what = f"--eval-data {args.eval_data}" if args.eval_holdout is None else \
+            f"--eval-holdout {args.eval_holdout:g} (the last {len(held.source.shards)} of " \
+            f"{len(held.source.manifest.shards)} shards)"
+        fit = len(held.source) // args.batch_size
+        raise UsageError(f"--eval-batches {args.eval_batches} x --batch-size {args.batch_size} = "
+                         f"{args.eval_batches * args.batch_size} samples, but {what} has {len(held.source)} samples "
+                         f"of {seq_len} tokens, so evaluation would repeat them; valid: --eval-batches 1..{fit}")
     return data, held
 
 
