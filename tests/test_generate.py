@@ -374,6 +374,8 @@ def test_cli_generates_under_a_pipeline_from_a_checkpoint_and_a_hf_folder(tp_res
     (["--model", "gpt-small", "--prompt", "hi"], r"another model's parameters"),
     (["--model", "llama-tiny", "--prompt-ids", "1,x"], r"--prompt-ids: must be comma-separated"),
     (["--model", "llama-tiny", "--prompt-ids", "1", "--temperature", "0"], r"--temperature: must be a positive"),
+    (["--model", "llama-tiny", "--prompt-ids", "1", "--temperature", "1", "--seed", str(2**64)],
+     r"--seed: must be a 64-bit seed"),
 ])
 def test_cli_refuses_before_any_process(argv, expected, hf_folder, tp_results, checkpoint, capsys, no_processes):
     weights = ["--checkpoint", str(checkpoint)] if "gpt-small" in argv else ["--hf", str(hf_folder)]

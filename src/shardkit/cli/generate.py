@@ -39,10 +39,10 @@ from .options import (
     load_rules,
     meta_model_from_flag,
     model_from_flag,
-    non_negative_int,
     path,
     positive_float,
     positive_int,
+    seed,
 )
 
 DEFAULT_MESH = "tp=1"
@@ -91,7 +91,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--temperature", type=positive_float, metavar="X",
                         help="sample from softmax(logits / X) (default: greedy)")
     parser.add_argument("--top-k", type=positive_int, metavar="K", help="sample among the K likeliest tokens")
-    parser.add_argument("--seed", type=non_negative_int, metavar="N", help="seed of the sampling")
+    parser.add_argument("--seed", type=seed, metavar="N", help="seed of the sampling (0 to 2**64 - 1)")
     parser.add_argument("--timeout", type=positive_float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
                         help=f"stop every process and exit 1 when the job runs longer (default: {DEFAULT_TIMEOUT_S:g})")
     parser.set_defaults(func=run)
