@@ -78,6 +78,47 @@ def build_qwen2_window():
         attn_implementation=ATTN)))
 
 
+def build_granite():
+    """Granite: its forward scales the embeddings (embedding_multiplier) and divides the logits (logits_scaling)."""
+    from transformers import GraniteConfig, GraniteForCausalLM
+
+    return _seeded(lambda: GraniteForCausalLM(GraniteConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+        vocab_size=256, max_position_embeddings=64, embedding_multiplier=3.0, logits_scaling=2.0,
+        residual_multiplier=0.5, attention_multiplier=0.3, initializer_range=0.3, attn_implementation=ATTN)))
+
+
+def build_gemma2():
+    """Gemma 2, untied: sliding-window layers and a final logit softcap in its forward."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    return _seeded(lambda: Gemma2ForCausalLM(Gemma2Config(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+        head_dim=16, vocab_size=256, max_position_embeddings=64, tie_word_embeddings=False, sliding_window=4,
+        final_logit_softcapping=5.0, attn_logit_softcapping=10.0, initializer_range=0.3,
+        attn_implementation="eager")))
+
+
+def build_cohere():
+    """Cohere, untied: its forward multiplies the logits by logit_scale."""
+    from transformers import CohereConfig, CohereForCausalLM
+
+    return _seeded(lambda: CohereForCausalLM(CohereConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+        vocab_size=256, max_position_embeddings=64, logit_scale=0.5, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2, tie_word_embeddings=False, initializer_range=0.3, attn_implementation=ATTN)))
+
+
+def build_gemma3_text():
+    """Gemma 3 text, untied: a model type whose pipeline stages shardkit has not checked."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    return _seeded(lambda: Gemma3ForCausalLM(Gemma3TextConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+        head_dim=16, vocab_size=256, max_position_embeddings=64, tie_word_embeddings=False,
+        attn_implementation="eager")))
+
+
 def build_gemma():
     """Gemma: tied embeddings by default, explicit head_dim."""
     from transformers import GemmaConfig, GemmaForCausalLM

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_zoo import build_mistral_window, build_qwen2_window
+from model_zoo import (
+    build_cohere,
+    build_gemma2,
+    build_gemma3_text,
+    build_granite,
+    build_mistral_window,
+    build_qwen2_window,
+)
 from scoped_net import build_scoped
 
 import shardkit as sk
@@ -159,3 +166,17 @@ def test_inputs_a_pipeline_cannot_carry_are_refused_on_every_rank(world):
         assert len(refusals) == 2 and loss > 0
         for message in refusals:
             assert "takes 1 input tensor(s) (the token ids), but got 2: [4, 16] torch.int64, [4, 16]" in message
+
+
+@pytest.mark.parametrize("build", [build_granite, build_gemma2, build_cohere], ids=["granite", "gemma2", "cohere"])
+def test_embedding_and_logit_scalings_of_the_model_forward_run_on_the_stages(world, build):
+    """Granite's embedding multiplier and logits scaling, Gemma 2's final softcap, Cohere's logit scale: the
+    pipeline's stages apply them as the model's forward does (they were left out: wrong loss, no error)."""
+    plan = Plan(mesh=Mesh(pp=2), pipeline=Pipeline(microbatches=2))
+    check(build, plan, world(2), loss_fn=hf_loss, batch=tokens(4))
+
+
+def test_a_model_type_whose_stages_were_never_checked_is_refused():
+    with pytest.raises(sk.PlanError, match=r"model_type 'gemma3_text'.*checked against one process only for model "
+                                           r"types \[.*'llama'.*use a plan without 'pp'"):
+        sk.validate(Plan(mesh=Mesh(pp=2), pipeline=Pipeline(microbatches=2)), sk.meta_model(build_gemma3_text), 2)

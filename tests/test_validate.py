@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 from model_zoo import (
     build_bloom,
+    build_gemma2,
     build_global_heads,
     build_gpt2,
     build_llama_dropout,
@@ -166,6 +167,11 @@ def test_context_parallel_refuses_sliding_window_layers_shorter_than_the_positio
     (problem,) = _problems(build_mistral_window, sk.Plan(sk.Mesh(sp=2)))
     assert "layers [0, 1] attend over a sliding window of 4" in problem
     sk.validate(sk.Plan(sk.Mesh(sp=2)), meta_model(build_mistral))  # its window of 4096 covers all 64 positions
+
+
+def test_context_parallel_refuses_capped_attention_scores():
+    problems = _problems(build_gemma2, sk.Plan(sk.Mesh(sp=2)))
+    assert any("caps its attention scores (attn_logit_softcapping=10.0)" in p for p in problems)
 
 
 # -- data parallel: what the runtime must know ---------------------------------------------------------

@@ -141,6 +141,11 @@ class HFFamily(Family):
         if "position_ids" not in inspect.signature(model.forward).parameters:
             problems.append(f"{type(model).__name__}.forward takes no 'position_ids', so it cannot be given the "
                             f"global positions of its sequence chunk under context parallel")
+        softcap = _config_value(model, "attn_logit_softcapping")
+        if softcap is not None:
+            problems.append(f"{type(model).__name__} caps its attention scores (attn_logit_softcapping={softcap}), "
+                            f"which context parallel's ring attention does not do; remove the 'sp' axis for this "
+                            f"model")
         layers = _config_value(model, "num_hidden_layers") or 0
         windowed = [i for i in range(layers) if _attention_kind(model, i) == "sliding_attention"]
         window, positions = _config_value(model, "sliding_window"), self.max_positions(model)
@@ -191,6 +196,10 @@ def _interface_attention(module: nn.Module, query: torch.Tensor, key: torch.Tens
     if dropout:
         raise PlanError(f"context parallel does not support attention dropout (got {dropout}); "
                         f"set config.attention_dropout=0.0")
+    changed = {k: v for k, v in kwargs.items() if k in ("softcap", "s_aux") and v is not None}
+    if changed:
+        raise PlanError(f"{type(module).__name__} asks its attention for {changed}, which context parallel's ring "
+                        f"attention does not do; remove the 'sp' axis for this model")
     return attention(query, key, value, scale=scaling).transpose(1, 2).contiguous(), None
 
 
@@ -206,6 +215,13 @@ class HFCausalLMFamily(HFFamily):
                                                                                 "rotary_emb"))
 
     def pipeline_layout(self, model: nn.Module, example_inputs: tuple | None = None) -> ModelLayout:
+        kind = getattr(model.config, "model_type", None)
+        if kind not in PIPELINE_MODEL_TYPES:
+            raise PlanError(f"{type(model).__name__} (model_type {kind!r}) cannot be cut into pipeline stages: "
+                            f"shardkit's stages re-run a causal LM's forward piece by piece, and that is checked "
+                            f"against one process only for model types {sorted(PIPELINE_MODEL_TYPES)} (another "
+                            f"model's forward may scale its embeddings or logits or build its masks differently, "
+                            f"which the stages would leave out); use a plan without 'pp' for this model")
         units = [Unit("model.embed_tokens", ("model.embed_tokens",), block=False)]
         units += [Unit(f"model.layers.{i}", (f"model.layers.{i}",)) for i in range(len(model.model.layers))]
         units += [Unit("model.norm", ("model.norm",), block=False), Unit("lm_head", ("lm_head",), block=False)]
@@ -218,7 +234,12 @@ class HFCausalLMFamily(HFFamily):
     def stage_decode(self, model: nn.Module, units: Sequence[Unit], x: torch.Tensor, cache: Any,
                      past: int) -> torch.Tensor:
         inner = model.model
-        hidden = inner.embed_tokens(x) if units[0].name == "model.embed_tokens" else x
+        hidden = x
+        if units[0].name == "model.embed_tokens":
+            hidden = inner.embed_tokens(x)
+            multiplier = getattr(inner, "embedding_multiplier", None)  # Granite's model forward scales them
+            if multiplier is not None:
+                hidden = hidden * multiplier
         blocks = [u for u in units if u.block]
         if blocks:
             position_ids = torch.arange(past, past + hidden.shape[1], device=hidden.device).unsqueeze(0)
@@ -237,8 +258,31 @@ class HFCausalLMFamily(HFFamily):
             if unit.name == "model.norm":
                 hidden = inner.norm(hidden)
             elif unit.name == "lm_head":
-                hidden = model.lm_head(hidden)
+                hidden = _scaled_logits(model, model.lm_head(hidden))
         return hidden
+
+
+#: transformers model types whose forward the pipeline stages reproduce, each checked against one
+#: process (tests/test_pipeline_world.py, and by hand): the blocks between the embedding and the final
+#: norm, with the embedding and logit scalings of :func:`_scaled_logits` and Granite's multiplier.
+PIPELINE_MODEL_TYPES = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "phi3", "olmo",
+                                  "olmo2", "stablelm", "granite", "gemma2", "cohere"})
+
+
+def _scaled_logits(model: nn.Module, logits: torch.Tensor) -> torch.Tensor:
+    """What a causal LM's forward does to ``lm_head``'s output: Granite divides by ``logits_scaling``,
+    Cohere multiplies by ``logit_scale``, Gemma 2 caps with ``final_logit_softcapping``."""
+    config = model.config
+    scaling = getattr(config, "logits_scaling", None)
+    if scaling is not None:
+        logits = logits / scaling
+    scale = getattr(model, "logit_scale", None)
+    if scale is not None:
+        logits = logits * scale
+    cap = getattr(config, "final_logit_softcapping", None)
+    if cap is not None:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
 
 
 #: transformers' mask builder for each kind of attention layer (``config.layer_types``)
