@@ -78,6 +78,15 @@ def build_qwen2_window():
         attn_implementation=ATTN)))
 
 
+def build_qwen3():
+    """Qwen 3: per-head q_norm/k_norm inside the attention (replicated weights on each rank's heads)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    return _seeded(lambda: Qwen3ForCausalLM(Qwen3Config(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+        head_dim=16, vocab_size=256, max_position_embeddings=64, initializer_range=0.3, attn_implementation=ATTN)))
+
+
 def build_granite():
     """Granite: its forward scales the embeddings (embedding_multiplier) and divides the logits (logits_scaling)."""
     from transformers import GraniteConfig, GraniteForCausalLM

@@ -17,6 +17,7 @@ from model_zoo import (
     build_opt,
     build_phi3,
     build_qwen2,
+    build_qwen3,
     build_shared_blocks,
     build_with_unused,
     fused_rules,
@@ -51,6 +52,9 @@ CASES = {
     "phi3 packed qkv/gate_up from_hf, tp=2": (build_phi3, lambda: sk.Plan(TP2, _from_hf(build_phi3))),
     "qwen2 (q/k/v biases) from_hf, tp=2": (build_qwen2, lambda: sk.Plan(TP2, _from_hf(build_qwen2))),
     "mistral from_hf, tp=2": (build_mistral, lambda: sk.Plan(TP2, _from_hf(build_mistral))),
+    "qwen3 per-head q/k norms from_hf, tp=2": (build_qwen3, lambda: sk.Plan(TP2, _from_hf(build_qwen3))),
+    "qwen3 per-head q/k norms, sequence parallel": (build_qwen3, lambda: sk.Plan(TP2, _from_hf(build_qwen3),
+                                                                                  sequence_parallel=True)),
     "opt global head count, tp=2": (build_opt, lambda: sk.Plan(TP2, OPT_RULES)),
     "gpt sequence parallel, replicated head": (build_tiny_gpt, lambda: sk.Plan(TP2, sk.LayoutMap(
         [(p, lay) for p, lay in GPT_RULES.items() if not p.startswith("lm_head")]), sequence_parallel=True)),

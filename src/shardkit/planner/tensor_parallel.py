@@ -73,7 +73,9 @@ class AxisPlan:
     ``ties``: every name of each tied parameter split over the axis (the runtime re-ties them
     after torch's styles replaced each module's parameter). With ``sequence_parallel``: norms
     and replicated embeddings run on sequence shards, ``gathers`` are replicated modules
-    outside the blocks (output heads) whose input sequence is all-gathered first.
+    outside the blocks (output heads) whose input sequence is all-gathered first. ``head_norms``:
+    norms over each head of an attention whose heads are split; they run on this rank's heads
+    with their weight replicated, its gradient summed over the axis.
     """
 
     axis: str
@@ -85,6 +87,7 @@ class AxisPlan:
     norms: tuple[str, ...] = ()
     embeddings: tuple[str, ...] = ()
     gathers: tuple[str, ...] = ()
+    head_norms: tuple[str, ...] = ()
 
     def local_outputs(self) -> set[str]:
         """Column-parallel modules whose output stays split (each rank computes its own part)."""
@@ -228,13 +231,28 @@ def plan_axis(model: nn.Module, layouts: dict[str, ParamLayout], axis: str, size
     ties = _ties(model, layouts, canonical, axis)
     problems += _tie_problems(ties, kinds, axis)
     changes = tuple(family.tensor_parallel_changes(model, plan.local_outputs(), size))
-    extras: dict[str, tuple[str, ...]] = {}
+    extras: dict[str, tuple[str, ...]] = {"head_norms": _head_norms(model, family, plan.local_outputs())}
     if sequence_parallel:
-        extras, found = _sequence_parallel(model, splits)
+        found_extras, found = _sequence_parallel(model, splits, [a.name for a in family.attentions(model)])
+        extras.update(found_extras)
         problems += found
     if problems:
         raise PlanError(problems)
     return AxisPlan(axis, size, splits, changes, ties, sequence_parallel, **extras)
+
+
+def _head_norms(model: nn.Module, family: Family, split: set[str]) -> tuple[str, ...]:
+    """Norms over each head inside an attention whose heads are split (Qwen 3's ``q_norm``/``k_norm``):
+    replicated weights applied to this rank's heads only, so their gradients are partial sums."""
+    found = []
+    for attention in family.attentions(model):
+        if not any(s.startswith(attention.name + ".") for s in split):
+            continue
+        for name, module in model.get_submodule(attention.name).named_modules(prefix=attention.name):
+            weight = getattr(module, "weight", None)
+            if is_norm(module) and weight is not None and weight.shape[-1] == attention.head_dim:
+                found.append(name)
+    return tuple(found)
 
 
 def _head_problems(model: nn.Module, family: Family, plan: AxisPlan) -> list[str]:
@@ -302,8 +320,12 @@ def _tie_problems(ties: tuple[tuple[str, ...], ...], kinds: dict[str, str], axis
     return problems
 
 
-def _sequence_parallel(model: nn.Module, splits: dict[str, ModuleSplit]) -> tuple[dict[str, tuple[str, ...]], list[str]]:
-    """Norms and embeddings on sequence shards; replicated heads gathered; replicated layers in blocks refused."""
+def _sequence_parallel(model: nn.Module, splits: dict[str, ModuleSplit],
+                       attentions: list[str]) -> tuple[dict[str, tuple[str, ...]], list[str]]:
+    """Norms and embeddings on sequence shards; replicated heads gathered; replicated layers in blocks refused.
+
+    A norm inside an attention (Qwen 3's ``q_norm``/``k_norm``, over each head) runs on the rank's own
+    heads after the column-parallel projections, not on the residual stream: it is left as it is."""
     blocks = _blocks(model)
     norms, embeddings, gathers, problems = [], [], [], []
     for name, module in model.named_modules():
@@ -311,7 +333,8 @@ def _sequence_parallel(model: nn.Module, splits: dict[str, ModuleSplit]) -> tupl
             continue
         inside = next((b for b in blocks if name == b or name.startswith(b + ".")), None)
         if is_norm(module):
-            norms.append(name)
+            if not any(name.startswith(a + ".") for a in attentions):
+                norms.append(name)
         elif isinstance(module, nn.Embedding):
             embeddings.append(name)
         elif is_linear(module) or is_conv1d(module):

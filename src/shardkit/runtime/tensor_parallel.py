@@ -55,6 +55,8 @@ from ..plan import UsageError
 from ..planner.tensor_parallel import COLWISE, DTENSOR, ROWWISE, VOCAB, AxisPlan, ModuleSplit
 
 SEQUENCE_DIM = 1
+#: The heads dim of a per-head norm's input ``[batch, seq, heads, head_dim]``.
+HEADS_DIM = 2
 #: ``{parameter name: (dim, permutation)}``: ``permuted.index_select(dim, argsort(permutation))`` is the original.
 Permutations = dict[str, tuple[int, torch.Tensor]]
 
@@ -169,6 +171,11 @@ def tensor_parallel_styles(model: nn.Module, plan: AxisPlan) -> dict[str, Parall
     modules = dict(model.named_modules())
     styles = {name: _style(split, modules[name], plan.sequence_parallel) for name, split in plan.splits.items()
               if name in modules}
+    for name in plan.head_norms:
+        if name in modules:
+            # the input [..., heads, head_dim] is split over the heads: as a DTensor the replicated weight's
+            # gradient is reduced over the axis (each rank's covers its own heads only)
+            styles[name] = SequenceParallel(sequence_dim=HEADS_DIM, use_local_output=True)
     if plan.sequence_parallel:
         for name in plan.norms:
             if name in modules:
