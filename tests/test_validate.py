@@ -17,6 +17,7 @@ from model_zoo import (
     build_opt,
     build_phi3,
     build_qwen2_window,
+    build_qwen3,
     build_shared_blocks,
     build_with_unused,
     fused_rules,
@@ -26,6 +27,7 @@ from torch import nn
 import shardkit as sk
 from shardkit.models.gpt import GPT_RULES, build_tiny_gpt
 from shardkit.models.hf import GPT2_RULES, LLAMA_RULES, build_tiny_llama
+from shardkit.plan.hf_plan import hf_tp_plan
 from shardkit.planner.meta import meta_model
 from shardkit.runtime.parallelize import fsdp_units
 
@@ -226,3 +228,15 @@ def test_a_split_parameter_held_by_a_module_without_a_style_is_refused():
                                            "split over 'tp' .* 'cls.predictions' is not split by a tensor-parallel "
                                            "style of its own; keep it replicated"):
         sk.validate(sk.Plan(sk.Mesh(tp=2), rules=rules), model)
+
+
+def test_a_module_with_partial_gradients_that_is_no_per_head_norm_is_refused():
+    """transformers marks Qwen 3's q_norm/k_norm replicated_with_grad_allreduce (handled: norms over each head);
+    any other module so marked, with a split activation beside it, would train on partial gradients."""
+    model = meta_model(build_qwen3)
+    rules = sk.LayoutMap.from_hf(model)
+    sk.validate(sk.Plan(sk.Mesh(tp=2), rules), model, 2)
+    model.tp_plan = {**hf_tp_plan(model), "model.layers.*.post_attention_layernorm": "replicated_with_grad_allreduce"}
+    problems = _problems(model, sk.Plan(sk.Mesh(tp=2), rules))
+    assert any("'model.layers.0.post_attention_layernorm' (Qwen3RMSNorm) keeps replicated weights" in p
+               for p in problems)

@@ -49,7 +49,7 @@ def hf_tp_plan(model: Any) -> dict[str, str]:
     return merged
 
 
-def _pattern(key: str) -> str:
+def plan_pattern(key: str) -> str:
     """A transformers plan key (``*`` = one layer index) as a regex over dotted names."""
     return r"\d+".join(re.escape(part) for part in key.split("*"))
 
@@ -98,7 +98,7 @@ def rules_from_hf(model: Any, axis: str = "tp") -> list[tuple[str, Any]]:
             problems.append(f"transformers plan entry {key!r}: style {style!r} has no shardkit equivalent; write a "
                             f"rule for {key!r} yourself (or replicate it: layout None)")
             continue
-        pattern = _pattern(key)
+        pattern = plan_pattern(key)
         for name in names:
             if re.fullmatch(pattern, name):  # the key names a parameter itself
                 rules[pattern] = layouts["weight"]
@@ -128,4 +128,4 @@ def _layouts(style: str, axis: str) -> dict[str, Any] | None:
     return None
 
 
-__all__ = ["hf_tp_plan", "rules_from_hf"]
+__all__ = ["hf_tp_plan", "plan_pattern", "rules_from_hf"]

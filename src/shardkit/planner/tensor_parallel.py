@@ -231,7 +231,16 @@ def plan_axis(model: nn.Module, layouts: dict[str, ParamLayout], axis: str, size
     ties = _ties(model, layouts, canonical, axis)
     problems += _tie_problems(ties, kinds, axis)
     changes = tuple(family.tensor_parallel_changes(model, plan.local_outputs(), size))
-    extras: dict[str, tuple[str, ...]] = {"head_norms": _head_norms(model, family, plan.local_outputs())}
+    head_norms = _head_norms(model, family, plan.local_outputs())
+    extras: dict[str, tuple[str, ...]] = {"head_norms": head_norms}
+    for name in family.partial_gradient_modules(model):
+        parent = name.rpartition(".")[0]
+        if name not in head_norms and any(s.startswith(parent + ".") for s in plan.local_outputs()):
+            problems.append(f"module {name!r} ({type(modules[name]).__name__}) keeps replicated weights but runs on "
+                            f"this rank's part of a split activation, so each rank's gradient is a partial sum "
+                            f"(transformers: replicated_with_grad_allreduce); shardkit sums them only for norms over "
+                            f"each head inside an attention: replicate the projections beside it (layout None) or "
+                            f"drop {axis!r}")
     if sequence_parallel:
         found_extras, found = _sequence_parallel(model, splits, [a.name for a in family.attentions(model)])
         extras.update(found_extras)
