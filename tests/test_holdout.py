@@ -100,8 +100,9 @@ def test_the_fingerprint_changes_with_the_fraction_and_not_without_holdout(tmp_p
         assert len(set(prints)) == len(prints)       # 0.1 and 0.2 of 4 shards both hold out 1 shard, yet differ
         position = next(whole.split(0.1)[0].batches(batch_size=2, steps=1)).position
         whole.split(0.1)[0].check_position(position)
-        for other in (whole, whole.split(0.2)[0]):
-            with pytest.raises(UsageError, match="the checkpoint's data position is for"):
+        for other, now in ((whole, "nothing"), (whole.split(0.2)[0], "0.2")):
+            with pytest.raises(UsageError, match=rf"data position is for .*saved holding out 0.1 of the training "
+                                                 rf"data \(--eval-holdout\), this run holds out {now}"):
                 other.check_position(position)
 
 

@@ -704,7 +704,8 @@ def run(args: argparse.Namespace) -> int:
     job = check_job(args, plan, world_size)
     leader = not in_torchrun() or os.environ["RANK"] == "0"
     if leader:
-        print(f"shardkit train: {job.model} on {plan.mesh!r} ({world_size} processes), {job.steps} steps of "
+        zero = "" if plan.zero is None else f" with ZeRO stage {plan.zero}"
+        print(f"shardkit train: {job.model} on {plan.mesh!r}{zero} ({world_size} processes), {job.steps} steps of "
               f"{job.batch_size} x {job.seq_len} tokens from {job.data.describe()}"
               f"{'' if job.eval_data is None else f', evaluating on {job.eval_data.describe()}'}", flush=True)
     start = time.perf_counter()

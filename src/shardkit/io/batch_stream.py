@@ -139,10 +139,21 @@ class BatchStream:
             return
         kind, data = position.get("kind"), position.get("data")
         if kind != self.kind or data != self.fingerprint:
+            saved, now = position.get("holdout"), self.holdout
+            holdout = "" if saved == now else (
+                f"; it was saved holding out {'nothing' if saved is None else saved} of the training data "
+                f"(--eval-holdout), this run holds out {'nothing' if now is None else now}")
             raise UsageError(f"the checkpoint's data position is for {kind} data {data!r}, but this run reads "
                              f"{self.kind} data {self.fingerprint!r} ({self.describe()}, seq_len {self.seq_len}, "
-                             f"seed {self.seed}): resume with the same data, seq_len and seed, or start from the "
-                             f"weights alone (--init-from an export)")
+                             f"seed {self.seed}){holdout}: resume with the same data, seq_len, seed and holdout, or "
+                             f"start from the weights alone (--init-from an export)")
+
+    def _position_base(self) -> dict[str, Any]:
+        """What every position of this stream holds: the kind of data, its fingerprint, the holdout if any."""
+        base: dict[str, Any] = {"kind": self.kind, "data": self.fingerprint}
+        if self.holdout is not None:
+            base["holdout"] = self.holdout
+        return base
 
     def batches(self, batch_size: int, steps: int, position: dict[str, Any] | None = None) -> Iterator[Batch]:
         """``steps`` global batches of ``batch_size`` from ``position`` (the start by default)."""
@@ -156,7 +167,7 @@ class BatchStream:
         drawn = self.source.batches(self.seq_len, batch_size, self.seed, done + steps)
         for index, (inputs, targets) in enumerate(drawn):
             if index >= done:  # the generator's draws before ``done`` are replayed, not used
-                yield Batch(inputs, targets, {"kind": "text", "data": self.fingerprint, "batches": index + 1})
+                yield Batch(inputs, targets, {**self._position_base(), "batches": index + 1})
 
     def _sharded(self, batch_size: int, position: dict[str, Any] | None) -> Iterator[Batch]:
         dataset = self.source
@@ -169,7 +180,7 @@ class BatchStream:
             loader = dataset.loader(batch_size, position=min(start, len(dataset)), epoch=epoch)
             for _, tokens in loader:
                 yield Batch(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous(),
-                            {"kind": "sharded", "data": self.fingerprint, "epoch": epoch, "position": loader.position})
+                            {**self._position_base(), "epoch": epoch, "position": loader.position})
             epoch, start = epoch + 1, 0
 
 
