@@ -118,6 +118,16 @@ def build_cohere():
         eos_token_id=2, tie_word_embeddings=False, initializer_range=0.3, attn_implementation=ATTN)))
 
 
+def build_gemma_untied():
+    """Gemma with its own lm_head: its embedding module scales by sqrt(hidden)."""
+    from transformers import GemmaConfig, GemmaForCausalLM
+
+    return _seeded(lambda: GemmaForCausalLM(GemmaConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+        head_dim=16, vocab_size=256, max_position_embeddings=64, tie_word_embeddings=False, initializer_range=0.3,
+        attn_implementation=ATTN)))
+
+
 def build_gemma3_text():
     """Gemma 3 text, untied: a model type whose pipeline stages shardkit has not checked."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig

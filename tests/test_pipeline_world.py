@@ -8,6 +8,7 @@ from model_zoo import (
     build_cohere,
     build_gemma2,
     build_gemma3_text,
+    build_gemma_untied,
     build_granite,
     build_mistral_window,
     build_qwen2_window,
@@ -168,7 +169,8 @@ def test_inputs_a_pipeline_cannot_carry_are_refused_on_every_rank(world):
             assert "takes 1 input tensor(s) (the token ids), but got 2: [4, 16] torch.int64, [4, 16]" in message
 
 
-@pytest.mark.parametrize("build", [build_granite, build_gemma2, build_cohere], ids=["granite", "gemma2", "cohere"])
+@pytest.mark.parametrize("build", [build_granite, build_gemma2, build_cohere, build_gemma_untied],
+                         ids=["granite", "gemma2", "cohere", "gemma"])
 def test_embedding_and_logit_scalings_of_the_model_forward_run_on_the_stages(world, build):
     """Granite's embedding multiplier and logits scaling, Gemma 2's final softcap, Cohere's logit scale: the
     pipeline's stages apply them as the model's forward does (they were left out: wrong loss, no error)."""

@@ -275,7 +275,7 @@ class HFCausalLMFamily(HFFamily):
 #: process (tests/test_pipeline_world.py, and by hand): the blocks between the embedding and the final
 #: norm, with the embedding and logit scalings of :func:`_scaled_logits` and Granite's multiplier.
 PIPELINE_MODEL_TYPES = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "phi3", "olmo",
-                                  "olmo2", "stablelm", "granite", "gemma2", "cohere"})
+                                  "olmo2", "stablelm", "granite", "gemma", "gemma2", "cohere"})
 
 
 def _scaled_logits(model: nn.Module, logits: torch.Tensor) -> torch.Tensor:
