@@ -253,7 +253,7 @@ class LocalWorld:
             except queue.Empty:
                 dead = self._dead_ranks()
                 if dead:
-                    raise self._stopped(self._death(dead[0])) from None
+                    raise self._stopped(self._death(dead[0], self._survivor_context(job_id))) from None
                 if deadline is not None and time.monotonic() > deadline:
                     raise self._stopped(self._timeout(timeout, sorted(values))) from None
                 continue
@@ -272,6 +272,19 @@ class LocalWorld:
             if dead or time.monotonic() >= deadline:
                 return dead
             time.sleep(POLL_S)
+
+    def _survivor_context(self, job_id: int) -> str:
+        """A survivor's report that it lost its connection, if one comes within ``DEATH_GRACE_S`` of a
+        death being seen (a peer in a collective with the dead rank fails soon after it)."""
+        deadline = time.monotonic() + DEATH_GRACE_S
+        while time.monotonic() < deadline:
+            try:
+                got_id, rank, ok, data = self._results.get(timeout=POLL_S)
+            except queue.Empty:
+                continue
+            if got_id == job_id and not ok and lost_connection(data):
+                return f"\n(rank {rank} then lost its connection: {last_line(data)})"
+        return ""
 
     def _death(self, rank: int, context: str = "") -> WorldError:
         reason = exit_reason(self._procs[rank].exitcode)
