@@ -15,6 +15,13 @@ def _seeded(build):
     return build()
 
 
+def build_gpt4():
+    """shardkit's reference GPT with 4 layers (pipelines of up to 4 stages), dim 32, 16 positions."""
+    from shardkit.models.gpt import GPT, GPTConfig
+
+    return _seeded(lambda: GPT(GPTConfig(layers=4, dim=32, heads=2, seq_len=16)))
+
+
 def build_llama_tied():
     """Llama whose lm_head is the embedding (tie_word_embeddings=True)."""
     from transformers import LlamaConfig, LlamaForCausalLM

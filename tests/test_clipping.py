@@ -11,9 +11,10 @@ import math
 
 import pytest
 import torch
+from model_zoo import build_gpt4, tokens
 
 import shardkit as sk
-from shardkit.models.gpt import GPT, GPT_RULES, GPTConfig, gpt_loss
+from shardkit.models.gpt import GPT_RULES, gpt_loss
 from shardkit.models.hf import GPT2_RULES, build_tiny_gpt2, hf_loss
 from shardkit.plan import Mesh, Pipeline, Plan
 
@@ -22,21 +23,10 @@ pytestmark = pytest.mark.world
 MAX_NORM = 0.05  # far below the tiny models' gradient norms (2-norm about 1-5, inf-norm 0.16): clipping happens
 
 
-def build_gpt() -> GPT:
-    torch.manual_seed(0)
-    return GPT(GPTConfig(layers=4, dim=32, heads=2, seq_len=16))
-
-
-def _batch(batch: int = 8, seq: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, 256, (batch, seq + 1), generator=generator)
-    return ids[:, :-1], ids[:, 1:]
-
-
 def _reference(build, loss_fn, norm_type: float = 2.0) -> tuple[float, float, dict, dict]:
     """(loss, norm, gradients, clipped gradients) of one process on the whole batch, by torch alone."""
     model = build()
-    loss = loss_fn(model(_batch()[0]), _batch()[1])
+    loss = loss_fn(model(tokens(8)[0]), tokens(8)[1])
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM, norm_type)
@@ -47,7 +37,7 @@ def _sharded(ctx, build, loss_fn, accumulate: int, norm_type: float) -> tuple[fl
     from shardkit.runtime.apply import full_grads
 
     model = sk.shard(build(), ctx.plan, ctx)
-    loss = model.step(*ctx.shard_batch(*_batch()), loss_fn, accumulate=accumulate)
+    loss = model.step(*ctx.shard_batch(*tokens(8)), loss_fn, accumulate=accumulate)
     grads = full_grads(model)
     norm = sk.clip_grad_norm_(model, MAX_NORM, norm_type)
     return loss.item(), norm.item(), grads, full_grads(model)
@@ -69,7 +59,7 @@ def _assert_close(got: dict, expected: dict, what: str) -> None:
         assert diff <= 1e-6 + 1e-4 * scale, f"{what} of {name}: off by {diff:.2e} (max |value| {scale:.2e})"
 
 
-def _check(world, plan: Plan, build=build_gpt, loss_fn=gpt_loss, accumulate: int = 1, norm_type: float = 2.0):
+def _check(world, plan: Plan, build=build_gpt4, loss_fn=gpt_loss, accumulate: int = 1, norm_type: float = 2.0):
     ref_loss, ref_norm, ref_grads, ref_clipped = _reference(build, loss_fn, norm_type)
     assert ref_norm > 3 * MAX_NORM  # clipping really scales the gradients
     results = world(plan.mesh.size).run(_sharded, build, loss_fn, accumulate, norm_type, plan=plan)
@@ -120,8 +110,8 @@ def test_accumulated_micro_batches_equal_one_step_on_the_whole_batch(world, plan
 def _reductions(ctx, accumulate: int) -> dict[str, tuple[int, int]]:
     from shardkit.observe.comm import CommCounter
 
-    model = sk.shard(build_gpt(), ctx.plan, ctx)
-    batch = ctx.shard_batch(*_batch())
+    model = sk.shard(build_gpt4(), ctx.plan, ctx)
+    batch = ctx.shard_batch(*tokens(8))
     model.step(*batch, gpt_loss, accumulate=accumulate)  # lazy initialisation out of the count
     with CommCounter() as comm:
         model.step(*batch, gpt_loss, accumulate=accumulate)
@@ -150,8 +140,8 @@ def test_infinity_norm_over_pipeline_stages(world):
 
 
 def _refusals(ctx) -> list[str]:
-    model = sk.shard(build_gpt(), ctx.plan, ctx)
-    inputs, targets = ctx.shard_batch(*_batch())
+    model = sk.shard(build_gpt4(), ctx.plan, ctx)
+    inputs, targets = ctx.shard_batch(*tokens(8))
     messages = []
     for accumulate in (3, 0, 2):  # 3 and 0 refused before anything runs; 2 (parts of 2 samples) runs
         try:

@@ -8,11 +8,12 @@ from dataclasses import replace
 
 import pytest
 import torch
+from model_zoo import build_gpt4
 
 import shardkit.cli.generate as generate_cli
 from shardkit.checkpoint.store import save
 from shardkit.cli import main
-from shardkit.models.gpt import GPT, GPT_RULES, GPTConfig, build_tiny_gpt
+from shardkit.models.gpt import GPT_RULES, build_tiny_gpt
 from shardkit.models.hf import GPT2_RULES, LLAMA_RULES, build_tiny_gpt2, build_tiny_llama
 from shardkit.plan import Mesh, Pipeline, Plan, PlanError, UsageError
 from shardkit.planner.validate import validate
@@ -209,11 +210,6 @@ def test_a_model_without_a_cache_is_refused():
 
 
 # -- pipelines: pp=2, pp=2 x tp=2, a zero-bubble V schedule ---------------------------------------
-def build_four_layer_gpt() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return GPT(GPTConfig(vocab=256, layers=4, dim=64, heads=4, seq_len=32))
-
-
 def _cached_layers(model: torch.nn.Module) -> list[int]:
     """The layers whose cache fills on this rank in a prefill of PROMPT."""
     decoder = Decoder(model)
@@ -236,7 +232,7 @@ def _pp_generation(ctx):
         out[name, "layers"] = _cached_layers(model)
     if ctx.plan.mesh.size_of("tp") == 1:
         plan = replace(ctx.plan, pipeline=Pipeline(microbatches=2, schedule="zbv", virtual_stages=2))
-        out["zbv", "greedy"] = generate(shard(build_four_layer_gpt(), plan, ctx), PROMPT, max_new_tokens=NEW)
+        out["zbv", "greedy"] = generate(shard(build_gpt4(), plan, ctx), PROMPT, max_new_tokens=NEW)
     return out
 
 
@@ -266,7 +262,7 @@ def test_gpt_greedy_under_a_pipeline_equals_a_single_process_loop(pipeline_runs,
 
 
 def test_a_zero_bubble_v_pipeline_generates_as_one_process(pipeline_runs):
-    expected = _greedy_without_cache(build_four_layer_gpt().eval(), PROMPT, NEW)
+    expected = _greedy_without_cache(build_gpt4().eval(), PROMPT, NEW)
     assert all(torch.equal(rank["zbv", "greedy"], expected) for rank in pipeline_runs["pp2"])
 
 

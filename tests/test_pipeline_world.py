@@ -9,9 +9,11 @@ from model_zoo import (
     build_gemma2,
     build_gemma3_text,
     build_gemma_untied,
+    build_gpt4,
     build_granite,
     build_mistral_window,
     build_qwen2_window,
+    tokens,
 )
 from scoped_net import build_scoped
 
@@ -23,24 +25,13 @@ from shardkit.plan import Mesh, Pipeline, Plan
 pytestmark = pytest.mark.world
 
 
-def build_gpt4() -> GPT:
-    torch.manual_seed(0)
-    return GPT(GPTConfig(layers=4, dim=32, heads=2, seq_len=16))
-
-
 def build_gpt8() -> GPT:
     torch.manual_seed(0)
     return GPT(GPTConfig(layers=8, dim=32, heads=2, seq_len=16))
 
 
-def tokens(batch: int = 8, seq: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, 256, (batch, seq + 1), generator=generator)
-    return ids[:, :-1], ids[:, 1:]
-
-
 def check(build, plan: Plan, world, loss_fn=gpt_loss, batch=None) -> None:
-    result = sk.verify(build, plan, batch or tokens(), loss_fn=loss_fn, steps=2, world=world)
+    result = sk.verify(build, plan, batch or tokens(8), loss_fn=loss_fn, steps=2, world=world)
     assert result.ok, str(result)
     assert not result.problems
 

@@ -6,9 +6,10 @@ import json
 
 import pytest
 import torch
+from model_zoo import build_gpt4
 
 import shardkit as sk
-from shardkit.models.gpt import GPT, GPTConfig, gpt_loss
+from shardkit.models.gpt import gpt_loss
 from shardkit.observe.timeline import (
     COMPUTE_KINDS,
     bubble_fraction,
@@ -78,11 +79,6 @@ def test_chrome_trace_and_png_gantt(tmp_path):
 
 
 # -- recorded by real pipeline runs ---------------------------------------------------------------------
-def build_gpt4() -> GPT:
-    torch.manual_seed(0)
-    return GPT(GPTConfig(layers=4, dim=32, heads=2, seq_len=16))
-
-
 def _record(ctx, steps: int = 2):
     model = sk.shard(build_gpt4(), ctx.plan, ctx)
     generator = torch.Generator().manual_seed(0)

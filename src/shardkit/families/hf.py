@@ -8,9 +8,10 @@ transformers model when its ``config`` has ``_attn_implementation``.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -257,7 +258,7 @@ class HFCausalLMFamily(HFFamily):
             masks = _causal_masks(inner, hidden, position_ids, cache, layers)
             position_embeddings = inner.rotary_emb(hidden, position_ids=position_ids)
             extra = {} if cache is None else {
-                "cache" if "cache" in inspect.signature(first.forward).parameters else "past_key_values": cache,
+                "cache" if "cache" in _parameter_names(type(first).forward) else "past_key_values": cache,
                 "use_cache": True}
             for unit, layer in zip(blocks, layers):
                 hidden = model.get_submodule(unit.name)(hidden, attention_mask=masks[_attention_kind(inner, layer)],
@@ -294,6 +295,12 @@ def _scaled_logits(model: nn.Module, logits: torch.Tensor) -> torch.Tensor:
     return logits
 
 
+@functools.cache
+def _parameter_names(fn: Callable) -> frozenset[str]:
+    """The parameter names of ``fn``, read once (stage forwards ask for them at every call)."""
+    return frozenset(inspect.signature(fn).parameters)
+
+
 #: transformers' mask builder for each kind of attention layer (``config.layer_types``)
 _MASKS = {"full_attention": "create_causal_mask", "sliding_attention": "create_sliding_window_causal_mask"}
 
@@ -324,7 +331,7 @@ def _causal_masks(inner: nn.Module, hidden: torch.Tensor, position_ids: torch.Te
                             f"shardkit's pipeline stages cannot mask (known: {sorted(_MASKS)}); use a plan without "
                             f"a pipeline ('pp') for this model")
         build = getattr(masking_utils, _MASKS[kind])
-        params = inspect.signature(build).parameters
+        params = _parameter_names(build)
         kwargs = {"config": inner.config, "inputs_embeds": hidden, "attention_mask": None,
                   "position_ids": position_ids, "cache" if "cache" in params else "past_key_values": cache}
         if "cache_position" in params:

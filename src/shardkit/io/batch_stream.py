@@ -102,9 +102,7 @@ class BatchStream:
         >>> held.describe()
         'the last 10% of the text stream of ... (100 B)'
         """
-        if not 0 < fraction < 1:
-            raise UsageError(f"holdout={fraction!r}: valid: a fraction between 0 and 1 (exclusive), e.g. 0.1")
-        parts = self.source.split(fraction)
+        parts = self.source.split(fraction)  # each source checks 0 < fraction < 1
         if isinstance(self.source, TextShards):
             sizes = [part.span[1] - part.span[0] for part in parts]
             if min(sizes) < self.seq_len + 1:

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ..families import AttributeChange, Family
+from ..families import Attention, AttributeChange, Family
 from ..families.modules import is_conv1d, is_linear, is_norm, linear_dims
 from ..plan import PlanError
 from ..plan.layout import ParamLayout, axes_of
@@ -226,23 +226,25 @@ def plan_axis(model: nn.Module, layouts: dict[str, ParamLayout], axis: str, size
             replicated_input=kind == ROWWISE and not split_partners,
             packed=packed.get(name, 1),
             copy_output=name in flow.modified)
-    plan = AxisPlan(axis, size, splits, sequence_parallel=sequence_parallel)
-    problems += _head_problems(model, family, plan)
+    local = AxisPlan(axis, size, splits).local_outputs()
+    attentions = family.attentions(model)
+    split_attentions = [a for a in attentions if any(m.startswith(f"{a.name}." if a.name else "") for m in local)]
+    problems += head_count_problems(split_attentions, size, axis)
     ties = _ties(model, layouts, canonical, axis)
     problems += _tie_problems(ties, kinds, axis)
-    changes = tuple(family.tensor_parallel_changes(model, plan.local_outputs(), size))
-    head_norms = _head_norms(model, family, plan.local_outputs())
+    changes = tuple(family.tensor_parallel_changes(model, local, size))
+    head_norms = _head_norms(model, split_attentions)
     extras: dict[str, tuple[str, ...]] = {"head_norms": head_norms}
     for name in family.partial_gradient_modules(model):
         parent = name.rpartition(".")[0]
-        if name not in head_norms and any(s.startswith(parent + ".") for s in plan.local_outputs()):
+        if name not in head_norms and any(s.startswith(parent + ".") for s in local):
             problems.append(f"module {name!r} ({type(modules[name]).__name__}) keeps replicated weights but runs on "
                             f"this rank's part of a split activation, so each rank's gradient is a partial sum "
                             f"(transformers: replicated_with_grad_allreduce); shardkit sums them only for norms over "
                             f"each head inside an attention: replicate the projections beside it (layout None) or "
                             f"drop {axis!r}")
     if sequence_parallel:
-        found_extras, found = _sequence_parallel(model, splits, [a.name for a in family.attentions(model)])
+        found_extras, found = _sequence_parallel(model, splits, [a.name for a in attentions])
         extras.update(found_extras)
         problems += found
     if problems:
@@ -250,28 +252,16 @@ def plan_axis(model: nn.Module, layouts: dict[str, ParamLayout], axis: str, size
     return AxisPlan(axis, size, splits, changes, ties, sequence_parallel, **extras)
 
 
-def _head_norms(model: nn.Module, family: Family, split: set[str]) -> tuple[str, ...]:
+def _head_norms(model: nn.Module, split_attentions: list[Attention]) -> tuple[str, ...]:
     """Norms over each head inside an attention whose heads are split (Qwen 3's ``q_norm``/``k_norm``):
     replicated weights applied to this rank's heads only, so their gradients are partial sums."""
     found = []
-    for attention in family.attentions(model):
-        if not any(s.startswith(attention.name + ".") for s in split):
-            continue
+    for attention in split_attentions:
         for name, module in model.get_submodule(attention.name).named_modules(prefix=attention.name):
             weight = getattr(module, "weight", None)
             if is_norm(module) and weight is not None and weight.shape[-1] == attention.head_dim:
                 found.append(name)
     return tuple(found)
-
-
-def _head_problems(model: nn.Module, family: Family, plan: AxisPlan) -> list[str]:
-    local = plan.local_outputs()
-    split = []
-    for attention in family.attentions(model):
-        prefix = f"{attention.name}." if attention.name else ""
-        if any(m.startswith(prefix) for m in local):
-            split.append(attention)
-    return head_count_problems(split, plan.size, plan.axis)
 
 
 def head_count_problems(attentions: Iterable, size: int, axis: str = "tp") -> list[str]:

@@ -177,6 +177,8 @@ class _Runtime:
         self.backwards_left = 0
         self.accumulate = 1
         self.first_part: tuple[tuple[int, ...], int] | None = None
+        #: how many input tensors the first stage takes (None: any number)
+        self.stage_inputs = _positional_inputs(assignment.layout.family.stage_forward)
 
     def build(self, model: nn.Module) -> None:
         self.model = model
@@ -258,8 +260,7 @@ class _Runtime:
         """``inputs`` as a tuple of tensors the first stage takes (the same check on every rank, so no
         rank waits for a stage that failed); :class:`UsageError` otherwise."""
         inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
-        family = self.assignment.layout.family
-        takes = _positional_inputs(family.stage_forward)
+        family, takes = self.assignment.layout.family, self.stage_inputs
         if not all(isinstance(x, torch.Tensor) for x in inputs) or (takes is not None and len(inputs) != takes):
             given = ", ".join(f"{list(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
                               for x in inputs)
