@@ -150,6 +150,35 @@ def test_measurements_make_a_one_node_hardware(monkeypatch):
     assert any("/ 3 processes" in note for note in result.notes)
 
 
+def test_a_flat_sweep_goes_on_to_larger_messages_until_the_times_grow(monkeypatch):
+    """A loaded machine (the CI's): 4 KiB to 4 MiB all take about 5 ms; 16 and 64 MiB are timed
+    until the largest takes twice the smallest's time; a sweep that never grows stops at the cap."""
+    timed = []
+
+    def loaded(collective, size, seconds):
+        timed.append(size)
+        return 5e-3 + size / 4e9
+
+    monkeypatch.setattr(calibrate_module, "_time_collective", loaded)
+    sizes, times = calibrate_module._collective_job(None, "all_reduce", (4096, 2**22), 0.1)
+    assert sizes == timed == [4096, 2**22, 2**24, 2**26] and times[-1] >= 2 * times[0] > times[-2]
+    monkeypatch.setattr(calibrate_module, "_time_collective", lambda collective, size, seconds: 5e-3)
+    sizes, _ = calibrate_module._collective_job(None, "p2p", (4096, 2**22), 0.1)
+    assert sizes == [4096, 2**22, 2**24, 2**26, 2**28] and max(sizes) == calibrate_module.MAX_MESSAGE_BYTES
+    monkeypatch.setattr(calibrate_module, "_time_collective", lambda collective, size, seconds: 1e-4 + size / 1e9)
+    assert calibrate_module._collective_job(None, "p2p", (4096, 2**22), 0.1)[0] == [4096, 2**22]  # grows: no more
+
+
+def test_a_sweep_without_slope_stops_naming_the_collective_and_what_to_do(monkeypatch):
+    flat = ([4096, 2**28], [5e-3, 4.9e-3])
+    monkeypatch.setattr(calibrate_module, "launch", lambda job, world, **kwargs: [
+        flat if job is calibrate_module._collective_job else [(64, 1e9)] if job is calibrate_module._matmul_job
+        else None])
+    with pytest.raises(sk.UsageError, match=r"gloo all_reduce up to 268435456 bytes gives no bandwidth.*"
+                                            r"too loaded.*when it is idle"):
+        calibrate_module._run(type("World", (), {"size": 2})(), (64,), (4096,), 0.1, lambda *a: None, 10)
+
+
 # -- one real run on a 2-process world, shared by the CLI and API checks ---------------------------
 
 @pytest.fixture(scope="module")
@@ -185,8 +214,10 @@ def test_calibrate_writes_a_loadable_file_of_measured_figures(calibrated):
     assert all(hw.flops[d] > 1e7 for d in DTYPES)
     for collective, fit in calibration.fits.items():
         steps, factor = ring_terms(collective, 2)
-        assert fit.sizes == calibrate_module.MESSAGE_SIZES and all(t > 0 for t in fit.times)
-        assert fit.times[-1] > fit.times[0]  # 4 MiB takes longer than 4 KiB
+        given = len(calibrate_module.MESSAGE_SIZES)
+        assert fit.sizes[:given] == calibrate_module.MESSAGE_SIZES and all(t > 0 for t in fit.times)
+        assert fit.sizes[given:] == tuple(fit.sizes[given - 1] * 4 ** (k + 1) for k in range(len(fit.sizes) - given))
+        assert fit.times[-1] >= calibrate_module.GROWTH * fit.times[0] or fit.sizes[-1] * 4 > calibrate_module.MAX_MESSAGE_BYTES
         assert fit.link == hw.link(collective, False) == fit_alpha_beta(fit.sizes, fit.times, factor, steps)
         assert fit.residual == fit_residual(fit.link, fit.sizes, fit.times, factor, steps)
     assert [p[0] for p in progress] == list(range(len(progress))) and progress[-1] == (10, 10, "done")

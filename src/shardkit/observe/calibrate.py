@@ -11,6 +11,8 @@ what a training step on this machine sees:
 - **collectives**: gloo all-reduce, all-gather and a send/recv ring, timed over a range of
   message sizes (the slowest rank's time; the best of three blocks), then fitted with
   :func:`fit_alpha_beta`; the fit's relative residual says how well alpha-beta describes gloo.
+  Where the largest message takes less than twice the smallest's time (a loaded machine, whose
+  latency and noise hide the bandwidth), larger messages are timed, up to 256 MiB.
 - **memory bandwidth**: every process runs ``torch.add(a, b, out=c)`` on float32 tensors of
   64 MiB at once; bytes/s is ``3 x 64 MiB`` (read ``a`` and ``b``, write ``c``) over the best
   time, the slowest process's.
@@ -55,6 +57,11 @@ from ..runtime.world import LocalWorld, launch
 #: :mod:`shardkit.planner.hardware`) of the default sweep.
 MATMUL_SIZES = (64, 128, 256, 512, 1024)
 MESSAGE_SIZES = tuple(2**k for k in range(12, 23, 2))  # 4 KiB to 4 MiB
+#: Where the largest message of the sweep takes less than :data:`GROWTH` times the smallest's time,
+#: latency and noise hide the bandwidth (a loaded or throttled machine): the sweep goes on with
+#: messages 4 times larger, up to this many bytes, until the times grow that much.
+MAX_MESSAGE_BYTES = 256 * 2**20
+GROWTH = 2.0
 SECONDS_PER_SIZE = 0.12
 #: Bytes of each tensor of the memory-bandwidth add; large enough to leave the CPU's caches.
 BANDWIDTH_BYTES = 64 * 2**20
@@ -247,12 +254,17 @@ def _run(world: LocalWorld, matmul_sizes: Sequence[int], message_sizes: Sequence
     fits = {}
     for collective in COLLECTIVES:
         report(done, total, f"gloo {collective}")
-        times = launch(_collective_job, world=world, collective=collective, sizes=tuple(message_sizes),
-                       seconds=seconds)[0]  # every rank returns the slowest rank's times
+        sizes, times = launch(_collective_job, world=world, collective=collective, sizes=tuple(message_sizes),
+                              seconds=seconds)[0]  # every rank returns the slowest rank's times
         steps, factor = ring_terms(collective, world.size)
-        link = fit_alpha_beta(message_sizes, times, factor, steps)
-        fits[collective] = Fit(collective, tuple(message_sizes), tuple(times), link,
-                               fit_residual(link, message_sizes, times, factor, steps))
+        try:
+            link = fit_alpha_beta(sizes, times, factor, steps)
+        except UsageError as error:
+            raise UsageError(f"calibrate: gloo {collective} up to {max(sizes)} bytes gives no bandwidth: {error}. "
+                             f"The machine is too loaded to time it: run calibrate again when it is idle, "
+                             f"or with fewer processes") from error
+        fits[collective] = Fit(collective, tuple(sizes), tuple(times), link,
+                               fit_residual(link, sizes, times, factor, steps))
         done += 1
     report(done, total, "memory bandwidth")
     bandwidth = launch(_bandwidth_job, world=world, nbytes=BANDWIDTH_BYTES, repeats=5)[0]
@@ -343,30 +355,45 @@ def _matmul_job(ctx, dtype: str, sizes: tuple[int, ...], seconds: float) -> list
     return rates
 
 
-def _collective_job(ctx, collective: str, sizes: tuple[int, ...], seconds: float) -> list[float]:
-    """Seconds per ``collective`` of each size (bytes of the whole tensor), the slowest rank's,
-    best of :data:`_BLOCKS` blocks of repeats sized to take about ``seconds`` in all."""
+def _collective_job(ctx, collective: str, sizes: tuple[int, ...],
+                    seconds: float) -> tuple[list[int], list[float]]:
+    """``(sizes, seconds)`` per ``collective`` of each size (bytes of the whole tensor), the slowest
+    rank's, best of :data:`_BLOCKS` blocks of repeats sized to take about ``seconds`` in all.
+
+    ``sizes`` go on past the last one given, each 4 times larger up to :data:`MAX_MESSAGE_BYTES`,
+    while the largest takes less than :data:`GROWTH` times the smallest's time (every rank sees
+    the same slowest times, so every rank stops at the same size)."""
+    sizes = list(sizes)
+    times: list[float] = []
+    for size in sizes:
+        times.append(_time_collective(collective, size, seconds))
+    while max(times) < GROWTH * times[sizes.index(min(sizes))] and max(sizes) * 4 <= MAX_MESSAGE_BYTES:
+        sizes.append(max(sizes) * 4)
+        times.append(_time_collective(collective, sizes[-1], seconds))
+    return sizes, times
+
+
+def _time_collective(collective: str, size: int, seconds: float) -> float:
+    """Seconds per ``collective`` of ``size`` bytes in all, the slowest rank's, best of
+    :data:`_BLOCKS` blocks."""
     run = _OPS[collective]
     world, rank = dist.get_world_size(), dist.get_rank()
-    times = []
-    for size in sizes:
-        elements = max(world, size // 4 // world * world)
-        tensors = _tensors(collective, elements, world)
-        run(tensors, rank, world)  # warm-up, and how long one takes
+    elements = max(world, size // 4 // world * world)
+    tensors = _tensors(collective, elements, world)
+    run(tensors, rank, world)  # warm-up, and how long one takes
+    dist.barrier()
+    started = time.perf_counter()
+    run(tensors, rank, world)
+    once = _slowest(time.perf_counter() - started)
+    repeats = max(1, min(_MAX_REPEATS, int(seconds / once / _BLOCKS)))
+    best = math.inf
+    for _ in range(_BLOCKS):
         dist.barrier()
         started = time.perf_counter()
-        run(tensors, rank, world)
-        once = _slowest(time.perf_counter() - started)
-        repeats = max(1, min(_MAX_REPEATS, int(seconds / once / _BLOCKS)))
-        best = math.inf
-        for _ in range(_BLOCKS):
-            dist.barrier()
-            started = time.perf_counter()
-            for _ in range(repeats):
-                run(tensors, rank, world)
-            best = min(best, _slowest(time.perf_counter() - started) / repeats)
-        times.append(best)
-    return times
+        for _ in range(repeats):
+            run(tensors, rank, world)
+        best = min(best, _slowest(time.perf_counter() - started) / repeats)
+    return best
 
 
 def _timed(work: Callable[[], object]) -> float:
@@ -482,6 +509,6 @@ def _p2p(tensors: tuple[torch.Tensor, torch.Tensor], rank: int, world: int) -> N
 
 _OPS = {"all_reduce": _all_reduce, "all_gather": _all_gather, "p2p": _p2p}
 
-__all__ = ["BANDWIDTH_BYTES", "MATMUL_SIZES", "MESSAGE_SIZES", "OVERLAP_MATMUL", "OVERLAP_MESSAGE", "Calibration",
-           "Fit", "Overlap", "calibrate", "fit_alpha_beta", "fit_residual",
+__all__ = ["BANDWIDTH_BYTES", "GROWTH", "MATMUL_SIZES", "MAX_MESSAGE_BYTES", "MESSAGE_SIZES", "OVERLAP_MATMUL",
+           "OVERLAP_MESSAGE", "Calibration", "Fit", "Overlap", "calibrate", "fit_alpha_beta", "fit_residual",
            "measure"]
