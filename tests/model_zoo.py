@@ -66,6 +66,21 @@ def build_mistral():
         vocab_size=256, max_position_embeddings=64, attn_implementation=ATTN)))
 
 
+def build_mixtral():
+    """Mixtral: a mixture of experts (3-D expert weights, data-dependent routing) after each attention."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    return _seeded(lambda: MixtralForCausalLM(MixtralConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+        num_local_experts=4, num_experts_per_tok=2, vocab_size=256, max_position_embeddings=64,
+        attn_implementation=ATTN)))
+
+
+#: Mixtral's attention split over tp, its experts replicated (what infer_tp_rules' refusal advises).
+MIXTRAL_ATTENTION_RULES = [(r".*self_attn\.(q_proj|k_proj|v_proj)\.weight", ("tp", None)),
+                           (r".*self_attn\.o_proj\.weight", (None, "tp")), (".*", None)]
+
+
 def build_mistral_window():
     """Mistral with a sliding window of 4 positions (its forward masks every layer with it)."""
     from transformers import MistralConfig, MistralForCausalLM

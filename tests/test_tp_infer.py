@@ -14,6 +14,7 @@ from model_zoo import (
     build_gptj,
     build_llama_tied,
     build_mistral,
+    build_mixtral,
     build_neox,
     build_phi3,
     build_qwen2,
@@ -219,6 +220,14 @@ def test_bad_arguments_are_named():
         sk.infer_tp_rules(nn.Linear(2, 2), example_inputs=torch.zeros(1, 2))
     with pytest.raises(sk.PlanError, match=r"fails on meta tensors with example inputs of shapes \[\[1, 3\]\]"):
         sk.infer_tp_rules(nn.Linear(2, 2), example_inputs=(torch.zeros(1, 3),))
+
+
+def test_a_mixture_of_experts_is_refused_naming_the_experts_and_what_to_do():
+    """Routing is data-dependent: the trace fails on meta; the refusal names the expert weights
+    (not the kernel's dtype complaint) and the rules that work (checked in test_validated_models)."""
+    with pytest.raises(sk.PlanError, match=r"MixtralForCausalLM routes tokens to experts "
+                                           r"\(model\.layers\.0\.mlp\.experts\.gate_up_proj.*replicate the experts"):
+        sk.infer_tp_rules(meta_model(build_mixtral))
 
 
 # -- the command line -------------------------------------------------------------------------------

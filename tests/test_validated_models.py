@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 from model_zoo import (
+    MIXTRAL_ATTENTION_RULES,
     build_bert,
     build_falcon,
     build_gemma,
@@ -13,6 +14,7 @@ from model_zoo import (
     build_gptj,
     build_llama_tied,
     build_mistral,
+    build_mixtral,
     build_neox,
     build_opt,
     build_phi3,
@@ -55,6 +57,9 @@ CASES = {
     "qwen3 per-head q/k norms from_hf, tp=2": (build_qwen3, lambda: sk.Plan(TP2, _from_hf(build_qwen3))),
     "qwen3 per-head q/k norms, sequence parallel": (build_qwen3, lambda: sk.Plan(TP2, _from_hf(build_qwen3),
                                                                                   sequence_parallel=True)),
+    "mixtral attention split, experts replicated, tp=2": (build_mixtral, lambda: sk.Plan(
+        TP2, sk.LayoutMap(MIXTRAL_ATTENTION_RULES))),
+    "mixtral pipeline, pp=2": (build_mixtral, lambda: sk.Plan(sk.Mesh(pp=2), pipeline=sk.Pipeline(microbatches=2))),
     "opt global head count, tp=2": (build_opt, lambda: sk.Plan(TP2, OPT_RULES)),
     "gpt sequence parallel, replicated head": (build_tiny_gpt, lambda: sk.Plan(TP2, sk.LayoutMap(
         [(p, lay) for p, lay in GPT_RULES.items() if not p.startswith("lm_head")]), sequence_parallel=True)),

@@ -325,6 +325,12 @@ def _rules(names: list[str], layouts: dict[str, Layout]) -> list[tuple[str, Layo
     return [*sorted(rules.items()), (".*", None)]
 
 
+def _expert_weights(model: nn.Module) -> list[str]:
+    """Names of ``model``'s mixture-of-experts weights: 3-D parameters under a module whose name
+    says experts (transformers' ``mlp.experts.gate_up_proj``, one matrix per expert)."""
+    return [name for name, param in model.named_parameters() if param.dim() == 3 and "expert" in name.lower()]
+
+
 def infer_tp_rules(model: nn.Module, axis: str = "tp", example_inputs: tuple | None = None) -> LayoutMap:
     """Tensor-parallel layout rules over ``axis`` inferred from ``model``'s dataflow on the meta
     device: column/row pairs, packed projections, the vocabulary split of the input embedding
@@ -359,6 +365,14 @@ def infer_tp_rules(model: nn.Module, axis: str = "tp", example_inputs: tuple | N
     try:
         feeds = trace_feeds(model, inputs, family.vocab_size(model) if family.takes_token_ids(model) else None)
     except Exception as exc:  # the model's own error, named with what was run
+        experts = _expert_weights(model)
+        if experts:
+            raise PlanError(f"infer_tp_rules: {what} routes tokens to experts ({', '.join(experts[:2])}: one "
+                            f"weight per expert), a choice that depends on the data and cannot be traced on the "
+                            f"meta device ({type(exc).__name__}: {str(exc).splitlines()[0]}); shardkit has no "
+                            f"tensor-parallel layout for expert weights: write rules for the attention "
+                            f"yourself and replicate the experts (layout None), or shard the model with fsdp "
+                            f"instead") from None
         raise PlanError(f"infer_tp_rules: the forward of {what} fails on meta tensors with example inputs of "
                         f"shapes {[list(x.shape) for x in inputs if isinstance(x, torch.Tensor)]}: "
                         f"{type(exc).__name__}: {exc}") from None
