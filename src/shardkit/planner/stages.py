@@ -7,8 +7,10 @@ HuggingFace decoder-only causal LMs split by module lists as torchtitan does, si
 
 :func:`assign_stages` then places units in stages by split points, explicit module lists,
 ``sk.stage`` scopes, an even split of the blocks, or the automatic split, and checks that
-every parameter is in exactly one stage, stages are contiguous, and tied parameters do not
-cross stages (they are rejected: nothing would keep the copies equal).
+every parameter is in exactly one stage and stages are contiguous. A tied parameter whose
+names fall in different stages (an embedding tied to the LM head) is recorded as a
+:class:`StageTie`: each of those stages holds a copy, which the pipeline runtime keeps equal
+(:mod:`shardkit.runtime.pipeline`).
 """
 
 from __future__ import annotations
@@ -26,9 +28,19 @@ from .autosplit import DeviceModel, SplitResult, UnitCost, auto_split, unit_cost
 
 
 # -- assignment -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StageTie:
+    """One tied parameter whose ``names`` (the model's first name first) lie in different
+    ``stages`` (the stage of each name, in the same order)."""
+
+    names: tuple[str, ...]
+    stages: tuple[int, ...]
+
+
 @dataclass(frozen=True, eq=False)
 class StageAssignment:
-    """Units per stage (indices into ``layout.units``), how they were chosen, and the costs if measured."""
+    """Units per stage (indices into ``layout.units``), how they were chosen, the costs if measured,
+    and the tied parameters shared by several stages."""
 
     layout: ModelLayout
     stages: tuple[tuple[int, ...], ...]
@@ -36,6 +48,7 @@ class StageAssignment:
     costs: tuple[UnitCost, ...] | None = None
     split: SplitResult | None = None
     ranks: tuple[int, ...] = field(default=())
+    ties: tuple[StageTie, ...] = field(default=())
 
     @property
     def num_stages(self) -> int:
@@ -213,31 +226,39 @@ def _check_contiguous(layout: ModelLayout, stage_of_unit: list[int], stages: int
         raise PlanError(problems)
 
 
-def _check_parameters(model: nn.Module, layout: ModelLayout, stage_of_unit: list[int]) -> None:
-    owners: dict[int, set[int]] = {}
-    for index, unit in enumerate(layout.units):
-        for path in unit.modules:
-            for p in model.get_submodule(path).parameters():
-                owners.setdefault(id(p), set()).add(index)
+def _check_parameters(model: nn.Module, layout: ModelLayout, stage_of_unit: list[int]) -> tuple[StageTie, ...]:
+    """Every parameter in a unit, shared modules without parameters; the tied parameters whose
+    names lie in different stages."""
+    unit_of_module = {path: index for index, unit in enumerate(layout.units) for path in unit.modules}
     names: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(name)
-    problems = []
-    for pid, pnames in names.items():
-        units = owners.get(pid, set())
-        if not units:
-            problems.append(f"parameter {pnames[0]!r} is in no pipeline unit ({layout.kind} units: "
+    problems, ties = [], []
+    for pnames in names.values():
+        units = [_unit_of(name, unit_of_module) for name in pnames]
+        if any(u is None for u in units):
+            problems.append(f"parameter {pnames[units.index(None)]!r} is in no pipeline unit ({layout.kind} units: "
                             f"{_listing([u.name for u in layout.units])}); move it into one of those modules")
-        stages = sorted({stage_of_unit[u] for u in units})
-        if len(stages) > 1:
-            problems.append(f"parameter {pnames} is shared by modules in stages {stages} (tied weights); shardkit "
-                            f"rejects ties across stages because nothing would keep the copies equal: untie them "
-                            f"(e.g. tie_word_embeddings=False) or put the modules in one stage")
+            continue
+        stages = tuple(stage_of_unit[u] for u in units)
+        if len(set(stages)) > 1:
+            ties.append(StageTie(tuple(pnames), stages))
     for path in layout.shared:
         if any(True for _ in model.get_submodule(path).parameters()):
             problems.append(f"module {path!r} is recomputed on every stage, so it must hold no parameters")
     if problems:
         raise PlanError(problems)
+    return tuple(ties)
+
+
+def _unit_of(name: str, unit_of_module: dict[str, int]) -> int | None:
+    """The unit holding parameter ``name``: that of its longest enclosing unit module."""
+    path = name
+    while path:
+        path = path.rpartition(".")[0]
+        if path in unit_of_module:
+            return unit_of_module[path]
+    return unit_of_module.get("")
 
 
 def assign_stages(model: nn.Module, pipeline: Pipeline, mesh: Mesh | None = None,
@@ -276,9 +297,9 @@ def assign_stages(model: nn.Module, pipeline: Pipeline, mesh: Mesh | None = None
                            device=device)
         stage_of_unit = [s for s, r in enumerate(split.ranges(len(costs))) for _ in r]
     _check_contiguous(layout, stage_of_unit, stages, method.replace("_", " "))
-    _check_parameters(model, layout, stage_of_unit)
+    ties = _check_parameters(model, layout, stage_of_unit)
     grouped = tuple(tuple(i for i, s in enumerate(stage_of_unit) if s == k) for k in range(stages))
-    return StageAssignment(layout, grouped, method, costs, split, ranks)
+    return StageAssignment(layout, grouped, method, costs, split, ranks, ties)
 
 
 def layout_costs(model: nn.Module, layout: ModelLayout) -> list[UnitCost]:
@@ -289,4 +310,4 @@ def layout_costs(model: nn.Module, layout: ModelLayout) -> list[UnitCost]:
     return unit_costs(model, [(u.name, u.modules) for u in layout.units], layout.example_inputs)
 
 
-__all__ = ["StageAssignment", "assign_stages", "inflight_microbatches", "layout_costs", "stage_ranks"]
+__all__ = ["StageAssignment", "StageTie", "assign_stages", "inflight_microbatches", "layout_costs", "stage_ranks"]

@@ -72,7 +72,9 @@ def grad_norm(model: nn.Module, norm_type: float = 2.0) -> torch.Tensor:
     shardkit.plan.errors.UsageError: sk.clip_grad_norm_(model, ...): model must be returned by sk.shard, got a Linear; for a model that is not sharded use torch.nn.utils.clip_grad_norm_
     """
     _check(model, 1.0, norm_type)
-    norms = [_group_norm(group, norm_type) for group in _by_mesh(model).values()]
+    copies = {id(t.param) for t in model._sk_runtime.ties if not t.primary} if isinstance(model, PipelinedModule) \
+        else set()  # a parameter tied across pipeline devices: counted on its first name's device only
+    norms = [_group_norm(group, norm_type) for group in _by_mesh(model, skip=copies).values()]
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     total = torch.linalg.vector_norm(torch.stack(norms), norm_type) if norms else torch.zeros((), device=device)
     if isinstance(model, PipelinedModule):
@@ -101,13 +103,13 @@ def _is_real(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
 
 
-def _by_mesh(model: nn.Module) -> dict[object, list[nn.Parameter]]:
-    """This rank's parameters with a gradient, grouped by DTensor mesh (``None``: plain tensors), in model
-    order, so every rank of a mesh meets the same groups in the same order (each group's norm is a collective).
-    ``parameters()`` yields a tied parameter once."""
+def _by_mesh(model: nn.Module, skip: set[int] = frozenset()) -> dict[object, list[nn.Parameter]]:
+    """This rank's parameters with a gradient (but those whose id is in ``skip``), grouped by DTensor
+    mesh (``None``: plain tensors), in model order, so every rank of a mesh meets the same groups in the
+    same order (each group's norm is a collective). ``parameters()`` yields a tied parameter once."""
     groups: dict[object, list[nn.Parameter]] = {}
     for p in model.parameters():
-        if p.grad is not None:
+        if p.grad is not None and id(p) not in skip:
             groups.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
     return groups
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -33,6 +34,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
+from torch.distributed.tensor import DTensor
 
 from ..plan import DATA_AXES, Plan, PlanError, UsageError
 from ..plan.layout import ParamLayout
@@ -179,6 +181,8 @@ class _Runtime:
         self.first_part: tuple[tuple[int, ...], int] | None = None
         #: how many input tensors the first stage takes (None: any number)
         self.stage_inputs = _positional_inputs(assignment.layout.family.stage_forward)
+        #: this rank's copies of parameters tied across pipeline devices (:meth:`connect_ties`)
+        self.ties: list[_TiedCopy] = []
 
     def build(self, model: nn.Module) -> None:
         self.model = model
@@ -207,6 +211,56 @@ class _Runtime:
         else:
             self.schedule = cls(self.stages, self.microbatches, loss_fn=scaled_loss, scale_grads=False)
 
+    def connect_ties(self, model: nn.Module) -> None:
+        """Keep the copies of each parameter tied across pipeline devices equal (Megatron's
+        embedding group: an embedding tied to the LM head lives on the first and the last stage).
+
+        torch's pipelining has no notion of a parameter shared by two stages, and torchtitan
+        unties them; shardkit keeps the tie: one process group per tie's pipeline devices and
+        per coordinate of the other axes (every rank creates every group, in one order), the
+        first name's values broadcast to the other copies now, and after each :meth:`step` the
+        gradient each copy gained summed over the copies (:meth:`_sum_tied_grads`). Copies on
+        one device are one parameter already (``zbv`` puts the first and last stage on one)."""
+        mesh, groups = self.ctx.mesh, {}
+        pp_dim = mesh.mesh_dim_names.index("pp")
+        lines = mesh.mesh.movedim(pp_dim, -1).reshape(-1, mesh.mesh.shape[pp_dim]).tolist()
+        for tie in self.assignment.ties:
+            devices = tuple(sorted({self.assignment.ranks[s] for s in tie.stages}))
+            if len(devices) < 2:
+                continue
+            if devices not in groups:
+                groups[devices] = None
+                for line in lines:
+                    ranks = [line[d] for d in devices]
+                    group = dist.new_group(ranks)
+                    if dist.get_rank() in ranks:
+                        groups[devices] = group
+            if self.pp_rank not in devices:
+                continue
+            name = next(n for n, s in zip(tie.names, tie.stages) if s in self.local)
+            first = self.assignment.ranks[tie.stages[0]]
+            copy = _TiedCopy(name, tie.names[0], model.get_parameter(name), groups[devices], devices.index(first),
+                             primary=first == self.pp_rank)
+            with torch.no_grad():
+                dist.broadcast(_local(copy.param), group=copy.group, group_src=copy.source)
+            self.ties.append(copy)
+
+    def _tied_grads(self) -> list[torch.Tensor | None]:
+        """Each tied copy's gradient before a step (``None``: none yet)."""
+        return [None if t.param.grad is None else _local_grad(t.param).clone() for t in self.ties]
+
+    def _sum_tied_grads(self, before: list[torch.Tensor | None]) -> None:
+        """Add to each tied copy's gradient what the other copies gained in this step: the sum
+        of the step's gains, so a gradient accumulated over steps is never summed twice."""
+        with torch.no_grad():
+            for tie, old in zip(self.ties, before):
+                if tie.param.grad is None:
+                    tie.param.grad = torch.zeros_like(tie.param)
+                grad = _local_grad(tie.param)
+                gained = grad - old if old is not None else grad.clone()
+                dist.all_reduce(gained, group=tie.group)
+                grad.copy_(gained if old is None else old + gained)
+
     @property
     def has_first(self) -> bool:
         return 0 in self.local
@@ -225,6 +279,7 @@ class _Runtime:
         self.loss_fn, self.accumulate = loss_fn, accumulate
         device = self.ctx.device
         losses: list[torch.Tensor] = []
+        before = self._tied_grads()
         with timeline.span("step"), _recording_waits():
             # data-parallel gradients are reduced once, in this rank's last backward of the last part (_instrument)
             self.backwards_left = self.microbatches * len(self.local) * accumulate
@@ -241,6 +296,7 @@ class _Runtime:
                 if self.data_parallel is not None:
                     self.data_parallel.set_requires_gradient_sync(True)
             with timeline.span("sync"):
+                self._sum_tied_grads(before)
                 return self._mean_loss(losses)
 
     def evaluate(self, model: nn.Module, inputs: Any, targets: Any, loss_fn: Callable) -> torch.Tensor:
@@ -305,6 +361,35 @@ class _Runtime:
                              f"(accumulate={accumulate}), but torch's pipeline stages were built for parts of shape "
                              f"{list(first)} by the first step (accumulate={k}); keep the batch shape and accumulate "
                              f"the same on every step")
+
+
+@dataclass
+class _TiedCopy:
+    """This rank's copy (``name``) of a parameter tied across pipeline devices (``first``: the
+    model's first name for it), the group of the devices holding a copy, the group rank of
+    the first name's device (``source``), and whether this is that device (``primary``)."""
+
+    name: str
+    first: str
+    param: nn.Parameter
+    group: dist.ProcessGroup
+    source: int
+    primary: bool
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (the same storage), or the tensor."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _local_grad(param: nn.Parameter) -> torch.Tensor:
+    """``param``'s gradient as its local shard, laid out as ``param`` first: the backward of a
+    vocabulary-split embedding leaves a replicated DTensor gradient beside its sharded weight,
+    while the LM head tied to it gets a sharded one, and the copies' shards must match."""
+    grad = param.grad
+    if isinstance(grad, DTensor) and isinstance(param, DTensor) and grad.placements != param.placements:
+        param.grad = grad = grad.redistribute(param.device_mesh, param.placements)
+    return _local(grad)
 
 
 def _positional_inputs(stage_forward: Callable) -> int | None:
@@ -437,8 +522,12 @@ def build_pipeline(model: nn.Module, plan: Plan, ctx: Context, layouts: dict[str
     model = with_mixin(model, PipelinedModule, "Pipelined")
     model._sk_runtime = runtime
     held = {n for n, _ in model.named_parameters()}
+    layouts = dict(layouts)
+    for tie in assignment.ties:  # a tied parameter's copy in a later stage is laid out as its first name
+        layouts.update({name: replace(layouts[tie.names[0]], name=name) for name in tie.names[1:]})
     model = parallelize(model, plan, ctx, {n: lay for n, lay in layouts.items() if n in held}, facts, seed, source)
     runtime.build(model)
+    runtime.connect_ties(model)
     return model
 
 

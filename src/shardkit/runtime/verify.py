@@ -176,22 +176,26 @@ def _sharded_job(ctx: Context, build_model, batch, loss_fn, steps, optimizer, lr
 
 # -- comparison ------------------------------------------------------------------------------------
 def _match_names(per_rank: list[list[dict]], aliases: dict[str, str]) -> tuple[dict[str, str], list[str]]:
-    """``{sharded name: reference name}`` over every rank, and the problems: parameters on one side only, split ties."""
+    """``{sharded name: reference name}`` over every rank, and the problems: parameters on one side only,
+    and ties split within a rank. Copies of a tied parameter on different ranks (pipeline stages) are
+    both compared with the reference, which checks that the runtime keeps them equal."""
     rank_of: dict[str, int] = {}
+    split: set[tuple[str, ...]] = set()
     for rank, records in enumerate(per_rank):
+        by_reference: dict[str, list[str]] = {}
         for name in records[0]["grads"] if records else ():
             rank_of.setdefault(name, rank)
+            if name in aliases:
+                by_reference.setdefault(aliases[name], []).append(name)
+        split |= {tuple(sorted(names)) for names in by_reference.values() if len(names) > 1}
     names = {name: aliases[name] for name in rank_of if name in aliases}
     problems = [f"parameter {name!r} (rank {rank}) is not a parameter of build_model()'s model"
                 for name, rank in rank_of.items() if name not in aliases]
     missing = sorted(set(aliases.values()) - set(names.values()))
     if missing:
         problems.append(f"parameters held by no rank: {missing}")
-    by_reference: dict[str, list[str]] = {}
-    for name, reference in names.items():
-        by_reference.setdefault(reference, []).append(name)
-    problems += [f"parameters {sorted(split)} are one tied parameter in build_model()'s model but separate ones after "
-                 f"sharding: the plan splits a tie" for split in by_reference.values() if len(split) > 1]
+    problems += [f"parameters {list(tie)} are one tied parameter in build_model()'s model but separate ones after "
+                 f"sharding: the plan splits a tie" for tie in sorted(split)]
     return names, problems
 
 
