@@ -25,6 +25,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from model_zoo import build_llama_tied
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -35,12 +36,13 @@ from shardkit.checkpoint.state import OPTIMIZER, state_dicts
 from shardkit.checkpoint.store import complete_checkpoints
 from shardkit.cli import main
 from shardkit.models.gpt import GPT, GPT_RULES, GPTConfig, build_tiny_gpt, gpt_loss
-from shardkit.models.hf import GPT2_RULES, build_tiny_gpt2, hf_loss
+from shardkit.models.hf import GPT2_RULES, LLAMA_RULES, build_tiny_gpt2, hf_loss
 from shardkit.plan import UsageError
 from shardkit.runtime.verify import TOLERANCES
 
 SRC = Path(__file__).resolve().parents[1] / "src"
-MODELS = {"gpt": (build_tiny_gpt, GPT_RULES, gpt_loss), "gpt2": (build_tiny_gpt2, GPT2_RULES, hf_loss)}
+MODELS = {"gpt": (build_tiny_gpt, GPT_RULES, gpt_loss), "gpt2": (build_tiny_gpt2, GPT2_RULES, hf_loss),
+          "llama-tied": (build_llama_tied, LLAMA_RULES, hf_loss)}
 LR = 1e-2
 
 
@@ -65,15 +67,19 @@ def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict
                 value = value.index_select(dim, torch.argsort(perm))
             value = value.detach().clone()
         optimizer_state[key] = value
-    return sk.full_state_dict(model), optimizer_state
+    copies = getattr(model, "tied_copies", {})  # a later pipeline stage's copy of a tied parameter
+    return {copies.get(n, n): v for n, v in sk.full_state_dict(model).items()}, optimizer_state
 
 
 def merged(states: list[tuple[dict, dict]]) -> tuple[dict, dict]:
-    """Every rank's full state together (pipeline stages hold different parameters)."""
+    """Every rank's full state together (pipeline stages hold different parameters; the copies of a
+    parameter tied across stages must be bitwise equal)."""
     parameters, optimizer = {}, {}
     for p, o in states:
-        parameters.update(p)
-        optimizer.update(o)
+        for mine, theirs in ((p, parameters), (o, optimizer)):
+            for key, value in mine.items():
+                assert key not in theirs or _same(value, theirs[key]), f"the copies of {key} differ"
+                theirs[key] = value
     return parameters, optimizer
 
 
@@ -163,9 +169,11 @@ def one_process_hop(model_name: str, root: Path, step: int):
 
 
 #: GPT-2 (transformers) cannot be cut into pipeline stages; tp=4 permutes its fused c_attn
-#: differently from tp=2, so its rows are read whole and reordered on the way in and out.
+#: differently from tp=2, so its rows are read whole and reordered on the way in and out. The
+#: tied Llama's embedding and LM head are one parameter, a copy on each end of a pipeline.
 HOPS = {"gpt": [{"fsdp": 4}, {"dp": 2, "tp": 2}, None, {"pp": 2}, {"fsdp": 4}],
-        "gpt2": [{"fsdp": 4}, {"dp": 2, "tp": 2}, None, {"tp": 4}, {"fsdp": 4}]}
+        "gpt2": [{"fsdp": 4}, {"dp": 2, "tp": 2}, None, {"tp": 4}, {"fsdp": 4}],
+        "llama-tied": [{"pp": 2}, None, {"pp": 2, "tp": 2}, {"fsdp": 4}, {"pp": 2, "fsdp": 2}]}
 
 
 @pytest.mark.world

@@ -50,9 +50,10 @@ def _rank_world() -> tuple[int, int]:
 
 
 def _local_tensors(model: nn.Module) -> dict[str, tuple[torch.Tensor, bool]]:
-    """``{name: (tensor, is parameter)}`` this rank holds: parameters (each tied one once) and
-    persistent buffers, in the model's order."""
-    out = {name: (p, True) for name, p in model.named_parameters()}
+    """``{name: (tensor, is parameter)}`` this rank holds: parameters (each tied one once, also
+    across pipeline stages) and persistent buffers, in the model's order."""
+    copies = getattr(model, "tied_copies", {})
+    out = {name: (p, True) for name, p in model.named_parameters() if name not in copies}
     params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     for name, value in model.state_dict(keep_vars=True).items():
         if name not in params and name not in out and isinstance(value, torch.Tensor):

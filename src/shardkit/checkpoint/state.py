@@ -38,9 +38,30 @@ def _optimizers(optimizer: torch.optim.Optimizer | None) -> list[torch.optim.Opt
 
 
 def state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, dict[str, Any]]:
-    """``{"model": {name: tensor}, "optimizer": {"state.name.exp_avg": tensor, ...}}`` on this rank."""
+    """``{"model": {name: tensor}, "optimizer": {"state.name.exp_avg": tensor, ...}}`` on this rank.
+
+    The optimizer state of a parameter tied across pipeline stages is under its first name on
+    every stage holding a copy, as torch keys it in one process (the model state of a tied
+    model holds every name already), so a checkpoint reads back whatever the plan."""
     model_state, optimizer_state = get_state_dict(model, _optimizers(optimizer), options=OPTIONS)
-    return {MODEL: model_state, OPTIMIZER: optimizer_state if optimizer is not None else {}}
+    optimizer_state = _renamed(optimizer_state, getattr(model, "tied_copies", {})) if optimizer is not None else {}
+    return {MODEL: model_state, OPTIMIZER: optimizer_state}
+
+
+def _renamed(optimizer_state: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
+    """``optimizer_state`` (flattened: ``state.<name>.<key>``, ``param_groups.<name>.<key>``) with
+    each parameter in ``names`` under its new name."""
+    if not names:
+        return optimizer_state
+    renamed = {}
+    for key, value in optimizer_state.items():
+        part, _, rest = key.partition(".")
+        for old, new in names.items():
+            if rest.startswith(old + "."):
+                key = f"{part}.{new}{rest[len(old):]}"
+                break
+        renamed[key] = value
+    return renamed
 
 
 def permutations(model: nn.Module) -> dict[str, list]:
@@ -86,8 +107,9 @@ def load_state(checkpoint_id: str | Path, model: nn.Module, optimizer: torch.opt
         _load_reordered(checkpoint_id, full_key, moved.get(full_key), saved, here)
     for part, key, target in moved.values():  # filled in place; back for set_state_dict
         state[part][key] = target
+    copies = {first: name for name, first in getattr(model, "tied_copies", {}).items()}
     set_state_dict(model, _optimizers(optimizer), model_state_dict=state[MODEL],
-                   optim_state_dict=state[OPTIMIZER], options=OPTIONS)
+                   optim_state_dict=_renamed(state[OPTIMIZER], copies), options=OPTIONS)
 
 
 def load_model_tensors(checkpoint_id: str | Path, tensors: dict[str, torch.Tensor]) -> None:

@@ -173,8 +173,10 @@ def checkpoints_beside(folder: str | os.PathLike) -> list[str]:
 
 def model_parameters(model: nn.Module) -> Parameters:
     """``{name: (full shape, dtype)}`` of every parameter of the model, over all ranks (a collective:
-    pipeline stages each hold some)."""
-    local = {name: (tuple(p.shape), str(p.dtype).removeprefix("torch.")) for name, p in model.named_parameters()}
+    pipeline stages each hold some), each tied one once (a later stage's copy is its first name's)."""
+    copies = getattr(model, "tied_copies", {})
+    local = {name: (tuple(p.shape), str(p.dtype).removeprefix("torch.")) for name, p in model.named_parameters()
+             if name not in copies}
     every = {}
     for found in _all_gather(local):
         every.update(found)

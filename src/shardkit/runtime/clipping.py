@@ -72,8 +72,8 @@ def grad_norm(model: nn.Module, norm_type: float = 2.0) -> torch.Tensor:
     shardkit.plan.errors.UsageError: sk.clip_grad_norm_(model, ...): model must be returned by sk.shard, got a Linear; for a model that is not sharded use torch.nn.utils.clip_grad_norm_
     """
     _check(model, 1.0, norm_type)
-    copies = {id(t.param) for t in model._sk_runtime.ties if not t.primary} if isinstance(model, PipelinedModule) \
-        else set()  # a parameter tied across pipeline devices: counted on its first name's device only
+    # a parameter tied across pipeline devices: counted on its first name's device only
+    copies = {id(model.get_parameter(name)) for name in getattr(model, "tied_copies", {})}
     norms = [_group_norm(group, norm_type) for group in _by_mesh(model, skip=copies).values()]
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     total = torch.linalg.vector_norm(torch.stack(norms), norm_type) if norms else torch.zeros((), device=device)

@@ -66,6 +66,14 @@ class PipelinedModule:
         return self._sk_runtime.assignment
 
     @property
+    def tied_copies(self) -> dict[str, str]:
+        """``{name here: first name}`` of this rank's copies of parameters tied across pipeline
+        devices, where the first name's copy is on another device. The runtime keeps each copy
+        equal to the first; checkpoints, exports, manifests and gradient norms count it once,
+        under the first name."""
+        return {t.name: t.first for t in self._sk_runtime.ties if not t.primary}
+
+    @property
     def local_stages(self) -> list[int]:
         """The pipeline stages this rank runs."""
         return list(self._sk_runtime.local)
