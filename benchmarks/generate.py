@@ -1,9 +1,10 @@
 """Sharded generation: decode tokens/s and KV-cache bytes per device at tp = 1, 2, 4 and pipelines.
 
 A transformers Llama (hidden 256, 4 layers, 8 heads, 4 KV heads, vocabulary 1024) split over
-``tp`` and ``pp`` (stages split evenly) in a local gloo world, one prompt of each length. Decode speed is timed by ``sk.generate``'s
-``on_token`` callback: the ``N`` tokens after the first (which ends the prefill) over the time from
-the first to the last; the faster of ``--rounds`` rounds is kept. The baseline is tp = 1 in
+``tp`` and ``pp`` (stages split evenly) in a local gloo world, one prompt of each length. Decode
+speed is timed by ``sk.generate``'s ``on_token`` callback: the ``N`` tokens after the first (which
+ends the prefill) over the time from the first to the last (``eos_token_id=None``: no stop token,
+so always ``1 + N`` tokens); the faster of ``--rounds`` rounds is kept. The baseline is tp = 1 in
 the same run (one process, the same ``sk.generate``). The KV-cache bytes are the most any rank's
 cache holds after the prefill (``Decoder.nbytes``), against the planner's estimate
 (``sk.kv_cache_bytes``: keys and values x layers / pp x batch x positions x KV heads / tp x
@@ -45,7 +46,8 @@ def expected_cache_bytes(positions: int, mesh: sk.Mesh, batch: int = 1) -> int:
 def _decode_seconds(model, prompt: torch.Tensor, new: int) -> float:
     """Seconds from the first token (the prefill's) to the last of ``1 + new``."""
     times: list[float] = []
-    sk.generate(model, prompt, max_new_tokens=1 + new, on_token=lambda _: times.append(time.perf_counter()))
+    sk.generate(model, prompt, max_new_tokens=1 + new, eos_token_id=None,  # a fixed number of tokens: no stop
+                on_token=lambda _: times.append(time.perf_counter()))
     return times[-1] - times[0]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 from dataclasses import replace
@@ -18,12 +19,18 @@ from shardkit.models.hf import GPT2_RULES, LLAMA_RULES, build_tiny_gpt2, build_t
 from shardkit.plan import Mesh, Pipeline, Plan, PlanError, UsageError
 from shardkit.planner.validate import validate
 from shardkit.runtime.apply import shard
-from shardkit.runtime.generate import Decoder, generate, generation_problems
+from shardkit.runtime.generate import Decoder, generate, generation_problems, stop_tokens
 
 PROMPT = torch.tensor([[3, 141, 59, 26, 53], [58, 97, 93, 238, 46]])
 NEW = 10
 SAMPLING = {"temperature": 1.0, "top_k": 20, "seed": 5}
 SCALE = 1.5  # the saved GPT's weights: the built ones times this, so a CLI run that ignored the checkpoint differs
+# Stop tokens of the tiny Llama on PROMPT, from its greedy tokens (row 0: 189 73 128 100 ..., row 1: 130 44 207 ...;
+# the tests check these premises on transformers' own output):
+STOP_BOTH = [100, 207]  # row 1 stops at new token 3, row 0 at 4: generation ends after 4 of NEW tokens
+STOP_ONE = 128  # row 0 stops at new token 3, row 1 never: row 0 padded to NEW tokens
+STOP_SAMPLED = [181, 41]  # in the sampled tokens (SAMPLING) of both rows, at new tokens 2 and 3
+PAD = 0  # a generation_config.pad_token_id, for the run with the model's own eos
 
 
 def _greedy_without_cache(model: torch.nn.Module, ids: torch.Tensor, new: int) -> torch.Tensor:
@@ -39,6 +46,43 @@ def _hf_greedy(model: torch.nn.Module, ids: torch.Tensor, new: int) -> torch.Ten
     model.generation_config.eos_token_id = None
     return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
                           pad_token_id=0)
+
+
+def _hf_stopping(eos: int | list[int], pad: int, ids: torch.Tensor = PROMPT) -> torch.Tensor:
+    """transformers' greedy generate on the whole model, stopping at ``eos``, padding with ``pad``."""
+    return build_tiny_llama().generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW,
+                                       do_sample=False, eos_token_id=eos, pad_token_id=pad)
+
+
+def _llama_stops(model: torch.nn.Module) -> dict:
+    """A sharded Llama with stop tokens (every rank): every row stopping (also streamed), one row stopping,
+    sampling, then the model's own eos and pad set in its generation_config (left changed)."""
+    streamed: list[torch.Tensor] = []
+    out = {("stop", "both"): generate(model, PROMPT, max_new_tokens=NEW, eos_token_id=STOP_BOTH,
+                                      on_token=streamed.append)}
+    out["stop", "streamed"] = torch.stack(streamed, dim=1)
+    out["stop", "one"] = generate(model, PROMPT, max_new_tokens=NEW, eos_token_id=STOP_ONE)
+    out["stop", "sampled"] = generate(model, PROMPT, max_new_tokens=NEW, eos_token_id=STOP_SAMPLED, **SAMPLING)
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = STOP_ONE, PAD
+    out["stop", "default"] = generate(model, PROMPT, max_new_tokens=NEW)
+    return out
+
+
+def _check_stops(ranks: list[dict]) -> None:
+    """Every rank's stopped tokens equal transformers' (and one process's, sampled), shorter lengths included."""
+    both, one, default = _hf_stopping(STOP_BOTH, STOP_BOTH[0]), _hf_stopping(STOP_ONE, STOP_ONE), \
+        _hf_stopping(STOP_ONE, PAD)
+    new_one = one[:, PROMPT.shape[1]:]
+    assert both.shape == (2, PROMPT.shape[1] + 4)  # premises: every row stopped early; only row 0 stopped
+    assert STOP_ONE in new_one[0, :-2] and STOP_ONE not in new_one[1] and (default[0, -2:] == PAD).all()
+    sampled = generate(build_tiny_llama(), PROMPT, max_new_tokens=NEW, eos_token_id=STOP_SAMPLED, **SAMPLING)
+    assert sampled.shape == (2, PROMPT.shape[1] + 3)
+    for rank in ranks:
+        assert torch.equal(rank["stop", "both"], both)
+        assert torch.equal(rank["stop", "streamed"], both[:, PROMPT.shape[1]:])  # pad streamed for a finished row
+        assert torch.equal(rank["stop", "one"], one)
+        assert torch.equal(rank["stop", "sampled"], sampled)
+        assert torch.equal(rank["stop", "default"], default)
 
 
 def _cache_heads(model: torch.nn.Module, ids: torch.Tensor) -> tuple[int, int]:
@@ -69,6 +113,8 @@ def _tp_generation(ctx, folder):
         out[name, "sampled"] = generate(model, PROMPT, max_new_tokens=NEW, **SAMPLING)
         out[name, "cache"] = _cache_heads(model, PROMPT)
         out[name, "training"] = model.training
+        if name == "llama":
+            out.update(_llama_stops(model))
     gpt2 = shard(build_tiny_gpt2(), Plan(mesh=Mesh(tp=2), rules=GPT2_RULES), ctx)  # fused, permuted c_attn
     out["gpt2", "greedy"] = generate(gpt2, PROMPT, max_new_tokens=NEW)
     with torch.no_grad():  # a weight of the last block made nan on every rank: each rank stops with the same error
@@ -106,6 +152,10 @@ def test_llama_greedy_under_tp_equals_transformers_generate(tp_results):
     expected = _hf_greedy(build_tiny_llama(), PROMPT, NEW)
     assert expected.shape == (2, PROMPT.shape[1] + NEW)
     assert torch.equal(tp_results[0]["llama", "greedy"], expected)
+
+
+def test_llama_under_tp_stops_at_eos_as_transformers_generate(tp_results):
+    _check_stops(tp_results)
 
 
 def test_gpt2_greedy_under_tp_equals_transformers_generate(tp_results):
@@ -184,10 +234,27 @@ def test_plans_generate_cannot_run_are_refused_with_the_reason(plan, expected):
     (PROMPT, {"max_new_tokens": 2, "temperature": 1.0, "top_k": 257}, r"top_k=257 is more than .* 256"),
     (PROMPT + 200, {"max_new_tokens": 2}, r"ids from 203 to 438.*valid ids: 0 to 255"),
     (PROMPT, {"max_new_tokens": 28}, r"33 positions, but GPT has 32; valid: max_new_tokens <= 27"),
+    (PROMPT, {"max_new_tokens": 2, "eos_token_id": True}, r"eos_token_id must be a token id .*, got True"),
+    (PROMPT, {"max_new_tokens": 2, "eos_token_id": []}, r"eos_token_id must be .*a non-empty list.*, got \[\]"),
+    (PROMPT, {"max_new_tokens": 2, "eos_token_id": -1}, r"eos_token_id must be a token id \(an int >= 0\).*got -1"),
+    (PROMPT, {"max_new_tokens": 2, "eos_token_id": [3, "4"]}, r"eos_token_id must be .*, got \[3, '4'\]"),
+    (PROMPT, {"max_new_tokens": 2, "eos_token_id": 2.0}, r"eos_token_id must be .*or None \(no stop\), got 2.0"),
+    (PROMPT, {"max_new_tokens": 2, "eos_token_id": [3, 256]}, r"eos_token_id=\[3, 256\] holds id 256.*valid ids: 0 to 255"),
 ])
 def test_bad_arguments_are_refused_naming_the_argument(ids, kwargs, expected):
     with pytest.raises(UsageError, match=expected):
         generate(build_tiny_gpt(), ids, **kwargs)
+
+
+def test_the_default_stop_is_the_models_generation_config_and_none_means_no_stop():
+    model = build_tiny_llama()
+    assert stop_tokens(model) == ([2], 2) and stop_tokens(build_tiny_gpt()) is None  # the reference GPT: no eos
+    model.generation_config.eos_token_id = STOP_ONE  # as transformers: stop there, pad with the eos (no pad set)
+    expected = _hf_stopping(STOP_ONE, STOP_ONE, PROMPT[:1])
+    assert expected.shape[1] < PROMPT.shape[1] + NEW  # premise: it stopped
+    assert torch.equal(generate(model, PROMPT[:1], max_new_tokens=NEW), expected)
+    assert torch.equal(generate(model, PROMPT[:1], max_new_tokens=NEW, eos_token_id=None),
+                       _hf_greedy(build_tiny_llama(), PROMPT[:1], NEW))
 
 
 def test_a_tiny_temperature_samples_the_likeliest_token():
@@ -230,6 +297,8 @@ def _pp_generation(ctx):
         out[name, "streamed"] = torch.stack(streamed, dim=1)
         out[name, "sampled"] = generate(model, PROMPT, max_new_tokens=NEW, **SAMPLING)
         out[name, "layers"] = _cached_layers(model)
+        if name == "llama":
+            out.update(_llama_stops(model))
     if ctx.plan.mesh.size_of("tp") == 1:
         plan = replace(ctx.plan, pipeline=Pipeline(microbatches=2, schedule="zbv", virtual_stages=2))
         out["zbv", "greedy"] = generate(shard(build_gpt4(), plan, ctx), PROMPT, max_new_tokens=NEW)
@@ -253,6 +322,11 @@ def test_llama_greedy_under_a_pipeline_equals_transformers_generate(pipeline_run
     for rank in pipeline_runs[plan]:
         assert torch.equal(rank["llama", "greedy"], expected)
         assert torch.equal(rank["llama", "streamed"], expected[:, PROMPT.shape[1]:])
+
+
+@pytest.mark.parametrize("plan", list(PIPELINE_PLANS))
+def test_llama_under_a_pipeline_stops_at_eos_as_transformers_generate(pipeline_runs, plan):
+    _check_stops(pipeline_runs[plan])
 
 
 @pytest.mark.parametrize("plan", list(PIPELINE_PLANS))
@@ -327,6 +401,22 @@ def test_cli_generates_from_a_hf_folder_as_transformers_does(hf_folder, cli):
     assert ranks == [expected, expected]
 
 
+def test_cli_stops_at_the_models_eos_unless_told_otherwise(hf_folder, cli, tmp_path):
+    config = json.loads((hf_folder / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "eos_token_id": STOP_ONE}))
+    ids = ",".join(map(str, PROMPT[0].tolist()))
+    argv = ["--model", str(tmp_path / "config.json"), "--hf", str(hf_folder), "--mesh", "tp=2", "--prompt-ids", ids,
+            "--max-new-tokens", str(NEW)]
+    stopped = _hf_stopping(STOP_ONE, STOP_ONE, PROMPT[:1])[0, PROMPT.shape[1]:].tolist()
+    assert len(stopped) < NEW and stopped[-1] == STOP_ONE  # premise
+    assert cli(*argv) == (0, [stopped, stopped])  # the model's eos (its config's)
+    whole = _hf_greedy(build_tiny_llama(), PROMPT[:1], NEW)[0, PROMPT.shape[1]:].tolist()
+    assert cli(*argv, "--no-eos") == (0, [whole, whole])
+    later = whole[:whole.index(STOP_BOTH[0]) + 1]  # past the model's eos: the flags replace it
+    assert len(later) > len(stopped)  # premise
+    assert cli(*argv, "--eos-token-id", "250", "--eos-token-id", str(STOP_BOTH[0])) == (0, [later, later])
+
+
 def test_cli_takes_a_transformers_config_file_as_the_model(hf_folder, cli):
     ids = ",".join(map(str, PROMPT[0].tolist()))
     code, ranks = cli("--model", str(hf_folder / "config.json"), "--hf", str(hf_folder), "--mesh", "tp=2",
@@ -372,6 +462,11 @@ def test_cli_generates_under_a_pipeline_from_a_checkpoint_and_a_hf_folder(tp_res
     (["--model", "llama-tiny", "--prompt-ids", "1", "--temperature", "0"], r"--temperature: must be a positive"),
     (["--model", "llama-tiny", "--prompt-ids", "1", "--temperature", "1", "--seed", str(2**64)],
      r"--seed: must be a 64-bit seed"),
+    (["--model", "llama-tiny", "--prompt-ids", "1", "--no-eos", "--eos-token-id", "3"],
+     r"--eos-token-id: not allowed with argument --no-eos"),
+    (["--model", "llama-tiny", "--prompt-ids", "1", "--eos-token-id", "3", "--eos-token-id", "256"],
+     r"--eos-token-id 256: model 'llama-tiny' has a vocabulary of 256; valid ids: 0 to 255"),
+    (["--model", "llama-tiny", "--prompt-ids", "1", "--eos-token-id", "-1"], r"--eos-token-id: must be an integer >= 0"),
 ])
 def test_cli_refuses_before_any_process(argv, expected, hf_folder, tp_results, checkpoint, capsys, no_processes):
     weights = ["--checkpoint", str(checkpoint)] if "gpt-small" in argv else ["--hf", str(hf_folder)]

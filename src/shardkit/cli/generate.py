@@ -7,10 +7,11 @@ The weights come from a checkpoint folder written by ``sk.save`` / ``shardkit tr
 (read with ``sk.load``, under this command's plan) or from a HuggingFace safetensors folder
 (``sk.shard(..., weights=DIR)``: each process reads only its shards). ``--prompt`` is text
 for a byte-level model (vocabulary 256, as ``shardkit train`` trains: token = byte), printed back
-as text; ``--prompt-ids`` gives token ids, printed back as ids. Everything is checked before any
-process starts: the plan against the model (whole KV heads per ``tp`` rank), the plan against
-generation (``tp`` and ``pp`` only), the weights' names and shapes, the prompt against the vocabulary and
-the positions.
+as text; ``--prompt-ids`` gives token ids, printed back as ids. Generation stops at the model's
+end-of-sequence token (``generation_config.eos_token_id``), at ``--eos-token-id ID`` instead, or
+never with ``--no-eos``. Everything is checked before any process starts: the plan against the
+model (whole KV heads per ``tp`` rank), the plan against generation (``tp`` and ``pp`` only), the
+weights' names and shapes, the prompt and ``--eos-token-id`` against the vocabulary, the positions.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from ..planner.meta import meta_model
 from ..planner.validate import validate
 from ..runtime.apply import shard
 from ..runtime.context import Context
-from ..runtime.generate import check_generation, generate, generation_problems
+from ..runtime.generate import MODEL_EOS, ModelEos, check_generation, generate, generation_problems
 from ..runtime.materialize import open_weights
 from ..runtime.world import DEFAULT_TIMEOUT_S, WorldError, launch
 from .options import (
@@ -39,6 +40,7 @@ from .options import (
     load_rules,
     meta_model_from_flag,
     model_from_flag,
+    non_negative_int,
     path,
     positive_float,
     positive_int,
@@ -61,6 +63,7 @@ class GenerateJob:
     temperature: float
     top_k: int | None
     seed: int | None
+    eos_token_id: tuple[int, ...] | None | ModelEos  # MODEL_EOS: the model's own
     text: bool  # the prompt was text: print bytes as text, else ids
 
 
@@ -92,6 +95,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="sample from softmax(logits / X) (default: greedy)")
     parser.add_argument("--top-k", type=positive_int, metavar="K", help="sample among the K likeliest tokens")
     parser.add_argument("--seed", type=seed, metavar="N", help="seed of the sampling (0 to 2**64 - 1)")
+    stop = parser.add_mutually_exclusive_group()
+    stop.add_argument("--eos-token-id", type=non_negative_int, action="append", metavar="ID",
+                      help="stop when this token is made (repeat the flag for several; default: the model's "
+                           "generation_config.eos_token_id). The reference GPT (gpt-*, byte-level) has none, so it "
+                           "always makes --max-new-tokens; there an ID is a byte: --eos-token-id 10 stops at the "
+                           "first newline")
+    stop.add_argument("--no-eos", action="store_true",
+                      help="ignore the model's end-of-sequence token: always make --max-new-tokens tokens")
     parser.add_argument("--timeout", type=positive_float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
                         help=f"stop every process and exit 1 when the job runs longer (default: {DEFAULT_TIMEOUT_S:g})")
     parser.set_defaults(func=run)
@@ -144,12 +155,16 @@ def check_job(args: argparse.Namespace) -> tuple[Plan, GenerateJob]:
         if vocab is not None and max(ids) >= vocab:
             raise UsageError(f"--prompt-ids holds id {max(ids)}, but model {args.model!r} has a vocabulary of "
                              f"{vocab}; valid ids: 0 to {vocab - 1}")
+    if args.eos_token_id is not None and vocab is not None and max(args.eos_token_id) >= vocab:
+        raise UsageError(f"--eos-token-id {max(args.eos_token_id)}: model {args.model!r} has a vocabulary of "
+                         f"{vocab}; valid ids: 0 to {vocab - 1}")
+    eos = None if args.no_eos else MODEL_EOS if args.eos_token_id is None else tuple(args.eos_token_id)
     try:
         check_generation(model, len(ids), args.max_new_tokens)
     except UsageError as exc:
         raise UsageError(f"--max-new-tokens {args.max_new_tokens}: {exc}") from None
     return plan, GenerateJob(args.model, _text(args.checkpoint), _text(args.hf), ids, args.max_new_tokens,
-                             args.temperature or 0.0, args.top_k, args.seed, args.prompt is not None)
+                             args.temperature or 0.0, args.top_k, args.seed, eos, args.prompt is not None)
 
 
 def _check_checkpoint(folder: Path, model) -> None:
@@ -195,15 +210,16 @@ class _Stream:
 
 
 def generate_job(ctx: Context, job: GenerateJob) -> list[int]:
-    """One rank: build on meta, shard, read the weights, generate; returns the new token ids."""
+    """One rank: build on meta, shard, read the weights, generate; returns the new token ids (fewer than
+    ``max_new_tokens`` when an end-of-sequence token stopped it)."""
     import torch
 
     model = shard(meta_model(model_from_flag(job.model).build), ctx.plan, ctx, weights=job.hf)
     if job.checkpoint is not None:
         load(job.checkpoint, model)
     stream = _Stream(ctx.rank == 0, job.text, job.prompt)
-    out = generate(model, torch.tensor([job.prompt]), max_new_tokens=job.max_new_tokens,
-                   temperature=job.temperature, top_k=job.top_k, seed=job.seed, on_token=stream)
+    out = generate(model, torch.tensor([job.prompt]), max_new_tokens=job.max_new_tokens, temperature=job.temperature,
+                   top_k=job.top_k, seed=job.seed, eos_token_id=job.eos_token_id, on_token=stream)
     stream.end()
     return out[0, len(job.prompt):].tolist()
 

@@ -17,13 +17,17 @@ to its next step.
 A pipeline (``pp``) runs its stages one after another for each step, the hidden states of the
 new positions sent to the next stage's rank, and each stage's cache holds its own layers; the
 last stage chooses the token and broadcasts it back over ``pp``.
+
+A row stops at an end-of-sequence token as in transformers' ``generate`` (later positions get the
+pad token); every rank decides from the broadcast tokens, so all of them leave the loop at the same step.
 """
 
 from __future__ import annotations
 
+import enum
 import inspect
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -40,6 +44,17 @@ GENERATION_AXIS = "tp"
 ID_DTYPES = (torch.int64, torch.int32)
 #: The largest seed torch's generator takes.
 MAX_SEED = 2**64 - 1
+
+
+class ModelEos(enum.Enum):
+    """The type of :data:`MODEL_EOS` (a sentinel, so that ``eos_token_id=None`` can mean "no stop")."""
+
+    MODEL = "the model's generation_config.eos_token_id"
+
+
+#: :func:`generate`'s default ``eos_token_id``: the model's ``generation_config.eos_token_id``
+#: (transformers models), as transformers' ``generate`` takes it; no stop for other models.
+MODEL_EOS = ModelEos.MODEL
 
 
 def generation_problems(plan: Plan) -> list[str]:
@@ -77,26 +92,51 @@ def check_generation(model: nn.Module, prompt_len: int, max_new_tokens: int) -> 
                          f"valid: a prompt of at most {limit - 1} tokens")
 
 
+def stop_tokens(model: nn.Module, eos_token_id: int | Sequence[int] | None | ModelEos = MODEL_EOS
+                ) -> tuple[list[int], int] | None:
+    """``(eos ids, pad id)`` that :func:`generate` stops with, or ``None`` (no stop), as transformers'
+    ``generate`` picks them: ``eos_token_id`` as given, or for :data:`MODEL_EOS` the model's
+    ``generation_config.eos_token_id`` (transformers models; the reference GPT has none); the pad is
+    ``generation_config.pad_token_id``, else the first eos id.
+
+    >>> from shardkit.models.hf import build_tiny_llama
+    >>> stop_tokens(build_tiny_llama()), stop_tokens(build_tiny_llama(), [7, 9]), stop_tokens(build_tiny_llama(), None)
+    (([2], 2), ([7, 9], 7), None)
+    """
+    config = getattr(model, "generation_config", None) if is_hf_model(model) else None
+    if eos_token_id is MODEL_EOS:
+        eos_token_id = getattr(config, "eos_token_id", None)
+    eos = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+    if not eos:
+        return None
+    pad = getattr(config, "pad_token_id", None)
+    return eos, eos[0] if pad is None else pad
+
+
 def generate(model: nn.Module, input_ids: torch.Tensor, *, max_new_tokens: int, temperature: float = 0.0,
              top_k: int | None = None, seed: int | None = None,
+             eos_token_id: int | Sequence[int] | None | ModelEos = MODEL_EOS,
              on_token: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
-    """Continue ``input_ids`` (``[batch, prompt]`` token ids) by ``max_new_tokens`` tokens; returns
-    ``[batch, prompt + max_new_tokens]`` (the prompt first, as transformers' ``generate``).
+    """Continue ``input_ids`` (``[batch, prompt]`` token ids) by up to ``max_new_tokens`` tokens; returns
+    ``[batch, prompt + new]`` (the prompt first, as transformers' ``generate``).
 
     Greedy when ``temperature`` is 0; otherwise sampled from ``softmax(logits / temperature)``,
     restricted to the ``top_k`` most likely tokens when given, with a generator seeded by
     ``seed`` (default: drawn from torch's global generator). The first ``tp`` rank chooses each
-    token and broadcasts it, so every rank continues the same sequences. Exactly
-    ``max_new_tokens`` are generated (no stop token). Runs in eval mode (the model's mode is
-    restored after) without gradients. ``on_token([batch] ids)`` is called after each step
-    (streaming). Call it on every rank of a model from ``sk.shard`` with a plan whose only
-    split axis is ``tp``, or on an unsharded model in any process.
+    token and broadcasts it, so every rank continues the same sequences. A row that makes one of
+    ``eos_token_id`` (an id, a list of ids, or ``None``: no stop; default :data:`MODEL_EOS`, the
+    model's ``generation_config.eos_token_id``) is finished: its later positions hold the pad
+    token (:func:`stop_tokens`), and generation ends when every row is finished, so ``new`` may be
+    less than ``max_new_tokens``. Runs in eval mode (the model's mode is restored after) without
+    gradients. ``on_token([batch] ids)`` is called after each step (streaming; pad for finished
+    rows). Call it on every rank of a model from ``sk.shard`` with a plan whose only split axes are
+    ``tp`` and ``pp``, or on an unsharded model in any process.
 
     >>> from shardkit.models.gpt import build_tiny_gpt
     >>> generate(build_tiny_gpt(), torch.tensor([[104, 105]]), max_new_tokens=3).shape
     torch.Size([1, 5])
     """
-    _check_arguments(input_ids, max_new_tokens, temperature, top_k, seed)
+    _check_arguments(input_ids, max_new_tokens, temperature, top_k, seed, eos_token_id)
     plan = getattr(model, "plan", None)  # a model from sk.shard, pipelined or not, has its plan
     if isinstance(plan, Plan):
         problems = generation_problems(plan)
@@ -110,6 +150,12 @@ def generate(model: nn.Module, input_ids: torch.Tensor, *, max_new_tokens: int, 
     if vocab is not None and top_k is not None and top_k > vocab:
         raise UsageError(f"sk.generate: top_k={top_k} is more than the model's vocabulary of {vocab}; valid: 1 to "
                          f"{vocab}, or None for every token")
+    if vocab is not None and eos_token_id not in (None, MODEL_EOS):
+        outside = [i for i in ([eos_token_id] if _is_int(eos_token_id) else eos_token_id) if i >= vocab]
+        if outside:
+            raise UsageError(f"sk.generate: eos_token_id={eos_token_id!r} holds id {outside[0]}, but the model's "
+                             f"vocabulary is {vocab}; valid ids: 0 to {vocab - 1}")
+    stop = stop_tokens(model, eos_token_id)
     pipeline = model._sk_runtime if isinstance(model, PipelinedModule) else None
     group = _tp_group(plan)
     # the rank choosing each token: the first tp rank (of the last pipeline stage)
@@ -125,6 +171,8 @@ def generate(model: nn.Module, input_ids: torch.Tensor, *, max_new_tokens: int, 
         with torch.no_grad():
             decoder = Decoder(model)
             tokens, new = input_ids.to(device), []
+            finished = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=device)
+            eos = None if stop is None else torch.tensor(stop[0], device=device)
             for step in range(max_new_tokens):
                 logits = decoder.step(tokens)
                 token = _choose_or_flag(logits[:, -1].float(), temperature, top_k, generator) if leader else \
@@ -138,17 +186,24 @@ def generate(model: nn.Module, input_ids: torch.Tensor, *, max_new_tokens: int, 
                     raise UsageError(f"sk.generate: the model's logits for new token {step + 1} of prompt(s) {rows} "
                                      f"are nan or +inf: its weights or activations are not finite (check the "
                                      f"weights it loaded); stopped after {step} new tokens")
+                # a finished row goes on with the token chosen for it, not the pad (which some configs set outside
+                # the vocabulary): rows do not see each other, so the other rows' tokens are transformers'
+                tokens = token[:, None]
+                if eos is not None:  # from the broadcast token: every rank finishes the same rows at the same step
+                    token = token.masked_fill(finished, stop[1])
+                    finished |= torch.isin(token, eos)
                 new.append(token)
                 if on_token is not None:
                     on_token(token)
-                tokens = token[:, None]
+                if bool(finished.all()):
+                    break
     finally:
         model.train(training)
     return torch.cat([input_ids, torch.stack(new, dim=1).to(input_ids.device)], dim=1)
 
 
 def _check_arguments(input_ids: object, max_new_tokens: object, temperature: object, top_k: object,
-                     seed: object) -> None:
+                     seed: object, eos_token_id: object) -> None:
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype not in ID_DTYPES \
             or 0 in input_ids.shape:
         what = type(input_ids).__name__ if not isinstance(input_ids, torch.Tensor) else \
@@ -165,6 +220,11 @@ def _check_arguments(input_ids: object, max_new_tokens: object, temperature: obj
     if seed is not None and (not _is_int(seed) or not 0 <= seed <= MAX_SEED):
         raise UsageError(f"sk.generate: seed must be an integer from 0 to 2**64 - 1 (torch's generator) or None, "
                          f"got {seed!r}")
+    if eos_token_id is not None and eos_token_id is not MODEL_EOS and not (
+            _is_int(eos_token_id) and eos_token_id >= 0 or isinstance(eos_token_id, (list, tuple)) and eos_token_id
+            and all(_is_int(i) and i >= 0 for i in eos_token_id)):
+        raise UsageError(f"sk.generate: eos_token_id must be a token id (an int >= 0), a non-empty list of them, or "
+                         f"None (no stop), got {eos_token_id!r}")
     if temperature == 0 and (top_k is not None or seed is not None):
         given = ", ".join(f"{n}={v!r}" for n, v in (("top_k", top_k), ("seed", seed)) if v is not None)
         raise UsageError(f"sk.generate: {given} applies only to sampling (temperature > 0), but temperature=0 is "
@@ -260,4 +320,4 @@ def _tp_group(plan: object):
     return meshes_for(plan, current_context().device.type).axis(GENERATION_AXIS).get_group()
 
 
-__all__ = ["Decoder", "check_generation", "generate", "generation_problems"]
+__all__ = ["MODEL_EOS", "Decoder", "ModelEos", "check_generation", "generate", "generation_problems", "stop_tokens"]
