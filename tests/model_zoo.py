@@ -31,6 +31,15 @@ def build_llama_tied():
         vocab_size=256, max_position_embeddings=64, tie_word_embeddings=True, attn_implementation=ATTN)))
 
 
+def build_llama_tied4():
+    """The tied Llama with four layers (pipelines of up to four stages)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return _seeded(lambda: LlamaForCausalLM(LlamaConfig(
+        hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+        vocab_size=256, max_position_embeddings=64, tie_word_embeddings=True, attn_implementation=ATTN)))
+
+
 def build_llama_untied():
     """Llama with its own lm_head and four layers (pipelines of up to four stages)."""
     from transformers import LlamaConfig, LlamaForCausalLM

@@ -11,11 +11,11 @@ import math
 
 import pytest
 import torch
-from model_zoo import build_gpt4, tokens
+from model_zoo import build_gpt4, build_llama_tied, tokens
 
 import shardkit as sk
 from shardkit.models.gpt import GPT_RULES, gpt_loss
-from shardkit.models.hf import GPT2_RULES, build_tiny_gpt2, hf_loss
+from shardkit.models.hf import GPT2_RULES, LLAMA_RULES, build_tiny_gpt2, hf_loss
 from shardkit.plan import Mesh, Pipeline, Plan
 
 pytestmark = pytest.mark.world
@@ -23,31 +23,40 @@ pytestmark = pytest.mark.world
 MAX_NORM = 0.05  # far below the tiny models' gradient norms (2-norm about 1-5, inf-norm 0.16): clipping happens
 
 
-def _reference(build, loss_fn, norm_type: float = 2.0) -> tuple[float, float, dict, dict]:
+def _reference(build, loss_fn, norm_type: float = 2.0, max_norm: float = MAX_NORM) -> tuple[float, float, dict, dict]:
     """(loss, norm, gradients, clipped gradients) of one process on the whole batch, by torch alone."""
     model = build()
     loss = loss_fn(model(tokens(8)[0]), tokens(8)[1])
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM, norm_type)
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)
     return loss.item(), norm.item(), grads, {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def _sharded(ctx, build, loss_fn, accumulate: int, norm_type: float) -> tuple[float, float, dict, dict]:
+def _sharded(ctx, build, loss_fn, accumulate: int, norm_type: float,
+             max_norm: float = MAX_NORM) -> tuple[float, float, dict, dict]:
     from shardkit.runtime.apply import full_grads
 
     model = sk.shard(build(), ctx.plan, ctx)
     loss = model.step(*ctx.shard_batch(*tokens(8)), loss_fn, accumulate=accumulate)
-    grads = full_grads(model)
-    norm = sk.clip_grad_norm_(model, MAX_NORM, norm_type)
-    return loss.item(), norm.item(), grads, full_grads(model)
+    copies = getattr(model, "tied_copies", {})  # a later stage's copy of a parameter tied across stages
+
+    def grads() -> dict[str, torch.Tensor]:
+        return {copies.get(n, n): g for n, g in full_grads(model).items()}
+
+    before = grads()
+    norm = sk.clip_grad_norm_(model, max_norm, norm_type)
+    return loss.item(), norm.item(), before, grads()
 
 
 def _merged(results: list, index: int) -> dict[str, torch.Tensor]:
-    """Gradients over every rank (pipeline ranks hold different stages)."""
+    """Gradients over every rank (pipeline ranks hold different stages; the copies of a parameter
+    tied across stages must be equal)."""
     merged: dict[str, torch.Tensor] = {}
     for result in results:
-        merged.update(result[index])
+        for name, grad in result[index].items():
+            assert name not in merged or torch.equal(merged[name], grad), f"the copies of {name} differ"
+            merged[name] = grad
     return merged
 
 
@@ -59,10 +68,11 @@ def _assert_close(got: dict, expected: dict, what: str) -> None:
         assert diff <= 1e-6 + 1e-4 * scale, f"{what} of {name}: off by {diff:.2e} (max |value| {scale:.2e})"
 
 
-def _check(world, plan: Plan, build=build_gpt4, loss_fn=gpt_loss, accumulate: int = 1, norm_type: float = 2.0):
-    ref_loss, ref_norm, ref_grads, ref_clipped = _reference(build, loss_fn, norm_type)
-    assert ref_norm > 3 * MAX_NORM  # clipping really scales the gradients
-    results = world(plan.mesh.size).run(_sharded, build, loss_fn, accumulate, norm_type, plan=plan)
+def _check(world, plan: Plan, build=build_gpt4, loss_fn=gpt_loss, accumulate: int = 1, norm_type: float = 2.0,
+           max_norm: float = MAX_NORM):
+    ref_loss, ref_norm, ref_grads, ref_clipped = _reference(build, loss_fn, norm_type, max_norm)
+    assert ref_norm > 3 * max_norm  # clipping really scales the gradients
+    results = world(plan.mesh.size).run(_sharded, build, loss_fn, accumulate, norm_type, max_norm, plan=plan)
     for loss, norm, _, _ in results:
         assert loss == pytest.approx(ref_loss, rel=1e-5)
         assert norm == pytest.approx(ref_norm, rel=1e-5)  # every rank: the whole model's norm
@@ -131,6 +141,18 @@ def test_accumulation_reduces_gradients_once(world, plan, reduction, per_micro_b
 def test_clipping_counts_a_tied_parameter_once(world):
     """GPT-2 ties lm_head to wte: one parameter, one norm term (tensor parallel keeps the tie)."""
     _check(world, Plan(mesh=Mesh(tp=2), rules=GPT2_RULES), build=build_tiny_gpt2, loss_fn=hf_loss)
+
+
+@pytest.mark.parametrize("plan, accumulate, norm_type", [
+    (Plan(mesh=Mesh(pp=2), pipeline=Pipeline(schedule="1f1b", microbatches=2)), 1, 2.0),
+    (Plan(mesh=Mesh(pp=2), pipeline=Pipeline(schedule="gpipe", microbatches=2)), 2, math.inf),
+    (Plan(mesh=Mesh(pp=2, tp=2), rules=LLAMA_RULES, pipeline=Pipeline(microbatches=2)), 2, 2.0),
+], ids=["pp2", "pp2-accumulate-inf", "pp2xtp2-accumulate"])
+def test_a_parameter_tied_across_stages_is_counted_once_and_clipped_alike(world, plan, accumulate, norm_type):
+    """The tied Llama's embedding (first stage) and LM head (last stage): one norm term, both copies
+    holding the whole gradient, also accumulated over micro-steps."""
+    _check(world, plan, build=build_llama_tied, loss_fn=hf_loss, accumulate=accumulate, norm_type=norm_type,
+           max_norm=0.005)  # its 2-norm is about 0.06, its inf-norm about 0.02
 
 
 def test_infinity_norm_over_pipeline_stages(world):

@@ -16,7 +16,7 @@ from shardkit.plan import Mesh, Pipeline, Plan, PlanError
 from shardkit.plan.pipeline import SCHEDULES, pipeline_from_args, theoretical_bubble
 from shardkit.planner.explain_stages import explain_stages
 from shardkit.planner.meta import meta_model
-from shardkit.planner.stages import assign_stages, stage_ranks
+from shardkit.planner.stages import StageTie, assign_stages, stage_ranks
 from shardkit.planner.validate import validate
 
 
@@ -289,12 +289,14 @@ class Tied(nn.Module):
         return self.head(self.mid(self.embed(idx)))
 
 
-def test_tied_weights_across_stages_are_rejected_and_allowed_within_one():
-    with pytest.raises(PlanError, match=r"\['embed.weight', 'head.weight'\] is shared by modules in stages \[0, 1\] \(tied weights\)"):
-        assign_stages(meta_model(Tied), Pipeline(split_points=["mid"], schedule="gpipe"), Mesh(pp=2))
+def test_tied_weights_across_stages_are_recorded_and_within_one_stage_are_not():
+    a = assign_stages(meta_model(Tied), Pipeline(split_points=["mid"], schedule="gpipe"), Mesh(pp=2))
+    assert a.ties == (StageTie(("embed.weight", "head.weight"), (0, 1)),)  # the runtime keeps the copies equal
+    a = assign_stages(meta_model(Tied), Pipeline(split_points=["mid", "head"], schedule="gpipe"), Mesh(pp=3))
+    assert a.ties == (StageTie(("embed.weight", "head.weight"), (0, 2)),)
     two = nn.Sequential(Tied(), nn.Linear(32, 4))
     a = assign_stages(two, Pipeline(split_points=["1"], schedule="gpipe"), Mesh(pp=2))
-    assert a.unit_names(0) == ["0"]
+    assert a.unit_names(0) == ["0"] and a.ties == ()
 
 
 def test_hf_llama_units_and_rotary_embedding_on_every_stage():

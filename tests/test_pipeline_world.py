@@ -6,11 +6,14 @@ import pytest
 import torch
 from model_zoo import (
     build_cohere,
+    build_gemma,
     build_gemma2,
     build_gemma3_text,
     build_gemma_untied,
     build_gpt4,
     build_granite,
+    build_llama_tied,
+    build_llama_tied4,
     build_mistral_window,
     build_qwen2_window,
     tokens,
@@ -167,6 +170,68 @@ def test_embedding_and_logit_scalings_of_the_model_forward_run_on_the_stages(wor
     pipeline's stages apply them as the model's forward does (they were left out: wrong loss, no error)."""
     plan = Plan(mesh=Mesh(pp=2), pipeline=Pipeline(microbatches=2))
     check(build, plan, world(2), loss_fn=hf_loss, batch=tokens(4))
+
+
+# -- a parameter tied across stages: a copy on each, kept equal --------------------------------------
+TIED = [
+    ("llama pp=2 1f1b", build_llama_tied, Plan(mesh=Mesh(pp=2), pipeline=Pipeline(schedule="1f1b", microbatches=2))),
+    ("gemma pp=2", build_gemma, Plan(mesh=Mesh(pp=2), pipeline=Pipeline(microbatches=2))),
+    ("llama pp=2 interleaved", build_llama_tied4, Plan(mesh=Mesh(pp=2), pipeline=Pipeline(
+        schedule="interleaved-1f1b", microbatches=2, virtual_stages=2))),
+    ("llama pp=2 zbv (both ends on one device)", build_llama_tied4, Plan(mesh=Mesh(pp=2), pipeline=Pipeline(
+        schedule="zbv", microbatches=2, virtual_stages=2))),
+    ("llama pp=4 (the middle stages hold no copy)", build_llama_tied4, Plan(mesh=Mesh(pp=4), pipeline=Pipeline(
+        schedule="1f1b", microbatches=4))),
+    ("llama pp=2 x fsdp=2", build_llama_tied, Plan(mesh=Mesh(pp=2, fsdp=2), pipeline=Pipeline(
+        schedule="gpipe", microbatches=2))),
+    ("llama pp=2 x tp=2", build_llama_tied, Plan(mesh=Mesh(pp=2, tp=2), rules=LLAMA_RULES, pipeline=Pipeline(
+        microbatches=2))),
+]
+
+
+@pytest.mark.parametrize("build, plan", [(b, p) for _, b, p in TIED], ids=[i for i, _, _ in TIED])
+def test_an_embedding_tied_to_the_lm_head_trains_as_one_process(world, build, plan):
+    """sk.verify compares both copies (first and last stage) with the one parameter of one process."""
+    check(build, plan, world(plan.mesh.size), loss_fn=hf_loss, batch=tokens(8))
+
+
+def _two_steps_without_zero_grad(ctx):
+    from shardkit.runtime.apply import full_grads
+
+    model = sk.shard(build_llama_tied(), ctx.plan, ctx)
+    for half in (tokens(8)[0][:4], tokens(8)[0][4:]):
+        model.step(*ctx.shard_batch(half, half.roll(-1, dims=1)), hf_loss)
+    copies = model.tied_copies
+    return {copies.get(n, n): g for n, g in full_grads(model).items()}
+
+
+def test_tied_gradients_accumulated_over_steps_are_summed_once(world):
+    """Gradients left to accumulate over two step() calls: each step adds only its own gain over the copies."""
+    model = build_llama_tied()
+    for half in (tokens(8)[0][:4], tokens(8)[0][4:]):
+        hf_loss(model(half), half.roll(-1, dims=1)).backward()
+    expected = {n: p.grad for n, p in model.named_parameters()}
+    plan = Plan(mesh=Mesh(pp=2), pipeline=Pipeline(microbatches=2))
+    first, last = world(2).run(_two_steps_without_zero_grad, plan=plan)
+    assert torch.allclose(first["model.embed_tokens.weight"], expected["model.embed_tokens.weight"], atol=1e-6)
+    assert torch.equal(first["model.embed_tokens.weight"], last["model.embed_tokens.weight"])
+
+
+def _generate_from_folder(ctx, folder, prompt):
+    model = sk.shard(sk.meta_model(build_llama_tied), ctx.plan, ctx, weights=folder)
+    return sk.generate(model, prompt, max_new_tokens=8, eos_token_id=None)
+
+
+def test_a_tied_model_loaded_from_a_hf_folder_generates_under_a_pipeline(world, tmp_path):
+    """transformers saves a tied weight once: the last stage's LM head gets the embedding's values."""
+    model = build_llama_tied()
+    model.save_pretrained(tmp_path)
+    prompt = tokens(2, 7)[0]
+    expected = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)
+    plan = Plan(mesh=Mesh(pp=2), pipeline=Pipeline(microbatches=2))
+    for tokens_out in world(2).run(_generate_from_folder, tmp_path, prompt, plan=plan, timeout=120):
+        assert torch.equal(tokens_out, expected)
 
 
 def test_a_model_type_whose_stages_were_never_checked_is_refused():

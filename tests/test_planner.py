@@ -245,23 +245,27 @@ def test_explain_shows_the_estimate_beside_the_tables(capsys, no_processes):
 
 
 def test_autoshard_leaves_out_what_validate_refuses_on_the_model():
-    """GPT-NeoX cannot be cut into a pipeline; a tied Gemma cannot tie across stages: no candidate has a
-    pipeline, each refusal says why, and every candidate validates."""
+    """GPT-NeoX cannot be cut into a pipeline: no candidate has a pipeline, the refusal says why, and every
+    candidate validates. A tied Gemma can (its embedding and LM head get a copy on each end)."""
     from transformers import AutoModelForCausalLM, GemmaConfig, GPTNeoXConfig
 
-    configs = {"cannot be cut": GPTNeoXConfig(vocab_size=512, hidden_size=64, intermediate_size=128,
-                                              num_hidden_layers=4, num_attention_heads=4, max_position_embeddings=128),
-               "tied weights": GemmaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                                           num_attention_heads=4, num_key_value_heads=1, head_dim=16,
-                                           max_position_embeddings=128)}
-    for why, config in configs.items():
-        candidates = autoshard(config, devices=4, hardware=A100, global_batch=8, seq_len=64, top=50)
-        reasons = {r.family: r.reason for r in candidates.rejected}
-        assert why in reasons["pp > 1"] or "not a chain of its modules" in reasons["pp > 1"]
-        model = sk.meta_model(AutoModelForCausalLM.from_config, config)
-        for c in candidates:
-            assert c.plan.pipeline is None
-            sk.validate(c.plan, model)
+    neox = GPTNeoXConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                         num_attention_heads=4, max_position_embeddings=128)
+    candidates = autoshard(neox, devices=4, hardware=A100, global_batch=8, seq_len=64, top=50)
+    assert "not a chain of its modules" in {r.family: r.reason for r in candidates.rejected}["pp > 1"]
+    model = sk.meta_model(AutoModelForCausalLM.from_config, neox)
+    for c in candidates:
+        assert c.plan.pipeline is None
+        sk.validate(c.plan, model)
+    gemma = GemmaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                        num_attention_heads=4, num_key_value_heads=1, head_dim=16, max_position_embeddings=128)
+    candidates = autoshard(gemma, devices=4, hardware=A100, global_batch=8, seq_len=64, top=50)
+    assert "pp > 1" not in {r.family for r in candidates.rejected}
+    model = sk.meta_model(AutoModelForCausalLM.from_config, gemma)
+    pipelined = [c for c in candidates if c.plan.pipeline is not None]
+    assert pipelined and model.config.tie_word_embeddings
+    for c in pipelined:
+        sk.validate(c.plan, model)
 
 
 def test_gradient_accumulation_lets_a_large_batch_fit():

@@ -172,6 +172,23 @@ def test_a_tie_split_by_sharding_is_reported(monkeypatch):
             "but separate ones after sharding: the plan splits a tie") in result.problems
 
 
+def test_copies_of_a_tie_on_different_ranks_are_each_compared(monkeypatch):
+    """A pipeline's first stage holds wte, its last stage the lm_head copy: no split-tie problem, and a
+    copy the runtime let drift fails on its own name."""
+    def stages(per_rank, drift=0.0):
+        first, last = per_rank
+        rename(last, "transformer.wte.weight", "lm_head.weight")
+        for record in last:
+            record["weights"]["lm_head.weight"] = record["weights"]["lm_head.weight"] + drift
+        return [first, last]
+
+    fake_world(monkeypatch, stages)
+    assert run_verify(build_tiny_gpt2, loss_fn=hf_loss).ok
+    fake_world(monkeypatch, lambda per_rank: stages(per_rank, drift=0.1))
+    result = run_verify(build_tiny_gpt2, loss_fn=hf_loss)
+    assert not result.ok and result.problems == [f"step {i}: weight lm_head.weight out of tolerance" for i in (0, 1)]
+
+
 def test_a_weight_half_a_step_off_fails_under_bf16(monkeypatch):
     # The old bf16 bound, 2 x lr per step taken against an fp32 run, let this pass.
     def nudge(per_rank):
