@@ -217,21 +217,29 @@ def test_tied_gradients_accumulated_over_steps_are_summed_once(world):
     assert torch.equal(first["model.embed_tokens.weight"], last["model.embed_tokens.weight"])
 
 
-def _generate_from_folder(ctx, folder, prompt):
+def _generate_from_folder(ctx, folder, prompt, out):
     model = sk.shard(sk.meta_model(build_llama_tied), ctx.plan, ctx, weights=folder)
+    sk.export_hf(out, model)
     return sk.generate(model, prompt, max_new_tokens=8, eos_token_id=None)
 
 
 def test_a_tied_model_loaded_from_a_hf_folder_generates_under_a_pipeline(world, tmp_path):
-    """transformers saves a tied weight once: the last stage's LM head gets the embedding's values."""
+    """transformers saves a tied weight once: the last stage's LM head gets the embedding's values, and
+    sk.export_hf writes it once again."""
+    from safetensors import safe_open
+
     model = build_llama_tied()
-    model.save_pretrained(tmp_path)
+    model.save_pretrained(tmp_path / "in")
     prompt = tokens(2, 7)[0]
     expected = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8, do_sample=False,
                               eos_token_id=None, pad_token_id=0)
     plan = Plan(mesh=Mesh(pp=2), pipeline=Pipeline(microbatches=2))
-    for tokens_out in world(2).run(_generate_from_folder, tmp_path, prompt, plan=plan, timeout=120):
+    for tokens_out in world(2).run(_generate_from_folder, tmp_path / "in", prompt, tmp_path / "out", plan=plan,
+                                   timeout=120):
         assert torch.equal(tokens_out, expected)
+    with safe_open(tmp_path / "out" / "model.safetensors", "pt") as exported:
+        assert "lm_head.weight" not in exported.keys()
+        assert torch.equal(exported.get_tensor("model.embed_tokens.weight"), model.model.embed_tokens.weight)
 
 
 def test_a_model_type_whose_stages_were_never_checked_is_refused():
