@@ -217,6 +217,27 @@ def test_tied_gradients_accumulated_over_steps_are_summed_once(world):
     assert torch.equal(first["model.embed_tokens.weight"], last["model.embed_tokens.weight"])
 
 
+def _freeze_tie(ctx, everywhere: bool):
+    model = sk.shard(build_llama_tied(), ctx.plan, ctx)
+    for name, param in model.named_parameters():
+        if name == "model.embed_tokens.weight" or (everywhere and name in model.tied_copies):
+            param.requires_grad_(False)
+    try:
+        model.step(*ctx.shard_batch(*tokens(4)), hf_loss)
+    except sk.UsageError as exc:
+        return str(exc)
+    return {name: param.grad for name, param in model.named_parameters()}
+
+
+def test_a_tie_frozen_under_one_name_only_stops_every_stage_and_frozen_everywhere_stays_frozen(world):
+    plan = Plan(mesh=Mesh(pp=2), pipeline=Pipeline(microbatches=2))
+    for message in world(2).run(_freeze_tie, False, plan=plan, timeout=120):
+        assert "parameter " in message and "only 1 of the 2 pipeline devices holding a copy" in message
+    first, last = world(2).run(_freeze_tie, True, plan=plan, timeout=120)
+    assert first["model.embed_tokens.weight"] is None and last["lm_head.weight"] is None
+    assert last["model.norm.weight"] is not None
+
+
 def _generate_from_folder(ctx, folder, prompt, out):
     model = sk.shard(sk.meta_model(build_llama_tied), ctx.plan, ctx, weights=folder)
     sk.export_hf(out, model)

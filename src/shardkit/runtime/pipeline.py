@@ -259,15 +259,30 @@ class _Runtime:
 
     def _sum_tied_grads(self, before: list[torch.Tensor | None]) -> None:
         """Add to each tied copy's gradient what the other copies gained in this step: the sum
-        of the step's gains, so a gradient accumulated over steps is never summed twice."""
+        of the step's gains, so a gradient accumulated over steps is never summed twice.
+
+        Every copy takes part in every step, frozen or not (so no device waits for another),
+        and says whether it requires grad: a tie frozen under one name and not another (one
+        parameter in one process) would let the copies drift, so it stops every device."""
         with torch.no_grad():
             for tie, old in zip(self.ties, before):
-                if tie.param.grad is None:
-                    tie.param.grad = torch.zeros_like(tie.param)
-                grad = _local_grad(tie.param)
-                gained = grad - old if old is not None else grad.clone()
+                param = tie.param
+                if param.grad is None and param.requires_grad:
+                    param.grad = torch.zeros_like(param)
+                grad = _local_grad(param) if param.grad is not None else torch.zeros_like(_local(param))
+                gained = torch.empty(grad.numel() + 1, dtype=grad.dtype, device=grad.device)
+                gained[:-1] = (grad - old if old is not None else grad).flatten()
+                gained[-1] = float(param.requires_grad)
                 dist.all_reduce(gained, group=tie.group)
-                grad.copy_(gained if old is None else old + gained)
+                learning, copies = int(gained[-1].item()), dist.get_world_size(tie.group)
+                if learning not in (0, copies):
+                    raise UsageError(f"parameter {tie.name!r} is tied to {tie.first!r} (one parameter in one process), "
+                                     f"but only {learning} of the {copies} pipeline devices holding a copy have it "
+                                     f"requires_grad=True: freeze or unfreeze it under every name it has on every "
+                                     f"stage (model.tied_copies lists a stage's other names)")
+                if param.requires_grad:
+                    gained = gained[:-1].view_as(grad)
+                    grad.copy_(gained if old is None else old + gained)
 
     @property
     def has_first(self) -> bool:
