@@ -286,3 +286,19 @@ def test_gradient_accumulation_lets_a_large_batch_fit():
                  seq_len=128, hardware=A100, grad_accum=2)
     with pytest.raises(sk.PlanError, match="does not split into 3 accumulation steps"):
         estimate("gpt-small", sk.Plan(sk.Mesh(fsdp=2)), batch_size=8, seq_len=128, hardware=A100, grad_accum=3)
+
+
+def test_a_tied_embedding_on_a_pipeline_costs_one_all_reduce_of_its_gradient_a_step():
+    """Each end holds a copy, summed once a step; zbv puts both ends on one device: nothing to send."""
+    from transformers import LlamaConfig
+
+    def pp_seconds(tied: bool, schedule: str) -> float:
+        config = LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
+                             num_attention_heads=8, num_key_value_heads=8, tie_word_embeddings=tied)
+        plan = sk.Plan(sk.Mesh(pp=2), pipeline=sk.Pipeline(schedule=schedule, microbatches=4,
+                                                           virtual_stages=2 if schedule == "zbv" else 1))
+        return estimate(config, plan, batch_size=8, seq_len=128, hardware=A100).step_time_parts["pp"]
+
+    gradient = 32000 * 512 * 4  # the embedding's float32 gradient, over NVLink at hundreds of GB/s: microseconds
+    assert 0.2 * gradient / 600e9 < pp_seconds(True, "1f1b") - pp_seconds(False, "1f1b") < 20 * gradient / 600e9
+    assert pp_seconds(True, "zbv") == pp_seconds(False, "zbv")

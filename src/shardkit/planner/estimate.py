@@ -51,7 +51,9 @@ group's ranks are consecutive and fit in one, else across nodes):
   forward, another backward (with resharding) and a reduce-scatter (HSDP adds an all-reduce of
   the shard); ``overlap`` of it runs while the backward computes, except the last bucket / the
   first unit's gather;
-- ``pp``: point-to-point of each micro-batch's hidden states, forward and backward;
+- ``pp``: point-to-point of each micro-batch's hidden states, forward and backward; with an
+  embedding tied to the LM head, one all-reduce of its gradient between the first and the last
+  device a step (none under ``zbv``, which puts both ends on one device);
 - ``sp``: ring attention's key/value passes, ``overlap`` of them behind the attention core.
 """
 
@@ -456,6 +458,9 @@ def time_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer: 
     if p > 1:
         link = _link(hw, shape, ("pp",), "p2p")
         parts["pp"] = 2 * (m * v + p - 1) * (link.latency + hidden_bytes / link.bandwidth)
+        if n.tied and s.schedule != "zbv":  # the embedding's and the LM head's gradients summed once a step
+            parts["pp"] += _collective("all_reduce", n.embedding_params / shards * reduce, 2,
+                                       _link(hw, shape, ("pp",), "all_reduce"))
     # context parallel: keys and values go around the ring (forward, and keys, values and their
     # gradients backward), behind the attention core
     if s.sp > 1:
