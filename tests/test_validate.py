@@ -74,6 +74,18 @@ def test_a_model_whose_heads_are_sized_outside_the_attention_is_refused_before_l
 
 # -- biases, norms, two axes ------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("rules, rule", [
+    ([(r"layers\.\d+\.atn\.q\.weight", ("tp", None)), (".*", None)], r"#0 'layers"),  # a typo
+    ([(".*", None), (r"lm_head\.weight", ("tp", None))], r"#1 'lm_head"),  # shadowed by the catch-all
+], ids=["typo", "shadowed"])
+def test_a_model_axis_whose_rules_match_no_parameter_is_refused(rules, rule):
+    """The rules name tp but no parameter ends up split over it: every tp rank would compute the same."""
+    with pytest.raises(sk.PlanError, match=r"mesh axis 'tp' \(size 2\) splits no parameter: the rules naming it "
+                                           r"\(" + rule) as info:
+        sk.validate(sk.Plan(sk.Mesh(fsdp=2, tp=2), sk.LayoutMap(rules)), meta_model(build_tiny_gpt))
+    assert "fix the rules or remove the axis" in str(info.value)
+
+
 def test_a_replicated_bias_under_a_column_parallel_weight_is_refused():
     rules = sk.LayoutMap([(r"layers\.\d+\.attn\.q_proj\.weight", ("tp", None)),
                           (r"layers\.\d+\.attn\.q_proj\.bias", None), *GPT_RULES.items()])

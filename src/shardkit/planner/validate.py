@@ -17,7 +17,8 @@ from typing import Any
 from torch import nn
 
 from ..plan import Mesh, Plan, PlanError, PlanWarning, UsageError, param_shapes, resolve_layouts
-from ..plan.layout import LayoutResolution
+from ..plan.layout import LayoutResolution, axes_of
+from ..plan.mesh import is_model_axis
 from .model_checks import ModelFacts, analyse_model, recompute_problems
 from .stages import assign_stages
 from .tensor_parallel import aliases
@@ -75,6 +76,7 @@ def validate(plan: Plan, model: Any, world_size: int | None = None, *,
         if layouts is not None:
             layouts, found = _tied_names(plan, model, layouts)
             problems.extend(found)
+            problems.extend(_axes_splitting_nothing(plan, layouts))
             facts, found = analyse_model(plan, model, layouts.params, example_inputs)
             problems.extend(found)
     if problems:
@@ -84,6 +86,24 @@ def validate(plan: Plan, model: Any, world_size: int | None = None, *,
     for text in found:
         warnings.warn(text, PlanWarning, stacklevel=2)
     return ValidationReport(mesh, layouts, found, facts)
+
+
+def _axes_splitting_nothing(plan: Plan, layouts: LayoutResolution) -> list[str]:
+    """Model axes some rule names but no parameter's layout uses (the rules naming them match no
+    parameter, or an earlier rule takes their parameters): every rank of the axis would compute
+    the same thing. (An axis no rule names is :meth:`Plan.problems`'.)"""
+    used = {axis for lay in layouts.params.values() if lay.layout for entry in lay.layout for axis in axes_of(entry)}
+    named = plan.rules.axes() if plan.rules is not None else set()
+    problems = []
+    for axis in plan.mesh.names:
+        if plan.mesh[axis] > 1 and is_model_axis(axis) and axis in named and axis not in used:
+            rules = [f"#{i} {pattern!r}" for i, (pattern, layout) in enumerate(plan.rules.items())
+                     if layout and any(axis in axes_of(entry) for entry in layout)]
+            problems.append(f"mesh axis {axis!r} (size {plan.mesh[axis]}) splits no parameter: the rules naming it "
+                            f"({', '.join(rules)}) match none that an earlier rule does not take first (a typo in "
+                            f"a module name, or a rule such as '.*' placed before them?), so every {axis} rank "
+                            f"would compute the same thing; fix the rules or remove the axis")
+    return problems
 
 
 def _tied_names(plan: Plan, model: nn.Module, layouts: LayoutResolution) -> tuple[LayoutResolution, list[str]]:
