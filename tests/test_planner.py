@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 import shardkit as sk
 from shardkit.cli import main
@@ -302,3 +303,29 @@ def test_a_tied_embedding_on_a_pipeline_costs_one_all_reduce_of_its_gradient_a_s
     gradient = 32000 * 512 * 4  # the embedding's float32 gradient, over NVLink at hundreds of GB/s: microseconds
     assert 0.2 * gradient / 600e9 < pp_seconds(True, "1f1b") - pp_seconds(False, "1f1b") < 20 * gradient / 600e9
     assert pp_seconds(True, "zbv") == pp_seconds(False, "zbv")
+
+
+class _MlpLM(torch.nn.Module):
+    """A language model of MLP blocks, no attention (no heads to size anything by)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(256, 64)
+        self.blocks = torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(),
+                                                               torch.nn.Linear(256, 64)) for _ in range(2)])
+        self.head = torch.nn.Linear(64, 256)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
+def test_a_model_without_attention_heads_is_estimated_and_planned():
+    """It divided by zero heads (estimate, explain, plan, train --plan auto all crashed)."""
+    e = estimate(_MlpLM(), sk.Plan(sk.Mesh(fsdp=2)), batch_size=4, seq_len=16, hardware=A100)
+    assert e.memory["total"] > 0 and e.step_time > 0
+    assert autoshard(_MlpLM(), devices=4, hardware=A100, global_batch=8, seq_len=16, top=3)
+    with pytest.raises(sk.PlanError, match="no attention with heads was found in _MlpLM"):
+        sk.kv_cache_bytes(_MlpLM(), batch_size=1, seq_len=16)

@@ -226,6 +226,9 @@ def kv_cache_bytes(model: Any, *, tp: int = 1, pp: int = 1, batch_size: int, seq
         raise PlanError(f"kv_cache_bytes(tp={tp}): the model's {a.kv_heads} KV heads do not split over tp={tp}")
     if not 1 <= pp <= a.layers:
         raise PlanError(f"kv_cache_bytes(pp={pp}): the model has {a.layers} layers; valid: 1 to {a.layers} stages")
+    if not a.heads:
+        raise PlanError(f"kv_cache_bytes: no attention with heads was found in {a.name}, so it keeps no KV cache "
+                        f"shardkit can size")
     head_dim = a.head_dim or a.hidden // a.heads
     layers = -(-a.layers // pp)
     return 2 * layers * batch_size * seq_len * (a.kv_heads // tp) * head_dim * (dtype or a.dtype).itemsize
@@ -271,9 +274,9 @@ class Numbers:
         acts = a.block.activations_per_token
         core = a.block.flops_per_token["attention_core"]
         share = core / a.block.flops if a.block.flops else 0.0  # the attention core's share, for traffic and ops
-        head_dim = a.head_dim or a.hidden // a.heads
+        head_dim = a.head_dim or (a.hidden // a.heads if a.heads else 0)  # 0: a model without attention heads
         qkvo = 2 * (a.heads + a.kv_heads) // a.tp * head_dim * a.dtype.itemsize
-        return cls(a.layers, a.hidden, a.vocab, 2 * a.kv_heads * (a.hidden // a.heads), a.dtype.itemsize,
+        return cls(a.layers, a.hidden, a.vocab, 2 * a.kv_heads * head_dim, a.dtype.itemsize,
                    a.block.params, a.embedding.params, a.head.params, a.tied, a.block.flops, core,
                    a.embedding.flops, a.head.flops, a.block.traffic_per_token, share * a.block.traffic_per_token,
                    a.embedding.traffic_per_token, a.head.traffic_per_token, a.block.ops, round(share * a.block.ops),
