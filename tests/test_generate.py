@@ -467,6 +467,8 @@ def test_cli_generates_under_a_pipeline_from_a_checkpoint_and_a_hf_folder(tp_res
     (["--model", "llama-tiny", "--prompt-ids", "1", "--eos-token-id", "3", "--eos-token-id", "256"],
      r"--eos-token-id 256: model 'llama-tiny' has a vocabulary of 256; valid ids: 0 to 255"),
     (["--model", "llama-tiny", "--prompt-ids", "1", "--eos-token-id", "-1"], r"--eos-token-id: must be an integer >= 0"),
+    (["--model", "llama-tiny", "--prompt-ids", "1", "--temperature", "0.8", "--top-k", "400"],
+     r"--top-k 400: model 'llama-tiny' has a vocabulary of 256; valid: 1 to 256"),
 ])
 def test_cli_refuses_before_any_process(argv, expected, hf_folder, tp_results, checkpoint, capsys, no_processes):
     weights = ["--checkpoint", str(checkpoint)] if "gpt-small" in argv else ["--hf", str(hf_folder)]

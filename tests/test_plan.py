@@ -178,8 +178,11 @@ def test_validate_rejects_unused_model_axis_and_lists_every_problem():
     with pytest.raises(PlanError) as err:
         validate(plan, SHAPES)
     assert "mesh axis 'ep' (size 2) is used by no layout rule" in str(err.value)
+    assert "'ep' is a user axis; shardkit's own axes are dp, fsdp, tp, pp, sp: a typo?" in str(err.value)
     assert "match no layout rule" in str(err.value)
     assert len(err.value.problems) == 2
+    with pytest.raises(PlanError, match=r"'FSDP' is a user axis; shardkit's own axes are dp, fsdp, tp, pp, sp"):
+        validate(sk.Plan(mesh=sk.Mesh(FSDP=2)), SHAPES)
 
 
 def test_validate_needs_world_size_for_inferred_axis():

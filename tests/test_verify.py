@@ -78,6 +78,7 @@ BAD_ARGUMENTS = [
     ({"loss_fn": float_loss}, r"loss_fn returned float; it must return a floating-point scalar tensor"),
     ({"loss_fn": constant_loss}, r"the loss does not depend on the model's parameters"),
     ({"loss_fn": lambda logits, targets: gpt_loss(logits, targets)}, r"verify\(loss_fn=...\): loss_fn cannot be pickled"),
+    ({"world": "x"}, r"verify\(world=...\): give a sk.LocalWorld \(or None: a world is started for the run\), got str"),
 ]
 
 

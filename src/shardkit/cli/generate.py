@@ -155,6 +155,9 @@ def check_job(args: argparse.Namespace) -> tuple[Plan, GenerateJob]:
         if vocab is not None and max(ids) >= vocab:
             raise UsageError(f"--prompt-ids holds id {max(ids)}, but model {args.model!r} has a vocabulary of "
                              f"{vocab}; valid ids: 0 to {vocab - 1}")
+    if args.top_k is not None and vocab is not None and args.top_k > vocab:
+        raise UsageError(f"--top-k {args.top_k}: model {args.model!r} has a vocabulary of {vocab}; valid: 1 to "
+                         f"{vocab}")
     if args.eos_token_id is not None and vocab is not None and max(args.eos_token_id) >= vocab:
         raise UsageError(f"--eos-token-id {max(args.eos_token_id)}: model {args.model!r} has a vocabulary of "
                          f"{vocab}; valid ids: 0 to {vocab - 1}")

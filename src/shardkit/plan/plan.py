@@ -11,7 +11,7 @@ from typing import Any
 from .errors import PlanError, UsageError
 from .files import boolean, known_keys, mapping, read_file, read_text
 from .layout import LayoutMap
-from .mesh import DATA_AXES, Mesh, is_model_axis
+from .mesh import AXIS_ROLES, DATA_AXES, Mesh, is_model_axis
 from .pipeline import Pipeline
 from .replicas import ReplicaGrouping
 from .sequence import sequence_problems
@@ -165,9 +165,11 @@ class Plan:
                 problems.append(f"mesh axis 'pp' (size {mesh[axis]}) needs a pipeline: add "
                                 f"Plan(pipeline=Pipeline(stages={mesh[axis]}, ...)) (CLI: --schedule/--split) or remove the axis")
             elif mesh[axis] > 1 and is_model_axis(axis) and axis not in rule_axes:
+                user = "" if axis in AXIS_ROLES else (f" ({axis!r} is a user axis; shardkit's own axes are "
+                                                       f"{', '.join(AXIS_ROLES)}: a typo?)")
                 problems.append(
                     f"mesh axis {axis!r} (size {mesh[axis]}) is used by no layout rule, so every {axis} rank would "
-                    f"compute the same thing; add rules that split parameters over {axis!r} or remove the axis"
+                    f"compute the same thing; add rules that split parameters over {axis!r} or remove the axis{user}"
                 )
         names = mesh.names
         if "dp" in names and "fsdp" in names and mesh["dp"] > 1 and mesh["fsdp"] > 1:

@@ -113,6 +113,9 @@ def checked_loss(loss_fn: Callable) -> Callable:
 
 
 def world_size_of(plan: Plan, world: LocalWorld | None) -> int:
+    if world is not None and not (isinstance(getattr(world, "size", None), int) and callable(getattr(world, "run", None))):
+        raise UsageError(f"verify(world=...): give a sk.LocalWorld (or None: a world is started for the run), "
+                         f"got {type(world).__name__} {world!r}")
     if world is not None:
         return world.size
     if not plan.mesh.is_resolved:
