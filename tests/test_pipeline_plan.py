@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from scoped_net import Block, ScopedNet
@@ -287,6 +288,47 @@ class Tied(nn.Module):
 
     def forward(self, idx):
         return self.head(self.mid(self.embed(idx)))
+
+
+class Gain(nn.Module):
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.g = nn.Parameter(torch.linspace(0.5, 2.0, d))
+
+    def forward(self, x):
+        return torch.relu(x) * self.g
+
+
+class GainFirst(nn.Module):
+    """Registered gain, fc1, fc2; runs fc1, gain, fc2 (the order a chain's stages must follow)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gain, self.fc1, self.fc2 = Gain(), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.fc2(self.gain(self.fc1(x)))
+
+
+class Gains(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = Gain(), Gain()
+
+    def forward(self, x):
+        return self.a(self.b(x))
+
+
+def test_a_chain_is_staged_in_the_order_it_runs_or_refused_when_that_cannot_be_found():
+    """The first registered child gave no input to guess from, so registration order was taken unchecked."""
+    a = assign_stages(meta_model(GainFirst), Pipeline(schedule="gpipe"), Mesh(pp=2))
+    assert [u.name for u in a.layout.units] == ["fc1", "gain", "fc2"]
+    with pytest.raises(PlanError, match=r"cannot tell in which order Gains's children run without an example input"):
+        assign_stages(meta_model(Gains), Pipeline(schedule="gpipe"), Mesh(pp=2))
+    a = assign_stages(meta_model(Gains), Pipeline(schedule="gpipe"), Mesh(pp=2), example_inputs=(torch.zeros(1, 8),))
+    assert [u.name for u in a.layout.units] == ["b", "a"]
+    a = assign_stages(nn.Sequential(Gain(), Gain()), Pipeline(schedule="gpipe"), Mesh(pp=2))
+    assert [u.name for u in a.layout.units] == ["0", "1"]
 
 
 def test_tied_weights_across_stages_are_recorded_and_within_one_stage_are_not():

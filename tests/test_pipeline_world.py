@@ -172,6 +172,44 @@ def test_embedding_and_logit_scalings_of_the_model_forward_run_on_the_stages(wor
     check(build, plan, world(2), loss_fn=hf_loss, batch=tokens(4))
 
 
+class _Gain(torch.nn.Module):
+    def __init__(self, shift: float):
+        super().__init__()
+        self.g = torch.nn.Parameter(torch.linspace(0.5, 2.0, 8))
+        self.b = torch.nn.Parameter(torch.full((8,), shift))
+
+    def forward(self, x):
+        return torch.tanh(x * self.g + self.b)  # these do not commute: the order changes the numbers
+
+
+class _Gains(torch.nn.Module):
+    """Registered a, b, c, d; runs d, c, b, a. Nothing to guess an input from: only an example input orders it."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c, self.d = _Gain(-1.0), _Gain(0.5), _Gain(1.0), _Gain(2.0)
+
+    def forward(self, x):
+        return self.a(self.b(self.c(self.d(x))))
+
+
+def build_gains() -> _Gains:
+    return _Gains()
+
+
+def _mse(output, target):
+    return torch.nn.functional.mse_loss(output, target)
+
+
+def test_a_chain_ordered_by_its_example_input_is_staged_so_in_the_workers(world):
+    """sk.verify runs a model of no known family on a sample of its batch, and sk.shard hands example_inputs
+    to the stages (it validated with them, then ordered the stages by a guess)."""
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+    plan = Plan(mesh=Mesh(pp=2), pipeline=Pipeline(schedule="gpipe", microbatches=2))
+    result = sk.verify(build_gains, plan, (x, x.flip(0)), loss_fn=_mse, steps=2, world=world(2))
+    assert result.ok, str(result)
+
+
 # -- a parameter tied across stages: a copy on each, kept equal --------------------------------------
 TIED = [
     ("llama pp=2 1f1b", build_llama_tied, Plan(mesh=Mesh(pp=2), pipeline=Pipeline(schedule="1f1b", microbatches=2))),

@@ -108,7 +108,7 @@ def one_rank(build_model, batch, loss_fn, steps, lr, precision=FLOAT32) -> list[
 
 def fake_world(monkeypatch, tamper=lambda per_rank: per_rank, precision=FLOAT32) -> None:
     """Replace the world: two ranks that each report a correct single-process run, passed through ``tamper``."""
-    def launch(job, plan, build_model, batch, loss_fn, steps, optimizer, lr, world=None, world_size=None):
+    def launch(job, plan, build_model, batch, loss_fn, steps, optimizer, lr, example, world=None, world_size=None):
         records = one_rank(build_model, batch, loss_fn, steps, lr, precision)
         return tamper([records, copy.deepcopy(records)])
     monkeypatch.setattr(verify_module, "launch", launch)

@@ -39,8 +39,13 @@ class ChainFamily(Family):
         units = _chain_units(model)
         if not units:
             raise PlanError(f"{type(model).__name__} has no child modules to place in pipeline stages")
-        inputs = example_inputs or guess_input(model.get_submodule(units[0].modules[0]))
+        inputs = example_inputs or guess_input(model.get_submodule(units[0].modules[0])) or guess_input(model)
         if inputs is None:
+            if type(model).forward is not nn.Sequential.forward:  # only nn.Sequential runs in registration order
+                raise PlanError(f"shardkit cannot tell in which order {type(model).__name__}'s children run without "
+                                f"an example input (it guesses one only from an Embedding or a Linear): pass "
+                                f"example_inputs=(one input batch,) to sk.validate / sk.shard, or make the model an "
+                                f"nn.Sequential")
             return ModelLayout(self, tuple(units), (), None)
         return ModelLayout(self, _chain_order(model, units, inputs), (), inputs)
 

@@ -125,7 +125,7 @@ def shard(model: nn.Module, plan: Plan, ctx: Context | None = None, *, example_i
     if plan.pipeline is not None:
         from .pipeline import build_pipeline
 
-        return build_pipeline(model, plan, ctx, report.layouts.params, report.facts, seed, source)
+        return build_pipeline(model, plan, ctx, report.layouts.params, report.facts, seed, source, example_inputs)
     sharded = with_mixin(parallelize(model, plan, ctx, report.layouts.params, report.facts, seed, source),
                          ShardedModule, "Sharded")
     sharded._sk_plan = plan

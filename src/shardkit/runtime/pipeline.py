@@ -521,9 +521,11 @@ def _recording_waits() -> Iterator[None]:
 
 
 def build_pipeline(model: nn.Module, plan: Plan, ctx: Context, layouts: dict[str, ParamLayout],
-                   facts: ModelFacts, seed: int = 0, source: WeightSource | None = None) -> nn.Module:
+                   facts: ModelFacts, seed: int = 0, source: WeightSource | None = None,
+                   example_inputs: tuple | None = None) -> nn.Module:
     """Split ``model`` into this rank's pipeline stage(s), parallelize them, and schedule them
-    (``layouts`` and ``facts``: what ``sk.validate`` planned for the whole model).
+    (``layouts`` and ``facts``: what ``sk.validate`` planned for the whole model, with
+    ``example_inputs`` when given, which also order a chain model's stages here).
 
     Returns the pruned model (original parameter names) with ``step(inputs, targets, loss_fn)``,
     ``plan``, ``local_stages`` and ``forward(x, stage=s)``.
@@ -538,7 +540,7 @@ def build_pipeline(model: nn.Module, plan: Plan, ctx: Context, layouts: dict[str
         raise PlanError(problems)
     if isinstance(model, PipelinedModule):
         raise UsageError("this model is already split into pipeline stages; build a fresh model for sk.shard")
-    assignment = assign_stages(model, pipeline, plan.mesh)
+    assignment = assign_stages(model, pipeline, plan.mesh, example_inputs)
     runtime = _Runtime(model, plan, ctx, assignment)
     keep = {m for s in runtime.local for m in assignment.modules(s)} | set(assignment.layout.shared)
     _prune(model, keep, assignment)

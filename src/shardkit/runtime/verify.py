@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..families import family_of
 from ..plan import Plan, PlanError, UsageError
 from ..planner.tensor_parallel import aliases
 from .context import Context
@@ -158,10 +159,11 @@ class _SingleProcess:
         return {n: p.detach().clone() for n, p in self.params.items()}
 
 
-def _sharded_job(ctx: Context, build_model, batch, loss_fn, steps, optimizer, lr) -> list[dict]:
+def _sharded_job(ctx: Context, build_model, batch, loss_fn, steps, optimizer, lr,
+                 example_inputs: tuple | None = None) -> list[dict]:
     from .apply import full_grads, full_state_dict, shard
 
-    model = shard(build_model(), ctx.plan, ctx)
+    model = shard(build_model(), ctx.plan, ctx, example_inputs=example_inputs)
     opt = _make_optimizer(optimizer, model, lr)
     inputs, targets = ctx.shard_batch(*batch)
     records = []
@@ -318,7 +320,9 @@ def verify(build_model: Callable[[], nn.Module], plan: Plan, batch: tuple[Any, A
     from ..planner.validate import validate
 
     model = meta_model(build_model)
-    validate(plan, model, world_size=world_size)
+    # a model of no known family is run on a sample of the batch, not on a guessed input (its stages' order)
+    example = (inputs[:1],) if family_of(model).name == "chain" else None
+    validate(plan, model, world_size=world_size, example_inputs=example)
     check_token_ids(model, inputs)
     problems = plan.resolved(world_size).batch_problems(len(inputs), int(inputs.shape[1]) if inputs.dim() >= 2 else None)
     if problems:
@@ -328,7 +332,7 @@ def verify(build_model: Callable[[], nn.Module], plan: Plan, batch: tuple[Any, A
                                Precision.of(plan.fsdp))
     float32_grads = reference.backward(Precision())[1] if plan.fsdp.mixed_precision else None
     first = reference.backward()
-    per_rank = launch(_sharded_job, plan, build_model, (inputs, targets), loss_fn, steps, optimizer, lr,
+    per_rank = launch(_sharded_job, plan, build_model, (inputs, targets), loss_fn, steps, optimizer, lr, example,
                       world=world, world_size=world_size)
     result = _compare(reference, first, per_rank, steps, tol)
     if float32_grads is not None:
