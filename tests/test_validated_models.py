@@ -43,7 +43,18 @@ def _from_hf(build):
     return sk.LayoutMap.from_hf(meta_model(build))
 
 
+def build_llama_first_layer_frozen():
+    """A fine-tuning setup: the first block and the tied embedding frozen (AdamW must not decay them)."""
+    model = build_llama_tied()
+    for param in [*model.model.layers[0].parameters(), model.model.embed_tokens.weight]:
+        param.requires_grad_(False)
+    return model
+
+
 CASES = {
+    "frozen layer and tied embedding, fsdp=2": (build_llama_first_layer_frozen, lambda: sk.Plan(sk.Mesh(fsdp=2))),
+    "frozen layer and tied embedding, pp=2": (build_llama_first_layer_frozen, lambda: sk.Plan(
+        sk.Mesh(pp=2), pipeline=sk.Pipeline(microbatches=2))),
     "llama tied embedding, tp=2": (build_llama_tied, lambda: sk.Plan(TP2, LLAMA_RULES)),
     "gemma (tied) from_hf, tp=2": (build_gemma, lambda: sk.Plan(TP2, _from_hf(build_gemma))),
     "gpt2 wte split (tied lm_head), tp=2": (build_gpt2, lambda: sk.Plan(TP2, sk.LayoutMap(

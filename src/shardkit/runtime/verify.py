@@ -153,8 +153,8 @@ class _SingleProcess:
 
     def update(self, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """One optimizer step from the current weights with ``grads``; returns the new weights."""
-        for name, p in self.params.items():
-            p.grad = grads[name].to(p.dtype).clone() if name in grads else None
+        for name, p in self.params.items():  # a frozen parameter has no gradient (AdamW would decay it)
+            p.grad = grads[name].to(p.dtype).clone() if name in grads and p.requires_grad else None
         self.optimizer.step()
         return {n: p.detach().clone() for n, p in self.params.items()}
 
