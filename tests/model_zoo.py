@@ -338,3 +338,97 @@ def tokens(batch: int = 4, seq: int = 16, vocab: int = 256) -> tuple[torch.Tenso
     generator = torch.Generator().manual_seed(1)
     ids = torch.randint(0, vocab, (batch, seq + 1), generator=generator)
     return ids[:, :-1], ids[:, 1:]
+
+
+# -- ops that compute across the features a column layer would split (tests/test_tp_infer.py) ----------
+def _mix(kind: str, h: torch.Tensor) -> torch.Tensor:
+    """An op over the whole last dim of ``h``: each tensor-parallel rank would see only its part."""
+    if kind == "layer_norm":
+        return F.layer_norm(h, h.shape[-1:])  # no weight: no parameter to notice
+    if kind == "rms_norm":
+        return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+    return F.softmax(h, dim=-1)
+
+
+class MixedBlock(nn.Module):
+    """``x + down_proj(gelu(mix(up_proj(x))))``; with ``mlp``, then ``x + fc2(gelu(fc1(x)))``."""
+
+    def __init__(self, kind: str, mlp: bool, d: int = 64):
+        super().__init__()
+        self.kind = kind
+        self.up_proj, self.down_proj = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+        self.fc1, self.fc2 = (nn.Linear(d, 2 * d), nn.Linear(2 * d, d)) if mlp else (None, None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.down_proj(F.gelu(_mix(self.kind, self.up_proj(x))))
+        return x if self.fc1 is None else x + self.fc2(F.gelu(self.fc1(x)))
+
+
+class HeadsBlock(nn.Module):
+    """Pre-norm causal attention over ``heads`` heads (one: no head reshape, SDPA over the whole
+    width); with ``mlp``, then a pre-norm MLP."""
+
+    def __init__(self, heads: int, mlp: bool, d: int = 64):
+        super().__init__()
+        self.heads, self.head_dim = heads, d // heads
+        self.norm = nn.LayerNorm(d)
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(d, d) for _ in range(4))
+        self.mlp_norm = nn.LayerNorm(d) if mlp else None
+        self.fc1, self.fc2 = (nn.Linear(d, 2 * d), nn.Linear(2 * d, d)) if mlp else (None, None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        q, k, v = (p(h) for p in (self.q_proj, self.k_proj, self.v_proj))
+        if self.heads > 1:  # the head count read from the width (-1): a shard has its heads
+            q, k, v = (s.view(*x.shape[:2], -1, self.head_dim).transpose(1, 2) for s in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.heads > 1:
+            out = out.transpose(1, 2).flatten(2)
+        x = x + self.o_proj(out)
+        return x if self.fc1 is None else x + self.fc2(F.gelu(self.fc1(self.mlp_norm(x))))
+
+
+class BlocksLM(nn.Module):
+    """Token and position embeddings (256 x 64, 32 x 64), two blocks, a vocabulary head."""
+
+    def __init__(self, make_block):
+        super().__init__()
+        self.embed, self.pos_embed = nn.Embedding(256, 64), nn.Embedding(32, 64)
+        self.blocks = nn.ModuleList([make_block(), make_block()])
+        self.head = nn.Linear(64, 256)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids) + self.pos_embed(torch.arange(ids.shape[1], device=ids.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def build_layer_norm_between() -> BlocksLM:
+    """The red team's model: a weightless ``F.layer_norm`` between up_proj and down_proj."""
+    return _seeded(lambda: BlocksLM(lambda: MixedBlock("layer_norm", mlp=False)))
+
+
+def build_one_head_attention() -> BlocksLM:
+    """The red team's model: SDPA on [B, T, 64] q/k/v (one head over the whole width)."""
+    return _seeded(lambda: BlocksLM(lambda: HeadsBlock(1, mlp=False)))
+
+
+def build_layer_norm_between_mlp() -> BlocksLM:
+    return _seeded(lambda: BlocksLM(lambda: MixedBlock("layer_norm", mlp=True)))
+
+
+def build_rms_norm_between_mlp() -> BlocksLM:
+    return _seeded(lambda: BlocksLM(lambda: MixedBlock("rms_norm", mlp=True)))
+
+
+def build_softmax_between_mlp() -> BlocksLM:
+    return _seeded(lambda: BlocksLM(lambda: MixedBlock("softmax", mlp=True)))
+
+
+def build_one_head_attention_mlp() -> BlocksLM:
+    return _seeded(lambda: BlocksLM(lambda: HeadsBlock(1, mlp=True)))
+
+
+def build_two_head_attention_mlp() -> BlocksLM:
+    return _seeded(lambda: BlocksLM(lambda: HeadsBlock(2, mlp=True)))

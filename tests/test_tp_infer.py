@@ -12,12 +12,19 @@ from model_zoo import (
     build_gemma,
     build_gpt2,
     build_gptj,
+    build_layer_norm_between,
+    build_layer_norm_between_mlp,
     build_llama_tied,
     build_mistral,
     build_mixtral,
     build_neox,
+    build_one_head_attention,
+    build_one_head_attention_mlp,
     build_phi3,
     build_qwen2,
+    build_rms_norm_between_mlp,
+    build_softmax_between_mlp,
+    build_two_head_attention_mlp,
     loss,
     tokens,
 )
@@ -29,6 +36,7 @@ from shardkit.models.hf import build_tiny_llama
 from shardkit.plan.layout import resolve_layouts
 from shardkit.planner.meta import meta_model
 from shardkit.planner.tensor_parallel import aliases
+from shardkit.planner.tp_infer import pair_layers, trace_feeds
 
 
 def _layouts(model: nn.Module, rules: sk.LayoutMap, axis: str = "tp") -> dict:
@@ -209,6 +217,92 @@ def test_a_model_with_nothing_to_pair_is_refused_with_the_reason(name):
     with pytest.raises(sk.PlanError, match="no column/row pair found") as info:
         sk.infer_tp_rules(model, example_inputs=inputs)
     assert reason in str(info.value) and type(model).__name__ in str(info.value)
+
+
+# -- ops that compute across the features a split would cut ------------------------------------------
+
+def _why(model: nn.Module) -> dict[str, str]:
+    """Why each layer of a ``BlocksLM`` (tests/model_zoo.py) is not split."""
+    return pair_layers(model, trace_feeds(model, (torch.zeros(1, 7, dtype=torch.long),), vocab=256))[1]
+
+
+RED_TEAM = {  # each rank would normalise, or attend with scores summed, over its part of the features only
+    "weightless F.layer_norm between up_proj and down_proj": (
+        build_layer_norm_between, "'blocks.0.up_proj': its output passes through layer_norm, which normalises over "
+                                  "its split features"),
+    "attention over one head of the whole width": (
+        build_one_head_attention, "'blocks.0.q_proj': its output enters scaled_dot_product_attention split inside "
+                                  "a head"),
+}
+
+
+@pytest.mark.parametrize("name", list(RED_TEAM))
+def test_a_pair_only_joined_through_an_op_over_its_features_is_refused_naming_the_op(name):
+    build, reason = RED_TEAM[name]
+    with pytest.raises(sk.PlanError, match="no column/row pair found in BlocksLM") as info:
+        sk.infer_tp_rules(build())
+    assert reason in str(info.value)
+
+
+SPLIT_MLP = {"blocks.0.fc1.weight": COL, "blocks.0.fc1.bias": ("tp",), "blocks.0.fc2.weight": ROW,
+             "embed.weight": COL, "head.weight": COL, "head.bias": ("tp",)}
+MIXED = {  # model: (builder, the layer that stays whole, why): each block also has an MLP that is split
+    "weightless F.layer_norm": (build_layer_norm_between_mlp, "up_proj",
+                                "passes through layer_norm, which normalises over its split features"),
+    "rms norm written out (mean of squares)": (build_rms_norm_between_mlp, "up_proj",
+                                               "passes through mean over its split features"),
+    "softmax over the hidden dim": (build_softmax_between_mlp, "up_proj",
+                                    "passes through softmax over its split features"),
+    "attention over one head": (build_one_head_attention_mlp, "q_proj",
+                                "enters scaled_dot_product_attention split inside a head"),
+}
+
+
+def _split_in_block0(model: nn.Module, rules: sk.LayoutMap) -> dict:
+    return {n: lay for n, lay in _layouts(model, rules).items() if lay is not None and not n.startswith("blocks.1.")}
+
+
+@pytest.mark.parametrize("name", list(MIXED))
+def test_layers_joined_through_an_op_over_their_features_stay_whole(world, name):
+    build, layer, reason = MIXED[name]
+    model = build()
+    rules = sk.infer_tp_rules(model)
+    assert _split_in_block0(model, rules) == SPLIT_MLP
+    assert reason in _why(model)[f"blocks.0.{layer}"]
+    plan = sk.Plan(sk.Mesh(tp=2), rules)
+    result = sk.verify(build, plan, tokens(), loss_fn=loss, steps=2, world=world(2))
+    assert result.ok, result
+
+
+def test_attention_is_split_between_whole_heads_only(world):
+    one_head, two_heads = build_one_head_attention_mlp(), build_two_head_attention_mlp()
+    assert _split_in_block0(one_head, sk.infer_tp_rules(one_head)) == SPLIT_MLP
+    rules = sk.infer_tp_rules(two_heads)  # [B, T, 2, 32]: SDPA contracts over each head's 32 features
+    attention = {f"blocks.0.{p}_proj.{kind}": lay for p in "qkv" for kind, lay in (("weight", COL), ("bias", ("tp",)))}
+    assert _split_in_block0(two_heads, rules) == {**SPLIT_MLP, **attention, "blocks.0.o_proj.weight": ROW}
+    result = sk.verify(build_two_head_attention_mlp, sk.Plan(sk.Mesh(tp=2), rules), tokens(), loss_fn=loss,
+                       steps=2, world=world(2))
+    assert result.ok, result
+
+
+HAND_WRITTEN = {  # rules splitting the same pairs by hand: validate follows their outputs as inference does
+    "up/down around a weightless layer_norm": (build_layer_norm_between, [
+        (r".*up_proj\.weight", COL), (r".*up_proj\.bias", ("tp",)), (r".*down_proj\.weight", ROW)],
+        "'blocks.0.up_proj': its output, split over the tensor-parallel axis, passes through layer_norm"),
+    "q/k/v/o of one-head attention": (build_one_head_attention, [
+        (r".*[qkv]_proj\.weight", COL), (r".*[qkv]_proj\.bias", ("tp",)), (r".*o_proj\.weight", ROW)],
+        "'blocks.0.q_proj': its output, split over the tensor-parallel axis, enters scaled_dot_product_attention"),
+}
+
+
+@pytest.mark.parametrize("name", list(HAND_WRITTEN))
+def test_validate_refuses_hand_written_rules_splitting_through_an_op_over_the_features(name):
+    build, rules, reason = HAND_WRITTEN[name]
+    with pytest.raises(sk.PlanError, match="column-parallel layer") as info:
+        sk.validate(sk.Plan(sk.Mesh(tp=2), sk.LayoutMap([*rules, (".*", None)])), build())
+    assert reason in str(info.value) and "wrong numbers" in str(info.value)
+    two_heads = sk.LayoutMap([*HAND_WRITTEN["q/k/v/o of one-head attention"][1], (".*", None)])
+    sk.validate(sk.Plan(sk.Mesh(tp=2), two_heads), build_two_head_attention_mlp())  # between whole heads: valid
 
 
 def test_bad_arguments_are_named():

@@ -1,10 +1,12 @@
 """Checks of a plan against a model on the meta device (composed by :mod:`shardkit.planner.validate`).
 
 :func:`analyse_model` runs the model once on meta tensors (:mod:`shardkit.planner.dataflow`),
-plans tensor parallelism per model axis (:mod:`shardkit.planner.tensor_parallel`), runs one
-tensor-parallel shard of the model at its local shapes to catch code that reshapes with
-global sizes, and checks context parallel against the model's family. It returns what the
-runtime needs (:class:`ModelFacts`) and one line per problem.
+plans tensor parallelism per model axis (:mod:`shardkit.planner.tensor_parallel`), follows
+the split outputs of column-parallel layers to catch an op over their whole features (a norm,
+softmax or one-head attention: :func:`mixing_problems`), runs one tensor-parallel shard of the
+model at its local shapes to catch code that reshapes with global sizes, and checks context
+parallel against the model's family. It returns what the runtime needs (:class:`ModelFacts`)
+and one line per problem.
 """
 
 from __future__ import annotations
@@ -15,13 +17,16 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
 
 from ..families import Family, family_of
 from ..families.modules import is_linear
 from ..plan import Plan, PlanError
 from ..plan.layout import ParamLayout
-from .dataflow import meta_tensors, run_on_meta, trace
+from .dataflow import Mixes, Split, follow_split, meta_tensors, run_on_meta, trace
 from .tensor_parallel import (
     COLWISE,
     ROWWISE,
@@ -61,6 +66,8 @@ def analyse_model(plan: Plan, model: nn.Module, layouts: dict[str, ParamLayout],
                 axis_plans[axis] = plan_axis(model, layouts, axis, mesh[axis], family, flow, plan.sequence_parallel)
             except PlanError as exc:
                 problems += exc.problems
+    if axis_plans and not problems and flow.ran:
+        problems += mixing_problems(model, inputs, list(axis_plans.values()))
     if axis_plans and not problems and flow.ran:
         problems += shard_problems(model, family, layouts, list(axis_plans.values()), example_inputs)
     if mesh.size_of("sp") > 1:
@@ -113,6 +120,83 @@ def recompute_problems(model: nn.Module, mode: str, family: Family | None = None
                 f"attention with attention_fn, transformers' *Attention modules); use recompute='full', which "
                 f"recomputes whole blocks"]
     return []
+
+
+# -- ops over the split features -----------------------------------------------------------------------
+class _MixWatch(TorchFunctionMode):
+    """Follows where column-parallel outputs that stay split hold their features through the
+    forward (:func:`~shardkit.planner.dataflow.follow_split`) and records, per column layer, the
+    first op certain to compute across them. Tracking stops at any op it cannot follow (a
+    collective the code runs itself, say) and at split parameters (DTensors at run time)."""
+
+    def __init__(self, split_params: set[int]):
+        super().__init__()
+        self.split_params = split_params
+        self.splits: dict[int, tuple[torch.Tensor, Split, str]] = {}  # the tensor is kept so no other reuses its id
+        self.inside = 0  # split modules running: torch's styles compute there
+        self.found: dict[str, str] = {}
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        known = {id(t): self.splits[id(t)] for t in tensors if id(t) in self.splits}
+        if self.inside or not known or any(id(t) in self.split_params for t in tensors):
+            return out
+        layers = sorted({name for _, _, name in known.values()})
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        for tensor in outs:
+            self.splits.pop(id(tensor), None)
+        try:
+            found = follow_split(func, args, kwargs, out, {i: split for i, (_, split, _) in known.items()})
+        except Mixes as exc:
+            for layer in layers if exc.certain else ():
+                self.found.setdefault(layer, str(exc))
+            return out
+        except Exception:  # arguments follow_split does not read: not followed
+            return out
+        self.splits.update({id(t): (t, found[id(t)], layers[0]) for t in outs if id(t) in found})
+        return out
+
+
+def mixing_problems(model: nn.Module, inputs: tuple, plans: list[AxisPlan]) -> list[str]:
+    """One line per column-parallel layer whose output, kept split, reaches an op that computes
+    across its features (a norm, softmax or sum over them, a matmul contracting over them,
+    attention over one head): each rank would compute it from its part only, silently wrong.
+    Only ops shardkit follows count (elementwise ops, reshapes, cuts, attention between heads),
+    so no correct plan is refused; the forward runs once at global shapes on meta tensors."""
+    tensors = meta_tensors(model)
+    modules = dict(model.named_modules())
+    split_params = {id(tensors[f"{plan_split.name}.{p}"]) for plan in plans for plan_split in plan.splits.values()
+                    for p, dim in plan_split.placements.items()
+                    if dim is not None and f"{plan_split.name}.{p}" in tensors}
+    watch = _MixWatch(split_params)
+    local = set().union(*(plan.local_outputs() for plan in plans))
+    handles = []
+
+    def enter(_m: nn.Module, _a: tuple) -> None:
+        watch.inside += 1
+
+    def leave(_m: nn.Module, _a: tuple, out: Any, name: str) -> None:
+        split = Split.of_output(out) if name in local and isinstance(out, torch.Tensor) and out.dim() else None
+        watch.inside -= 1
+        if split is not None:
+            watch.splits[id(out)] = (out, split, name)
+
+    for name in {n for plan in plans for n in plan.splits}:
+        handles += [modules[name].register_forward_pre_hook(enter),
+                    modules[name].register_forward_hook(lambda m, a, out, name=name: leave(m, a, out, name))]
+    try:
+        with watch:
+            run_on_meta(model, tensors, inputs)
+    except Exception:  # the model's own error: the other checks report it
+        return []
+    finally:
+        for handle in handles:
+            handle.remove()
+    return [f"column-parallel layer {layer!r}: its output, split over the tensor-parallel axis, {why}, so each rank "
+            f"would compute it from its part of the features alone (no error, wrong numbers); replicate {layer!r} "
+            f"and the row-parallel layer it feeds (layout None)" for layer, why in sorted(watch.found.items())]
 
 
 # -- one shard at its local shapes ------------------------------------------------------------------
@@ -198,4 +282,5 @@ def _first_line(exc: BaseException) -> Any:
     return text[0] if text else ""
 
 
-__all__ = ["ModelFacts", "analyse_model", "recompute_problems", "recompute_targets", "shard_problems"]
+__all__ = ["ModelFacts", "analyse_model", "mixing_problems", "recompute_problems", "recompute_targets",
+           "shard_problems"]

@@ -4,13 +4,17 @@ For models whose library ships no tensor-parallel plan (GPT-2, BERT, a hand-writ
 ``nn.Module``), one forward on the meta device (no memory, no compute) shows which layers can
 be split Megatron-style. Every tensor carries what it is computed from: the linear layers
 (``nn.Linear`` or transformers' ``Conv1D``) whose output it derives from without passing
-through another linear layer, the parameters of other modules (norms) it met, and whether it
-comes from the model's input ids. Then:
+through another linear layer and which of its dims holds those layers' split features, the
+parameters of other modules (norms) it met, and whether it comes from the model's input ids.
+Then:
 
 - a linear layer ``A`` is *column-parallel* and ``B`` *row-parallel* when everything computed
-  from ``A``'s output, through elementwise ops, reshapes, chunks and slices, attention, meets
-  no other module's parameter (a norm normalises over the whole hidden dim), is never combined
-  with a whole tensor of its own shape (a residual), never reaches the model's output, and
+  from ``A``'s output goes only through ops known to keep the features ``A``'s split would
+  cut apart (:func:`~shardkit.planner.dataflow.follow_split`: elementwise ops, reshapes,
+  chunks and slices, reductions and norms over other dims, attention between whole heads;
+  not a norm, softmax or sum over those features, nor a matmul contracting over them), meets
+  no other module's parameter (a norm's weight), is never combined with a whole tensor of its
+  own shape (a residual), never reaches the model's output, and
   enters exactly one linear layer, ``B`` (in the same block, if the model has repeated
   blocks), and every linear layer feeding ``B`` is such an ``A``: attention's q/k/v then o,
   an MLP's up/gate then down, a packed projection (GPT-2's ``c_attn``, Phi-3's ``qkv_proj``
@@ -49,6 +53,7 @@ from ..families.modules import is_linear, linear_dims
 from ..families.on_meta import meta_tensors, run_on_meta
 from ..plan import LayoutMap, PlanError, UsageError
 from ..plan.layout import Layout
+from .dataflow import Mixes, Split, follow_split
 from .tensor_parallel import aliases
 
 
@@ -104,6 +109,8 @@ class _Tracker(TorchFunctionMode):
         super().__init__()
         self.feeds = feeds
         self.origins: dict[int, tuple[torch.Tensor, _Origin]] = {}  # the tensor is kept so no other reuses its id
+        self.splits: dict[int, Split] = {}  # where a marked tensor computed from a linear output holds its features
+        self.inside = 0  # how many linear layers' forwards are running (their inner ops are theirs)
 
     def origin(self, tensor: Any) -> _Origin:
         found = self.origins.get(id(tensor)) if isinstance(tensor, torch.Tensor) else None
@@ -113,6 +120,7 @@ class _Tracker(TorchFunctionMode):
         for tensor in tree_flatten(value)[0]:
             if isinstance(tensor, torch.Tensor):
                 self.origins[id(tensor)] = (tensor, self.origin(tensor) | origin if merge else origin)
+                self.splits.pop(id(tensor), None)
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -122,11 +130,34 @@ class _Tracker(TorchFunctionMode):
         merged = _NOTHING
         for origin in origins:
             merged = merged | origin
+        splits: dict[int, Split] = {}
         if merged.sources:
             self._check_mixing(func, tensors, origins, merged.sources)
+            if not self.inside:
+                splits = self._follow(func, args, kwargs, out, tensors, origins, merged.sources)
         if not merged.plain:
             self.mark(out, merged, merge=True)
+            self.splits.update(splits)
         return out
+
+    def _follow(self, func: Any, args: tuple, kwargs: dict, out: Any, tensors: list[torch.Tensor],
+                origins: list[_Origin], sources: frozenset[str]) -> dict[int, Split]:
+        """Where the split features lie in ``out`` (:func:`~shardkit.planner.dataflow.follow_split`);
+        ``sources`` escape, naming the op, where it computes across them or is not known not to."""
+        known = {id(t): self.splits[id(t)] for t, o in zip(tensors, origins) if o.sources and id(t) in self.splits}
+        lost = [o for t, o in zip(tensors, origins) if o.sources and id(t) not in known]
+        if lost:  # computed from a split output by an op that mixes it, whose sources escaped there
+            self.feeds.escape(sources, f"is combined in {getattr(func, '__name__', func)} with a tensor computed "
+                                       f"from {sorted(lost[0].sources)[0]!r} that is not split as it is")
+            return {}
+        try:
+            return follow_split(func, args, kwargs, out, known)
+        except Mixes as exc:
+            self.feeds.escape(sources, str(exc))
+        except Exception as exc:  # arguments follow_split does not read: not followed
+            self.feeds.escape(sources, f"passes through {getattr(func, '__name__', func)}, which shardkit cannot "
+                                       f"follow ({type(exc).__name__}: {exc})")
+        return {}
 
     def _check_mixing(self, func: Any, tensors: list[torch.Tensor], origins: list[_Origin],
                       sources: frozenset[str]) -> None:
@@ -153,6 +184,7 @@ def _hooks(model: nn.Module, tracker: _Tracker, vocab: int | None) -> Iterator[N
     for name, module in model.named_modules():
         if is_linear(module):
             def enter(_m: nn.Module, args: tuple, name: str = name) -> None:
+                tracker.inside += 1
                 sources = tracker.origin(args[0]).sources if args else frozenset()
                 if name not in feeds.consumers:
                     feeds.order.append(name)
@@ -162,7 +194,11 @@ def _hooks(model: nn.Module, tracker: _Tracker, vocab: int | None) -> Iterator[N
                     feeds.consumers.setdefault(source, set()).add(name)
 
             def leave(_m: nn.Module, _a: tuple, out: Any, name: str = name) -> None:
+                split = Split.of_output(out) if isinstance(out, torch.Tensor) and out.dim() else None
+                tracker.inside -= 1  # after reading the output's shape: an op the tracker sees
                 tracker.mark(out, _Origin(sources=frozenset({name})))
+                if split is not None:
+                    tracker.splits[id(out)] = split
 
             handles += [module.register_forward_pre_hook(enter), module.register_forward_hook(leave)]
         elif isinstance(module, nn.Embedding):
@@ -380,8 +416,9 @@ def infer_tp_rules(model: nn.Module, axis: str = "tp", example_inputs: tuple | N
     if not columns:
         seen = "; ".join(f"{n!r}: {w}" for n, w in list(why.items())[:6]) or "the forward runs no nn.Linear or Conv1D"
         raise PlanError(f"infer_tp_rules: no column/row pair found in {what}: tensor parallelism splits a linear "
-                        f"layer's output and the one linear layer that consumes it (through elementwise ops, "
-                        f"reshapes or attention, meeting no norm or residual); {seen}. Write layout rules by "
+                        f"layer's output and the one linear layer that consumes it (through ops that keep its "
+                        f"features apart: elementwise ops, reshapes, attention between whole heads; meeting no "
+                        f"norm, reduction over the features or residual); {seen}. Write layout rules by "
                         f"hand (docs/your-model.md) or use data-parallel axes only")
     heads, lookups = _vocab_splits(model, feeds, {*columns, *columns.values()}, family.vocab_size(model))
     layouts = _layouts(model, columns, heads, lookups, axis)
