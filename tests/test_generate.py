@@ -417,6 +417,34 @@ def test_cli_stops_at_the_models_eos_unless_told_otherwise(hf_folder, cli, tmp_p
     assert cli(*argv, "--eos-token-id", "250", "--eos-token-id", str(STOP_BOTH[0])) == (0, [later, later])
 
 
+def test_cli_takes_the_end_of_sequence_ids_of_the_folders_generation_config(hf_folder, cli, tmp_path):
+    """As from_pretrained does: instruct models list their extra eos ids in generation_config.json only."""
+    folder = tmp_path / "instruct"
+    shutil.copytree(hf_folder, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "eos_token_id": 250}))
+    model = build_tiny_llama()
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = [250, STOP_ONE], 0
+    model.generation_config.save_pretrained(folder)
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(folder)
+    expected = loaded.generate(PROMPT[:1], attention_mask=torch.ones_like(PROMPT[:1]), max_new_tokens=NEW,
+                               do_sample=False)[0, PROMPT.shape[1]:].tolist()
+    assert len(expected) < NEW and expected[-1] == STOP_ONE  # premise: it stops at the folder's second eos
+    ids = ",".join(map(str, PROMPT[0].tolist()))
+    assert cli("--model", str(folder / "config.json"), "--hf", str(folder), "--mesh", "tp=2", "--prompt-ids", ids,
+               "--max-new-tokens", str(NEW)) == (0, [expected, expected])
+
+
+@pytest.mark.parametrize("eos", [True, -1, [3, "4"]])
+def test_an_odd_eos_in_the_models_own_config_is_refused_naming_it(eos):
+    model = build_tiny_llama()
+    model.generation_config.eos_token_id = eos
+    with pytest.raises(UsageError, match=r"the model's generation_config.eos_token_id is .*, which is no token id"):
+        generate(model, PROMPT[:1], max_new_tokens=2)
+
+
 def test_cli_takes_a_transformers_config_file_as_the_model(hf_folder, cli):
     ids = ",".join(map(str, PROMPT[0].tolist()))
     code, ranks = cli("--model", str(hf_folder / "config.json"), "--hf", str(hf_folder), "--mesh", "tp=2",

@@ -31,7 +31,14 @@ from ..planner.meta import meta_model
 from ..planner.validate import validate
 from ..runtime.apply import shard
 from ..runtime.context import Context
-from ..runtime.generate import MODEL_EOS, ModelEos, check_generation, generate, generation_problems
+from ..runtime.generate import (
+    MODEL_EOS,
+    ModelEos,
+    check_generation,
+    generate,
+    generation_problems,
+    stop_tokens,
+)
 from ..runtime.materialize import open_weights
 from ..runtime.world import DEFAULT_TIMEOUT_S, WorldError, launch
 from .options import (
@@ -140,6 +147,7 @@ def check_job(args: argparse.Namespace) -> tuple[Plan, GenerateJob]:
     validate(plan, model, world_size=mesh.size)
     if args.hf is not None:
         open_weights(args.hf, model)  # every name and shape, before any process starts
+        use_generation_config(model, args.hf)
     else:
         _check_checkpoint(args.checkpoint, model)
     vocab, _ = token_sizes(model)
@@ -162,12 +170,25 @@ def check_job(args: argparse.Namespace) -> tuple[Plan, GenerateJob]:
         raise UsageError(f"--eos-token-id {max(args.eos_token_id)}: model {args.model!r} has a vocabulary of "
                          f"{vocab}; valid ids: 0 to {vocab - 1}")
     eos = None if args.no_eos else MODEL_EOS if args.eos_token_id is None else tuple(args.eos_token_id)
+    stop_tokens(model, eos)  # the model's own eos, checked before any process starts
     try:
         check_generation(model, len(ids), args.max_new_tokens)
     except UsageError as exc:
         raise UsageError(f"--max-new-tokens {args.max_new_tokens}: {exc}") from None
     return plan, GenerateJob(args.model, _text(args.checkpoint), _text(args.hf), ids, args.max_new_tokens,
                              args.temperature or 0.0, args.top_k, args.seed, eos, args.prompt is not None)
+
+
+def use_generation_config(model, folder: Path | str) -> None:
+    """Give a transformers ``model`` the ``generation_config.json`` of a HuggingFace ``folder``, where
+    one is, as ``from_pretrained`` does (instruct models list their extra end-of-sequence ids there)."""
+    if (Path(folder) / "generation_config.json").is_file() and hasattr(model, "generation_config"):
+        from transformers import GenerationConfig
+
+        try:
+            model.generation_config = GenerationConfig.from_pretrained(folder)
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"--hf {folder}: generation_config.json cannot be read: {exc}") from None
 
 
 def _check_checkpoint(folder: Path, model) -> None:
@@ -218,6 +239,8 @@ def generate_job(ctx: Context, job: GenerateJob) -> list[int]:
     import torch
 
     model = shard(meta_model(model_from_flag(job.model).build), ctx.plan, ctx, weights=job.hf)
+    if job.hf is not None:
+        use_generation_config(model, job.hf)
     if job.checkpoint is not None:
         load(job.checkpoint, model)
     stream = _Stream(ctx.rank == 0, job.text, job.prompt)

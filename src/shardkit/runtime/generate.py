@@ -106,6 +106,9 @@ def stop_tokens(model: nn.Module, eos_token_id: int | Sequence[int] | None | Mod
     config = getattr(model, "generation_config", None) if is_hf_model(model) else None
     if eos_token_id is MODEL_EOS:
         eos_token_id = getattr(config, "eos_token_id", None)
+        if eos_token_id is not None and not _token_ids(eos_token_id):
+            raise UsageError(f"sk.generate: the model's generation_config.eos_token_id is {eos_token_id!r}, which is no "
+                             f"token id (an int >= 0) or list of them; pass eos_token_id= yourself (None: no stop)")
     eos = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
     if not eos:
         return None
@@ -220,15 +223,20 @@ def _check_arguments(input_ids: object, max_new_tokens: object, temperature: obj
     if seed is not None and (not _is_int(seed) or not 0 <= seed <= MAX_SEED):
         raise UsageError(f"sk.generate: seed must be an integer from 0 to 2**64 - 1 (torch's generator) or None, "
                          f"got {seed!r}")
-    if eos_token_id is not None and eos_token_id is not MODEL_EOS and not (
-            _is_int(eos_token_id) and eos_token_id >= 0 or isinstance(eos_token_id, (list, tuple)) and eos_token_id
-            and all(_is_int(i) and i >= 0 for i in eos_token_id)):
+    if eos_token_id is not None and eos_token_id is not MODEL_EOS and not _token_ids(eos_token_id):
         raise UsageError(f"sk.generate: eos_token_id must be a token id (an int >= 0), a non-empty list of them, or "
                          f"None (no stop), got {eos_token_id!r}")
     if temperature == 0 and (top_k is not None or seed is not None):
         given = ", ".join(f"{n}={v!r}" for n, v in (("top_k", top_k), ("seed", seed)) if v is not None)
         raise UsageError(f"sk.generate: {given} applies only to sampling (temperature > 0), but temperature=0 is "
                          f"greedy; pass a temperature > 0 or drop {given}")
+
+
+def _token_ids(value: object) -> bool:
+    """Whether ``value`` is a token id (an int >= 0) or a non-empty list or tuple of them."""
+    if isinstance(value, (list, tuple)):
+        return bool(value) and all(_is_int(i) and i >= 0 for i in value)
+    return _is_int(value) and value >= 0
 
 
 def _is_int(value: object) -> bool:
