@@ -118,7 +118,7 @@ TINY = ["train", "--model", "gpt-tiny", "--mesh", "fsdp=2", "--seq-len", "16", "
 
 @pytest.mark.parametrize(("flags", "expected"), [
     (["--eval-every", "2", "--eval-data", "{held}", "--eval-holdout", "0.1"],
-     "--eval-data and --eval-holdout (eval.data, eval.holdout): give one"),
+     "held and --eval-holdout 0.1: give one"),
     (["--eval-holdout", "0.1"], "--eval-every and --eval-data or --eval-holdout"),
     (["--eval-every", "2"], "--eval-every and --eval-data or --eval-holdout"),
 ], ids=["both", "holdout-without-every", "every-alone"])
