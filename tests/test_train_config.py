@@ -302,3 +302,13 @@ def test_a_value_is_named_by_its_field_or_its_flag_with_the_prefix_of_its_kind(t
     assert capsys.readouterr().err.startswith(f"shardkit: invalid plan: plan file {str(tmp_path / 'plan.yaml')!r}: "
                                               f"plan has unknown keys ['rulez']")
 
+
+def test_the_first_logged_step_counts_only_its_own_communication(tmp_path):
+    """DDP broadcasts every parameter once when it sets up, which torch defers to the first forward: not step 1's."""
+    train, _ = _text_folders(tmp_path)
+    assert main(["train", "--model", "gpt-tiny", "--mesh", "dp=2", "--steps", "3", "--seq-len", "16", "--batch-size",
+                 "4", "--data", str(train), "--log-dir", str(tmp_path / "logs")]) == 0
+    lines = [json.loads(line) for line in (tmp_path / "logs" / METRICS_FILE).read_text().splitlines()]
+    sent = [line["comm_bytes"]["rank0"] for line in lines]
+    # the gradients' all-reduce each step; DDP's second step also re-sends its bucket layout (a few hundred bytes)
+    assert sent[0] == sent[2] and 0 <= sent[1] - sent[0] < 0.01 * sent[0], sent

@@ -671,6 +671,7 @@ def train_job(ctx: Context, job: TrainJob) -> tuple[RankStats, list]:
     model = shard(_builder(job)(), ctx.plan, ctx, seed=job.seed, weights=job.init_from)
     optimizer = make_optimizer(model, job.optimizer, job.lr, betas=job.betas, weight_decay=job.weight_decay,
                                momentum=job.momentum)  # ZeRO-1's partitioned optimizer under Plan(zero=1)
+    _finish_setup(model)
     first, position = 0, None
     losses, times = [], []
     tokens_per_step = job.batch_size * job.seq_len
@@ -727,6 +728,17 @@ def train_job(ctx: Context, job: TrainJob) -> tuple[RankStats, list]:
     spans = [s for s in timeline.collect() if s.step != last or job.steps == 1] if job.profile else []
     stats = RankStats(ctx.rank, ctx.coordinates(), held, memory.peak_bytes(), memory.method, times, comm.summary(), losses)
     return stats, spans
+
+
+def _finish_setup(model: nn.Module) -> None:
+    """Run now the one-time set-up DDP (torch's composable ``replicate``) defers to the first forward, its
+    broadcast of every parameter, so that the first step's communication is the step's own (metrics.jsonl)."""
+    from torch.distributed._composable import replicate
+
+    for module in model.modules():
+        state = replicate.state(module)
+        if state is not None and state._init_args:  # what its forward pre-hook checks before the set-up
+            state.lazy_init()
 
 
 class _Progress:
