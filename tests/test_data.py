@@ -113,7 +113,7 @@ def test_the_fingerprint_is_of_the_data_not_of_the_path_they_are_read_by(tmp_pat
     for changed in (tmp_path / "copy", folder):
         with pytest.raises(UsageError, match="the checkpoint's data position is for text data"):
             BatchStream.of(changed, 16, 0).check_position(position)
-    older = {"kind": "text", "data": "3a62b0c1d2e3f405", "batches": 1}                # a path-hashed fingerprint
+    older = {"kind": "text", "data": "3a62b0c1d2e3f405", "batches": 1}   # no fingerprint_of: hashed the path
     with pytest.raises(UsageError, match="written by an older shardkit"):
         stream.check_position(older)
 

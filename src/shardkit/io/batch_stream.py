@@ -41,7 +41,7 @@ from .sharded_data import ShardedDataset
 
 #: What a text position holds since its fingerprint hashes the text, not the folder's path: a position
 #: without it was written by an older shardkit and never matches.
-TEXT_FINGERPRINT = {"fingerprint": "contents"}
+TEXT_FINGERPRINT = {"fingerprint_of": "contents"}
 
 
 @dataclass(frozen=True)
