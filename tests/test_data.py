@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import shutil
 
 import pytest
 import torch
@@ -85,3 +86,38 @@ def test_sequence_longer_than_the_stream_is_an_error(tmp_path):
     (tmp_path / "a.txt").write_bytes(b"short")
     with pytest.raises(PlanError, match="too few for seq_len=10"):
         next(TextShards(tmp_path).batches(10, 1, 0, 1))
+
+
+def test_the_fingerprint_is_of_the_data_not_of_the_path_they_are_read_by(tmp_path, monkeypatch):
+    from shardkit.io.batch_stream import BatchStream
+    from shardkit.io.shard_writer import write_shards
+    from shardkit.plan import UsageError
+
+    folder = tmp_path / "notes"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "a.txt").write_text("alpha " * 100)
+    (folder / "sub" / "b.txt").write_text("beta " * 100)
+    stream = BatchStream.of(folder, 16, 0)
+    position = next(stream.batches(2, 1)).position
+    monkeypatch.chdir(tmp_path)
+    assert BatchStream.of("notes", 16, 0).fingerprint == stream.fingerprint          # a relative path
+    monkeypatch.chdir(folder / "sub")
+    assert BatchStream.of("../../notes", 16, 0).fingerprint == stream.fingerprint    # from another folder
+    shutil.copytree(folder, tmp_path / "copy")
+    BatchStream.of(tmp_path / "copy", 16, 0).check_position(position)                 # the same files elsewhere
+    assert len({BatchStream.of(folder, *settings).fingerprint for settings in ((16, 0), (8, 0), (16, 1))}) == 3
+
+    (tmp_path / "copy" / "sub" / "b.txt").write_text("gamma " * 100)                   # other text at the same path
+    (tmp_path / "copy" / "a.txt").rename(tmp_path / "copy" / "c.txt")
+    (folder / "sub" / "b.txt").write_text("beta " * 99 + "bet! ")                     # one byte changed
+    for changed in (tmp_path / "copy", folder):
+        with pytest.raises(UsageError, match="the checkpoint's data position is for text data"):
+            BatchStream.of(changed, 16, 0).check_position(position)
+    older = {"kind": "text", "data": "3a62b0c1d2e3f405", "batches": 1}   # no fingerprint_of: hashed the path
+    with pytest.raises(UsageError, match="written by an older shardkit"):
+        stream.check_position(older)
+
+    (tmp_path / "corpus.txt").write_text("".join(f"{i:04d}\n" for i in range(400)))
+    write_shards(tmp_path / "corpus.txt", tmp_path / "sharded", shards=2)
+    shutil.copytree(tmp_path / "sharded", tmp_path / "moved")
+    assert BatchStream.of(tmp_path / "moved", 8, 0).fingerprint == BatchStream.of(tmp_path / "sharded", 8, 0).fingerprint

@@ -68,9 +68,12 @@ def test_a_resumed_run_trains_the_same_numbers_under_the_same_and_another_plan(t
     assert code == 0 and len(whole) == 4
     code, first, _ = train(*base, "--mesh", "fsdp=2", "--steps", "2", "--save", str(tmp_path / "ck"))
     assert code == 0 and first == whole[:2]
-    code, rest, _ = train(*base, "--mesh", "fsdp=2", "--steps", "4", "--resume", str(tmp_path / "ck"))
+    code, rest, out = train(*base, "--mesh", "fsdp=2", "--steps", "4", "--resume", str(tmp_path / "ck"))
     assert code == 0
     assert rest == whole[2:]  # bitwise: model, AdamW state, RNG and data position all restored
+    # the start line and the summary count the steps this run trained: 2 of 4 x 32 tokens, not 4
+    assert "2 steps (3-4 of 4) of 4 x 32 tokens" in out and "per device: gpt-tiny, Mesh(fsdp=2), 2 steps (3-4 of 4)" in out
+    assert "\n256 tokens in " in out and "(2 steps (3-4 of 4), including process start)" in out
     code, other, _ = train(*base, "--mesh", "tp=2", "--steps", "4", "--resume", str(tmp_path / "ck"))
     assert code == 0 and len(other) == 2
     assert all(abs(a - b) <= TOLERANCES["loss"] for a, b in zip(other, whole[2:])), (other, whole[2:])
@@ -151,13 +154,18 @@ def _uninitialised_model():
 
 
 REFUSED = [
-    (["--save-every", "2"], "--save-every N: needs --save DIR"),
-    (["--keep-last", "2"], "--keep-last K: needs --save DIR"),
+    (["--save-every", "2"], "--save-every 2: needs --save DIR"),
+    (["--keep-last", "2"], "--keep-last 2: needs --save DIR"),
     (["--resume"], "--resume without a folder resumes from --save DIR"),
     (["--save", "{ck}"], "already holds checkpoints (the latest: step-00000002): add --resume"),
-    (["--resume", "{ck}", "--steps", "2"], "is at step 2, and --steps is 2: nothing left to train"),
+    (["--resume", "{ck}", "--steps", "2"], "is at step 2, and --steps 2 counts from step 0: nothing left to train"),
     (["--resume", "{ck}", "--seq-len", "16"], "the checkpoint's data position is for text data"),
     (["--resume", "{ck}", "--model", "llama-tiny"], "holds another model's parameters"),
+    # an interval is checked against the steps the resumed run trains: --save-every 2 saves at step 2 from step 0,
+    # never from step 2 on
+    (["--resume", "{ck}", "--save", "{ck}", "--save-every", "2", "--steps", "3"],
+     "--save-every 2: this run trains step 3 (--steps 3, resuming at step 2), and none is a multiple of 2, so it "
+     "would never save before the last step; valid: 1, 3"),
     (["--init-from", "{tmp}"], "no model.safetensors or model.safetensors.index.json"),
     (["--init-from", "{hf}", "--model", "llama-tiny"], "do not fit this model"),
     (["--model", "test_train_checkpoints:_uninitialised_model", "--seq-len", "8"],

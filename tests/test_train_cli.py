@@ -11,10 +11,11 @@ import torch
 import shardkit.cli.train as train_cli
 import shardkit.observe.memory as memory
 from shardkit.cli import build_parser, main
+from shardkit.cli.job import JobError
 from shardkit.models.gpt import GPT_RULES
 from shardkit.observe.memory import PeakMemory, state_bytes
 from shardkit.observe.report import loss_trend
-from shardkit.plan import LayoutMap, Mesh, Plan, PlanError
+from shardkit.plan import LayoutMap, Mesh, Plan
 
 
 def _files(tmp_path):
@@ -32,14 +33,12 @@ INVALID = [
     (["--mesh", "fsdp=-1,tp=2"], ["inferred (-1) axis", "--world-size"]),
     (["--mesh", "fsdp=2", "--world-size", "3"], ["the world has 3"]),
     (["--mesh", "fsdp=2", "--batch-size", "3"], ["--batch-size 3", "multiple of 2"]),
-    (["--seq-len", "1000"], ["--seq-len 1000", "1..128"]),
     (["--plan", "{tmp}/plan.yaml", "--mesh", "dp=2"], ["--plan is a whole plan", "--mesh"]),
     (["--plan", "{tmp}/missing.yaml"], ["cannot read plan file", "missing.yaml"]),
     (["--rules", "{tmp}/missing.json"], ["cannot read rules file", "missing.json"]),
     (["--rules", "{tmp}/not_a_list.yaml"], ["not_a_list.yaml", "list of [regex, layout] pairs"]),
     (["--rules", "{tmp}/bad.yaml"], ["bad.yaml", "neither JSON nor YAML"]),
     (["--rules", "{tmp}/unknown_axis.json"], ["axis 'mp'", "valid axes"]),
-    (["--data", "{tmp}/empty"], ["has no text files"]),
     (["--mesh", "fsdp=2", "--schedule", "gpipe"], ["--schedule", "no 'pp' axis"]),
     (["--mesh", "fsdp=2", "--profile", "{tmp}/profile"], ["--profile records the pipeline timeline", "pp=2"]),
     (["--mesh", "pp=2", "--schedule", "gpipe", "--microbatches", "3", "--batch-size", "4"],
@@ -58,6 +57,23 @@ def test_invalid_input_exits_2_naming_the_problem_before_any_process(tmp_path, c
     assert err.startswith("shardkit: invalid plan:")
     for text in expected:
         assert text in err
+
+
+NOT_A_PLAN = [
+    (["--seq-len", "1000"], "--seq-len 1000: model 'gpt-small' has 128 positions; valid: 1..128"),
+    (["--data", "{tmp}/empty"], "--data {tmp}/empty: data folder '{tmp}/empty' has no text files"),
+    (["--plan", "{tmp}/rulez.yaml"], "plan file '{tmp}/rulez.yaml': plan has unknown keys ['rulez']"),
+]
+
+
+@pytest.mark.parametrize(("argv", "expected"), NOT_A_PLAN, ids=[" ".join(a) for a, _ in NOT_A_PLAN])
+def test_each_error_has_the_prefix_of_its_kind_and_names_its_flag_or_file(tmp_path, capsys, no_processes, argv,
+                                                                          expected):
+    tmp = _files(tmp_path)
+    (tmp / "rulez.yaml").write_text("mesh: {fsdp: 2}\nrulez: []\n")
+    assert main(["train", *(a.format(tmp=tmp) for a in argv)]) == 2
+    prefix = "shardkit: invalid plan: " if argv[0] == "--plan" else "shardkit train: "  # only the plan is a plan
+    assert capsys.readouterr().err.startswith(prefix + expected.format(tmp=tmp))
 
 
 def _args(*argv: str):
@@ -112,7 +128,7 @@ def test_a_builder_path_takes_its_sizes_from_the_model_or_the_flags():
     assert job("--model", "shardkit.models.gpt:build_small_gpt").seq_len == 128  # the reference GPT's config.seq_len
     assert job("--model", "cli_models:build_tiny_lm").seq_len == 32              # its position embedding
     assert job("--model", "cli_models:build_lm_without_positions", "--seq-len", "64").seq_len == 64
-    with pytest.raises(PlanError, match=r"--seq-len 64: model 'cli_models:build_tiny_lm' has 32 positions; valid: 1\.\.32"):
+    with pytest.raises(JobError, match=r"--seq-len 64: model 'cli_models:build_tiny_lm' has 32 positions; valid: 1\.\.32"):
         job("--model", "cli_models:build_tiny_lm", "--seq-len", "64")
 
 

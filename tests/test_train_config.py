@@ -16,12 +16,12 @@ import pytest
 
 import shardkit.cli.train as train_cli
 from shardkit.cli import build_parser, main
-from shardkit.cli.job import FIELDS, load_job
+from shardkit.cli.job import FIELDS, JobError, load_job
 from shardkit.cli.train_step import lr_factor
 from shardkit.io.batch_stream import BatchStream
 from shardkit.models.gpt import GPT_RULES
 from shardkit.observe.metrics import METRICS_FILE
-from shardkit.plan import Mesh, Plan, PlanError
+from shardkit.plan import Mesh, Plan
 from shardkit.runtime.world import launch
 
 DOC = Path(__file__).parents[1] / "docs" / "train.md"
@@ -85,30 +85,34 @@ def test_each_bad_field_is_named(tmp_path, capsys, no_processes, text, expected)
     (tmp_path / "job.yaml").write_text(text + "\n")
     assert main(["train", "--config", str(tmp_path / "job.yaml")]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("shardkit: invalid plan: job file")
+    # only a problem of the file's plan is an invalid plan; every other field is the job's
+    prefix = "shardkit: invalid plan: " if text.startswith("plan:") else "shardkit train: "
+    assert err.startswith(prefix + "job file"), err
     for part in expected:
         assert part in err, err
 
 
 def test_every_problem_of_a_file_is_listed_at_once(tmp_path):
     (tmp_path / "job.yaml").write_text("steps: 0\noptimizer: {lr: -1, name: rmsprop}\n")
-    with pytest.raises(PlanError) as caught:
+    with pytest.raises(JobError) as caught:
         load_job(tmp_path / "job.yaml")
     assert [p.split(": ", 1)[1].split(" must")[0] for p in caught.value.problems] == \
         ["steps", "optimizer.lr", "optimizer.name"]
 
 
 INCONSISTENT = [
-    ("optimizer: {name: sgd, betas: [0.9, 0.95]}", ["optimizer.betas: only AdamW"]),
-    ("optimizer: {momentum: 0.9}", ["optimizer.momentum: only SGD"]),
-    ("schedule: {warmup_steps: 5}", ["--warmup-steps and --min-lr", "give both"]),
-    ("steps: 10\nschedule: {warmup_steps: 10, min_lr: 0.0}", ["--warmup-steps 10", "valid: 0..9"]),
-    ("optimizer: {lr: 0.001}\nschedule: {warmup_steps: 1, min_lr: 0.01}", ["--min-lr 0.01 is above --lr 0.001"]),
-    ("batch: {global: 8, grad_accum: 3}", ["--batch-size 8 does not split into --grad-accum 3"]),
-    ("batch: {global: 6, grad_accum: 2}", ["--batch-size 6 / --grad-accum 2 = 3"]),
+    ("optimizer: {name: sgd, betas: [0.9, 0.95]}", ["optimizer.betas=[0.9, 0.95]: only AdamW"]),
+    ("optimizer: {momentum: 0.9}", ["optimizer.momentum=0.9: only SGD"]),
+    ("schedule: {warmup_steps: 5}", ["schedule.warmup_steps=5: --warmup-steps and --min-lr", "give both"]),
+    ("steps: 10\nschedule: {warmup_steps: 10, min_lr: 0.0}",
+     ["job.yaml: schedule.warmup_steps=10 is not below steps=10", "valid: 0..9"]),
+    ("optimizer: {lr: 0.001}\nschedule: {warmup_steps: 1, min_lr: 0.01}",
+     ["job.yaml: schedule.min_lr=0.01 is above optimizer.lr=0.001"]),
+    ("batch: {global: 8, grad_accum: 3}", ["job.yaml: batch.global=8 does not split into batch.grad_accum=3"]),
+    ("batch: {global: 6, grad_accum: 2}", ["job.yaml: batch.global=6 / batch.grad_accum=2 = 3"]),
     ("plan: {mesh: {pp: 2}, pipeline: {microbatches: 4}}\nbatch: {global: 8, grad_accum: 4}",
-     ["--batch-size 8 / --grad-accum 4 = 2 / --seq-len", "does not split into 4 equal micro-batches"]),
-    ("eval: {every: 5}", ["--eval-every and --eval-data"]),
+     ["batch.global=8 / batch.grad_accum=4 = 2 / seq_len", "does not split into 4 equal micro-batches"]),
+    ("eval: {every: 5}", ["job.yaml: eval.every=5: --eval-every and --eval-data"]),
     ("data: {folder: text}\neval: {every: 5, data: text}", ["is the training data"]),
     ("plan: {mesh: {fsdp: 2}, fsdp: {param_dtype: float16}}\nprecision: {param_dtype: bfloat16}",
      ["precision.param_dtype is 'bfloat16' but the plan's fsdp.param_dtype is 'float16'"]),
@@ -278,3 +282,33 @@ def test_a_pipeline_accumulates_clips_evaluates_and_logs_the_norm_of_every_stage
     assert steps[0]["grad_norm"] == pytest.approx(whole[0]["grad_norm"], rel=1e-4) and whole[0]["grad_norm"] > 0.5
     assert [e["loss"] for e in evals] == pytest.approx([line["eval"]["loss"] for line in whole if "eval" in line],
                                                        rel=1e-4)
+
+
+def test_a_value_is_named_by_its_field_or_its_flag_with_the_prefix_of_its_kind(tmp_path, capsys, no_processes):
+    job = tmp_path / "job.yaml"
+    job.write_text("model: gpt-tiny\nplan: {mesh: {fsdp: 2}}\nschedule: {warmup_steps: 20, min_lr: 0.0}\n")
+    assert main(["train", "--config", str(job), "--steps", "6"]) == 2
+    assert capsys.readouterr().err == (f"shardkit train: {job}: schedule.warmup_steps=20 is not below --steps 6, so the "
+                                       f"decay would never start; valid: 0..5\n")
+    assert main(["train", "--model", "gpt-tiny", "--mesh", "fsdp=2", "--warmup-steps", "20", "--min-lr", "0",
+                 "--steps", "6"]) == 2
+    assert capsys.readouterr().err.startswith("shardkit train: --warmup-steps 20 is not below --steps 6")
+    job.write_text("steps: 0\noptimizer: {lr: 0}\n")   # not the plan's fields: not an invalid plan
+    assert main(["train", "--config", str(job)]) == 2
+    assert capsys.readouterr().err.startswith(f"shardkit train: 2 problems:\n  - job file {str(job)!r}: steps must")
+    (tmp_path / "plan.yaml").write_text("mesh: {fsdp: 2}\nrulez: []\n")   # a plan file the job file names
+    job.write_text("model: gpt-tiny\nplan: plan.yaml\n")
+    assert main(["train", "--config", str(job)]) == 2
+    assert capsys.readouterr().err.startswith(f"shardkit: invalid plan: plan file {str(tmp_path / 'plan.yaml')!r}: "
+                                              f"plan has unknown keys ['rulez']")
+
+
+def test_the_first_logged_step_counts_only_its_own_communication(tmp_path):
+    """DDP broadcasts every parameter once when it sets up, which torch defers to the first forward: not step 1's."""
+    train, _ = _text_folders(tmp_path)
+    assert main(["train", "--model", "gpt-tiny", "--mesh", "dp=2", "--steps", "3", "--seq-len", "16", "--batch-size",
+                 "4", "--data", str(train), "--log-dir", str(tmp_path / "logs")]) == 0
+    lines = [json.loads(line) for line in (tmp_path / "logs" / METRICS_FILE).read_text().splitlines()]
+    sent = [line["comm_bytes"]["rank0"] for line in lines]
+    # the gradients' all-reduce each step; DDP's second step also re-sends its bucket layout (a few hundred bytes)
+    assert sent[0] == sent[2] and 0 <= sent[1] - sent[0] < 0.01 * sent[0], sent

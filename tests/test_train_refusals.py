@@ -63,17 +63,18 @@ def test_a_seed_beyond_64_bits_is_refused_by_the_flag_and_the_field(tmp_path, ca
 # 2. eval.batches without eval.every, logging.every without log_dir: refused when given, not as defaults
 
 @pytest.mark.parametrize(("given", "expected"), [
-    (["--eval-batches", "3"], "--eval-batches 3 (eval.batches) applies only with --eval-every (eval.every)"),
-    (["--eval-batches", "1"], "--eval-batches 1 (eval.batches) applies only with --eval-every"),  # the default's value
-    (["--log-every", "5"], "--log-every 5 (logging.every) applies only with --log-dir (logging.log_dir)"),
+    (["--eval-batches", "3"], "--eval-batches 3 applies only with --eval-every (eval.every)"),
+    (["--eval-batches", "1"], "--eval-batches 1 applies only with --eval-every"),  # the default's value
+    (["--log-every", "5"], "--log-every 5 applies only with --log-dir (logging.log_dir)"),
 ])
 def test_a_value_that_would_be_ignored_is_refused(tmp_path, capsys, no_processes, given, expected):
     assert main(TINY + given) == 2
-    assert expected in capsys.readouterr().err
+    assert capsys.readouterr().err.startswith(f"shardkit train: {expected}")
     file = "eval: {batches: 3}" if "--eval-batches" in given else "logging: {every: 5}"
     (tmp_path / "job.yaml").write_text(f"model: gpt-tiny\nplan: {{mesh: {{fsdp: 2}}}}\n{file}\n")
     assert main(["train", "--config", str(tmp_path / "job.yaml"), "--seq-len", "16", "--batch-size", "4"]) == 2
-    assert expected.split(" applies")[0].split(" (")[1].rstrip(")") in capsys.readouterr().err
+    field = "eval.batches=3" if "--eval-batches" in given else "logging.every=5"
+    assert capsys.readouterr().err.startswith(f"shardkit train: {tmp_path / 'job.yaml'}: {field} applies only with")
 
 
 def test_the_defaults_of_eval_batches_and_log_every_are_not_refused(tmp_path):
@@ -191,3 +192,27 @@ def test_plan_auto_takes_the_planners_accumulation_unless_it_is_given(monkeypatc
     assert train_cli.build_plan(args) == (best.plan, 2) and args.grad_accum == 2   # the default 1 is not given
     with pytest.raises(PlanError, match="no plan among the best 1 runs with --grad-accum 1"):
         train_cli.build_plan(_args("--plan", "auto", "--model", "gpt-tiny", "--world-size", "2", "--grad-accum", "1"))
+
+
+# 8. an every-N-steps value longer than the run would never act: refused by the flag and the field
+
+@pytest.mark.parametrize(("flags", "field", "never"), [
+    (["--eval-every", "10", "--eval-holdout", "0.1"], "eval: {every: 10, holdout: 0.1}", "evaluate"),
+    (["--save-every", "10", "--save", "{tmp}/ck"], "checkpoint: {every: 10, dir: ck}", "save before the last step"),
+    (["--log-every", "10", "--log-dir", "{tmp}/logs"], "logging: {every: 10, log_dir: logs}", "log before the last step"),
+], ids=["eval", "save", "log"])
+def test_an_interval_longer_than_the_run_is_refused(tmp_path, capsys, no_processes, flags, field, never):
+    _text(tmp_path / "text")
+    flag = f"{flags[0]} 10"
+    refusal = (f"this run trains steps 1..2 (--steps 2), and none is a multiple of 10, so it would never {never}; "
+               f"valid: 1..2 (at most --steps)")
+    assert main(TINY + ["--steps", "2", "--data", str(tmp_path / "text"), *(f.format(tmp=tmp_path) for f in flags)]) == 2
+    assert capsys.readouterr().err == f"shardkit train: {flag}: {refusal}\n"
+    job = tmp_path / "job.yaml"
+    job.write_text(f"model: gpt-tiny\nplan: {{mesh: {{fsdp: 2}}}}\nsteps: 2\ndata: {{folder: text, seq_len: 16}}\n"
+                   f"batch: {{global: 4}}\n{field}\n")
+    name = field.split(":")[0] + ".every=10"
+    assert main(["train", "--config", str(job)]) == 2
+    assert capsys.readouterr().err == f"shardkit train: {job}: {name}: {refusal.replace('--steps 2', 'steps=2')}\n"
+    args = _args("--config", str(job), "--steps", "10")  # as long as the run: it acts at its last step
+    assert train_cli.check_job(args, *train_cli.build_plan(args)).steps == 10

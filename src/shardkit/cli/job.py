@@ -15,7 +15,10 @@ Relative paths in the file are read from the file's folder.
 >>> load_job(folder / "bad.yaml")
 Traceback (most recent call last):
     ...
-shardkit.plan.errors.PlanError: job file ...: optimizer.lr must be a number > 0, got str '3e-3' (YAML reads 3e-3 as text: write 3.0e-3 or 0.003)
+shardkit.cli.job.JobError: job file ...: optimizer.lr must be a number > 0, got str '3e-3' (YAML reads 3e-3 as text: write 3.0e-3 or 0.003)
+
+A problem of the job as a whole is a :class:`JobError` (``shardkit train: ...``); only a file whose
+every problem lies in its ``plan`` is a :class:`PlanError` (``shardkit: invalid plan: ...``).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from ..plan import Plan, PlanError
+from ..plan import Plan, PlanError, UsageError
 from ..plan.files import _describe, known_keys, mapping, read_file
 from .options import SEED_MAX
 
@@ -38,6 +41,20 @@ AUTO = "auto"
 RESUME_FROM_DIR = "<checkpoint.dir>"
 
 Check = Callable[[Any, str, Path], Any]
+
+
+class JobError(UsageError):
+    """A training job that cannot run as written, not a plan: ``problems`` holds one line per problem,
+    each naming the job file's field or the flag it came from; the message lists them all.
+
+    >>> str(JobError(["steps must be an integer >= 1", "optimizer.lr must be a number > 0"]))
+    '2 problems:\\n  - steps must be an integer >= 1\\n  - optimizer.lr must be a number > 0'
+    """
+
+    def __init__(self, problems: list[str] | str):
+        self.problems = [problems] if isinstance(problems, str) else list(problems)
+        lines = "\n".join(f"  - {problem}" for problem in self.problems)
+        super().__init__(self.problems[0] if len(self.problems) == 1 else f"{len(self.problems)} problems:\n{lines}")
 
 
 def _int(low: int, high: int | None = None, why: str = "") -> Check:
@@ -177,26 +194,33 @@ SECTIONS = tuple(dict.fromkeys(section for section, _ in FIELDS if section is no
 def load_job(path: str | Path) -> dict[str, Any]:
     """The fields of a job file as ``shardkit train`` flag destinations, each checked.
 
-    A :class:`PlanError` lists every problem, each naming its field (``optimizer.lr``) and what
-    would be valid. Only the fields the file gives are returned (a flag's default is not a field).
+    A :class:`JobError` lists every problem, each naming its field (``optimizer.lr``) and what would
+    be valid (a :class:`PlanError` when they all lie in ``plan``). Only the fields the file gives are
+    returned (a flag's default is not a field).
     """
     path = Path(path)
     what = f"job file {str(path)!r}"
-    data = mapping(read_file(path, "job"), what, "{model: gpt-tiny, steps: 100, optimizer: {lr: 0.001}}")
-    top = [key for section, key in FIELDS if section is None]
-    known_keys(data, top + list(SECTIONS), what)
+    try:
+        data = mapping(read_file(path, "job"), what, "{model: gpt-tiny, steps: 100, optimizer: {lr: 0.001}}")
+        top = [key for section, key in FIELDS if section is None]
+        known_keys(data, top + list(SECTIONS), what)
+    except PlanError as exc:
+        raise JobError(exc.problems) from None
     found: dict[str, Any] = {}
     problems: list[str] = []
+    in_plan = True  # every problem lies in the plan field
     for key, value in data.items():
         if key in SECTIONS:
             if value is None:
                 problems.append(f"{what}: section {key!r} is empty (null); give its fields or leave it out")
+                in_plan = False
                 continue
             try:
                 section = mapping(value, f"{what}: {key}", _example(key))
                 known_keys(section, [k for s, k in FIELDS if s == key], f"{what}: section {key!r}")
             except PlanError as exc:
                 problems += exc.problems
+                in_plan = False
                 continue
             items = [((key, field), f"{key}.{field}", v) for field, v in section.items()]
         else:
@@ -207,8 +231,9 @@ def load_job(path: str | Path) -> dict[str, Any]:
                 found[dest] = check(given, where, path.parent)
             except PlanError as exc:
                 problems += [f"{what}: {problem}" for problem in exc.problems]
+                in_plan = in_plan and field == (None, "plan")
     if problems:
-        raise PlanError(problems)
+        raise PlanError(problems) if in_plan else JobError(problems)
     return found
 
 
@@ -216,4 +241,9 @@ def _example(section: str) -> str:
     return "{" + ", ".join(f"{key}: ..." for s, key in FIELDS if s == section) + "}"
 
 
-__all__ = ["FIELDS", "load_job"]
+def field_names() -> dict[str, str]:
+    """Each ``shardkit train`` flag destination -> its job-file field as written (``schedule.min_lr``)."""
+    return {dest: key if section is None else f"{section}.{key}" for (section, key), (dest, _) in FIELDS.items()}
+
+
+__all__ = ["FIELDS", "JobError", "field_names", "load_job"]

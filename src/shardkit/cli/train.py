@@ -45,7 +45,7 @@ from ..runtime.context import Context
 from ..runtime.materialize import open_weights
 from ..runtime.torchrun import in_torchrun
 from ..runtime.world import DEFAULT_TIMEOUT_S, LocalWorld, WorldError, launch
-from .job import BUILDS, OPTIMIZERS, RESUME_FROM_DIR, load_job
+from .job import BUILDS, OPTIMIZERS, RESUME_FROM_DIR, JobError, field_names, load_job
 from .options import (
     AUTO_PLAN,
     add_model_option,
@@ -110,6 +110,7 @@ class TrainJob:
     eval_data: BatchStream | None = None
     eval_every: int | None = None
     eval_batches: int = 1
+    start: int = 0  # the step the resumed checkpoint is at (0: a fresh run)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -254,9 +255,12 @@ def with_config(args: argparse.Namespace) -> argparse.Namespace:
         try:
             file["model"] = model_name(TRAINABLE)(file["model"])
         except argparse.ArgumentTypeError as exc:
-            raise PlanError(f"job file {str(args.config)!r}: model: {exc}") from None
+            raise JobError(f"job file {str(args.config)!r}: model: {exc}") from None
     #: the destinations the user gave, on the command line or in the file (a default is not given)
     args.given = frozenset(dest for dest in DEFAULTS if _given(getattr(args, dest)) or dest in file)
+    #: the destinations whose value comes from the file -> its field there, which messages then name
+    fields = field_names()
+    args.from_file = {dest: fields[dest] for dest in file if not _given(getattr(args, dest))}
     for dest, value in file.items():
         if not _given(getattr(args, dest)):
             setattr(args, dest, value)
@@ -379,7 +383,8 @@ def auto_plan(args: argparse.Namespace) -> tuple[Plan, int]:
 
 
 def check_job(args: argparse.Namespace, plan: Plan, world_size: int) -> TrainJob:
-    """Validate model, plan, sizes and data before launch; :class:`PlanError` / :class:`UsageError` name each problem."""
+    """Validate model, plan, sizes and data before launch: a :class:`PlanError` names each problem of the plan
+    (the batch over its data axes included), a :class:`JobError` each other one, by its flag or job-file field."""
     entry = model_from_flag(args.model)
     model = meta_model_from_flag(args.model, entry)
     positions = _check_token_sizes(args, entry, model)
@@ -397,146 +402,240 @@ def check_job(args: argparse.Namespace, plan: Plan, world_size: int) -> TrainJob
     seq_len = positions if args.seq_len is None else args.seq_len
     problems = []
     if positions is not None and seq_len > positions:
-        problems.append(f"--seq-len {seq_len}: model {args.model!r} has {positions} positions; valid: 1..{positions}")
+        problems.append(f"{_in_file(args, 'seq_len')}{_named(args, 'seq_len')}: model {args.model!r} has "
+                        f"{positions} positions; valid: 1..{positions}")
     if args.batch_size % args.grad_accum:
-        problems.append(f"--batch-size {args.batch_size} does not split into --grad-accum {args.grad_accum} "
-                        f"micro-batches; valid: a batch size that is a multiple of {args.grad_accum}")
-    else:
-        micro = args.batch_size // args.grad_accum
-        what = f"--batch-size {args.batch_size} / --grad-accum {args.grad_accum} = {micro}" \
-            if args.grad_accum > 1 else f"--batch-size {args.batch_size}"
-        problems += [f"{what} / --seq-len {seq_len}: {p}"
-                     for p in plan.resolved(world_size).batch_problems(micro, seq_len)]
-    problems += _step_problems(args, plan)
+        problems.append(f"{_in_file(args, 'batch_size', 'grad_accum')}{_named(args, 'batch_size')} does not split "
+                        f"into {_named(args, 'grad_accum')} micro-batches; valid: a batch size that is a multiple "
+                        f"of {args.grad_accum}")
+    problems += _step_problems(args)
     if problems:
-        raise PlanError(problems)
+        raise JobError(problems)
+    micro = args.batch_size // args.grad_accum
+    what = f"{_named(args, 'batch_size')} / {_named(args, 'grad_accum')} = {micro}" if args.grad_accum > 1 \
+        else _named(args, "batch_size")
+    length = f"seq_len {seq_len}" if args.seq_len is None else _named(args, "seq_len")
+    batch = [f"{_in_file(args, 'batch_size', 'grad_accum', 'seq_len')}{what} / {length}: {problem}"
+             for problem in plan.resolved(world_size).batch_problems(micro, seq_len)]
+    if batch:
+        raise PlanError(batch)
     data, eval_data = _data(args, seq_len)
-    resume = _resume_folder(args, model, data)
+    resume, start = _resume_folder(args, model, data)
+    problems = _interval_problems(args, start)
+    if problems:
+        raise JobError(problems)
     return TrainJob(args.model, data, args.steps, args.batch_size, seq_len, args.lr, args.seed, args.profile is not None,
                     args.build, _text(args.init_from), _text(args.save), args.save_every, args.keep_last, _text(resume),
                     args.optimizer, args.betas, args.weight_decay, args.momentum, args.warmup_steps, args.min_lr,
                     args.grad_accum, args.clip_grad_norm, _text(args.log_dir), args.log_every,
-                    eval_data, args.eval_every, args.eval_batches)
+                    eval_data, args.eval_every, args.eval_batches, start)
 
 
-def _step_problems(args: argparse.Namespace, plan: Plan) -> list[str]:
-    """The optimizer, schedule and evaluation settings that cannot run as given, each named."""
+def _named(args: argparse.Namespace, dest: str) -> str:
+    """A value as an error names it: by its job-file field when it came from the file (``schedule.min_lr=0.1``,
+    after :func:`_in_file`'s prefix), else by its flag (``--min-lr 0.1``)."""
+    value = getattr(args, dest)
+    name = _name(args, dest)
+    if dest in getattr(args, "from_file", {}):
+        text = "true" if value == RESUME_FROM_SAVE else str(list(value)) if isinstance(value, tuple) else \
+            _value_text(value)
+        return f"{name}={text}"
+    return name if value == RESUME_FROM_SAVE else f"{name} {_value_text(value)}"
+
+
+def _name(args: argparse.Namespace, dest: str) -> str:
+    """The job-file field (``eval.batches``) or the flag (``--eval-batches``) a value came from."""
+    return getattr(args, "from_file", {}).get(dest) or f"--{dest.replace('_', '-')}"
+
+
+def _value_text(value: object) -> str:
+    return f"{value:g}" if isinstance(value, float) else _flag_text(value)
+
+
+def _in_file(args: argparse.Namespace, *dests: str) -> str:
+    """``'job.yaml: '`` when a value of ``dests`` came from the job file (an error then names its fields), else ''."""
+    from_file = getattr(args, "from_file", {})
+    return f"{args.config}: " if any(dest in from_file for dest in dests) else ""
+
+
+def _step_problems(args: argparse.Namespace) -> list[str]:
+    """The optimizer, schedule, logging and evaluation settings that cannot run as given, each named."""
     problems = []
     if args.optimizer != "adamw" and args.betas is not None:
-        problems.append(f"optimizer.betas: only AdamW has betas, but the optimizer is {args.optimizer!r}")
+        problems.append(f"{_in_file(args, 'betas')}{_named(args, 'betas')}: only AdamW has betas, but the optimizer "
+                        f"is {args.optimizer!r}")
     if args.optimizer != "sgd" and args.momentum is not None:
-        problems.append(f"optimizer.momentum: only SGD has momentum, but the optimizer is {args.optimizer!r}")
+        problems.append(f"{_in_file(args, 'momentum')}{_named(args, 'momentum')}: only SGD has momentum, but the "
+                        f"optimizer is {args.optimizer!r}")
     if (args.warmup_steps is None) != (args.min_lr is None):
-        problems.append("--warmup-steps and --min-lr (schedule.warmup_steps, schedule.min_lr) come together: "
-                        "the schedule is a linear warmup then a cosine decay to min_lr; give both, or neither "
-                        "for a constant learning rate")
+        given = "warmup_steps" if args.min_lr is None else "min_lr"
+        problems.append(f"{_in_file(args, given)}{_named(args, given)}: --warmup-steps and --min-lr "
+                        f"(schedule.warmup_steps, schedule.min_lr) come together: the schedule is a linear warmup "
+                        f"then a cosine decay to min_lr; give both, or neither for a constant learning rate")
     elif args.warmup_steps is not None:
         if args.warmup_steps >= args.steps:
-            problems.append(f"--warmup-steps {args.warmup_steps}: the run has {args.steps} steps, so the decay would "
-                            f"never start; valid: 0..{args.steps - 1}")
+            problems.append(f"{_in_file(args, 'warmup_steps', 'steps')}{_named(args, 'warmup_steps')} is not below "
+                            f"{_named(args, 'steps')}, so the decay would never start; valid: 0..{args.steps - 1}")
         if args.min_lr > args.lr:
-            problems.append(f"--min-lr {args.min_lr:g} is above --lr {args.lr:g}; the decay ends at min_lr, "
-                            f"valid: 0..{args.lr:g}")
-    held_out = [flag for flag, value in (("--eval-data", args.eval_data), ("--eval-holdout", args.eval_holdout))
-                if value is not None]
+            problems.append(f"{_in_file(args, 'min_lr', 'lr')}{_named(args, 'min_lr')} is above {_named(args, 'lr')}; "
+                            f"the decay ends at min_lr, valid: 0..{args.lr:g}")
+    held_out = [dest for dest in ("eval_data", "eval_holdout") if getattr(args, dest) is not None]
     if len(held_out) == 2:
-        problems.append("--eval-data and --eval-holdout (eval.data, eval.holdout): give one, a held-out folder or the "
-                        "fraction of the training data to hold out, not both")
+        problems.append(f"{_in_file(args, *held_out)}{_named(args, 'eval_data')} and {_named(args, 'eval_holdout')}: "
+                        f"give one, a held-out folder or the fraction of the training data to hold out, not both")
     elif (args.eval_every is None) != (not held_out):
-        problems.append("--eval-every and --eval-data or --eval-holdout (eval.every, eval.data or eval.holdout) come "
-                        "together: evaluate every N steps on a held-out folder or on a held-out fraction of the "
-                        "training data; give --eval-every with one of them, or none")
+        given = held_out or ["eval_every"]
+        problems.append(f"{_in_file(args, *given)}{_named(args, given[0])}: --eval-every and --eval-data or "
+                        f"--eval-holdout (eval.every, eval.data or eval.holdout) come together: evaluate every N "
+                        f"steps on a held-out folder or on a held-out fraction of the training data; give "
+                        f"--eval-every with one of them, or none")
     given = getattr(args, "given", frozenset())
     if args.eval_every is None and "eval_batches" in given:
-        problems.append(f"--eval-batches {args.eval_batches} (eval.batches) applies only with --eval-every "
-                        f"(eval.every): evaluate every N steps on --eval-data or --eval-holdout, or drop it")
+        problems.append(f"{_in_file(args, 'eval_batches')}{_named(args, 'eval_batches')} applies only with "
+                        f"--eval-every (eval.every): evaluate every N steps on --eval-data or --eval-holdout, or "
+                        f"drop it")
     if args.log_dir is None and "log_every" in given:
-        problems.append(f"--log-every {args.log_every} (logging.every) applies only with --log-dir "
+        problems.append(f"{_in_file(args, 'log_every')}{_named(args, 'log_every')} applies only with --log-dir "
                         f"(logging.log_dir): give the folder to log in, or drop it")
     if args.eval_data is not None and args.data is not None:
         held, train = args.eval_data.resolve(), args.data.resolve()
+        where = _in_file(args, "eval_data", "data")
         if held == train:
-            problems.append(f"--eval-data {args.eval_data} is the training data: give held-out data (e.g. a second "
-                            f"folder written by 'shardkit data shard')")
+            problems.append(f"{where}{_named(args, 'eval_data')} is the training data: give held-out data (e.g. a "
+                            f"second folder written by 'shardkit data shard')")
         elif held.is_relative_to(train) or train.is_relative_to(held):
             how = "is inside" if held.is_relative_to(train) else "contains"
-            problems.append(f"--eval-data {args.eval_data} {how} the training data --data {args.data}, so it would "
-                            f"evaluate on training text: give a held-out folder outside it (e.g. a second folder "
-                            f"written by 'shardkit data shard') or --eval-holdout F")
+            problems.append(f"{where}{_named(args, 'eval_data')} {how} the training data {_named(args, 'data')}, so "
+                            f"it would evaluate on training text: give a held-out folder outside it (e.g. a second "
+                            f"folder written by 'shardkit data shard') or --eval-holdout F")
     if args.eval_data is not None and not args.eval_data.is_dir():
-        problems.append(f"--eval-data {args.eval_data}: no such folder")
+        problems.append(f"{_in_file(args, 'eval_data')}{_named(args, 'eval_data')}: no such folder")
     return problems
+
+
+#: The options that act every N steps, and what they would never do when no multiple of N is a step the run trains.
+INTERVALS = {"eval_every": "evaluate", "save_every": "save before the last step", "log_every": "log before the last step"}
+
+
+def _interval_problems(args: argparse.Namespace, start: int) -> list[str]:
+    """Every-N-steps values longer than the run: no multiple of N among the steps it trains, ``start + 1`` to
+    ``--steps`` (after the checkpoint it resumed from), so they would have no effect; each named with what is valid.
+
+    >>> from shardkit.cli import build_parser
+    >>> args = with_config(build_parser().parse_args(["train", "--steps", "2", "--eval-every", "10"]))
+    >>> _interval_problems(args, 0)
+    ['--eval-every 10: this run trains steps 1..2 (--steps 2), and none is a multiple of 10, so it would never evaluate; valid: 1..2 (at most --steps)']
+    >>> args.steps, args.eval_every = 10, 6
+    >>> _interval_problems(args, 6)[0].split(": this run ")[1]
+    'trains steps 7..10 (--steps 10, resuming at step 6), and none is a multiple of 6, so it would never evaluate; valid: 1..5, 7..10'
+    """
+    problems = []
+    for dest, what in INTERVALS.items():
+        every = getattr(args, dest)
+        if every is None or args.steps // every > start // every:
+            continue
+        valid = _ranges([n for n in range(1, args.steps + 1) if args.steps // n > start // n])
+        bound = " (at most --steps)" if start == 0 else ""
+        resumed = "" if start == 0 else f", resuming at step {start}"
+        trains = f"step {args.steps}" if start + 1 == args.steps else f"steps {start + 1}..{args.steps}"
+        problems.append(f"{_in_file(args, dest, 'steps')}{_named(args, dest)}: this run trains {trains} "
+                        f"({_named(args, 'steps')}{resumed}), and none is a multiple of "
+                        f"{every}, so it would never {what}; valid: {valid}{bound}")
+    return problems
+
+
+def _ranges(numbers: list[int]) -> str:
+    """Sorted integers as runs: ``[1, 2, 3, 5]`` -> ``'1..3, 5'``."""
+    runs: list[list[int]] = []
+    for n in numbers:
+        if runs and n == runs[-1][1] + 1:
+            runs[-1][1] = n
+        else:
+            runs.append([n, n])
+    return ", ".join(str(a) if a == b else f"{a}..{b}" for a, b in runs)
 
 
 def _data(args: argparse.Namespace, seq_len: int) -> tuple[BatchStream, BatchStream | None]:
     """The training data and the held-out data to evaluate on (``None``: no evaluation), checked before launch:
     ``--eval-holdout`` splits the training data (:meth:`BatchStream.split`), ``--eval-data`` is a folder."""
     max_bytes = int(args.data_mb * 2**20)
-    data = BatchStream.of(args.data, seq_len, args.seed, max_bytes=max_bytes)
-    if isinstance(data.source, TextShards):
-        data.source.check()
+    data = _stream(args, "data", seq_len, max_bytes)
     if args.eval_holdout is not None:
         try:
             data, held = data.split(args.eval_holdout)
         except UsageError as exc:
-            raise UsageError(f"--eval-holdout {args.eval_holdout:g}: {exc}") from None
+            raise JobError(f"{_in_file(args, 'eval_holdout')}{_named(args, 'eval_holdout')}: {exc}") from None
     elif args.eval_data is not None:
-        held = BatchStream.of(args.eval_data, seq_len, args.seed, max_bytes=max_bytes)
-        if isinstance(held.source, TextShards):
-            held.source.check()
+        held = _stream(args, "eval_data", seq_len, max_bytes)
     else:
         return data, None
-    if isinstance(held.source, ShardedDataset) and len(held.source) < args.batch_size:
-        what = f"--eval-data {args.eval_data}" if args.eval_holdout is None else \
-            f"--eval-holdout {args.eval_holdout:g}: the last {len(held.source.shards)} of " \
-            f"{len(held.source.manifest.shards)} shards"
-        raise UsageError(f"{what} has {len(held.source)} samples of {seq_len} tokens, fewer than one global batch "
-                         f"of {args.batch_size}: give more held-out data or a smaller batch")
-    if isinstance(held.source, ShardedDataset) and args.eval_batches * args.batch_size > len(held.source):
-        what = f"--eval-data {args.eval_data}" if args.eval_holdout is None else \
-            f"--eval-holdout {args.eval_holdout:g} (the last {len(held.source.shards)} of " \
-            f"{len(held.source.manifest.shards)} shards)"
+    if not isinstance(held.source, ShardedDataset):
+        return data, held  # text: random windows, any number of batches
+    where = _in_file(args, "eval_data", "eval_holdout", "batch_size", "eval_batches")
+    named = _named(args, "eval_data" if args.eval_holdout is None else "eval_holdout")
+    shards = "" if args.eval_holdout is None else \
+        f"the last {len(held.source.shards)} of {len(held.source.manifest.shards)} shards"
+    if len(held.source) < args.batch_size:
+        raise JobError(f"{where}{named}{shards and ': ' + shards} has {len(held.source)} samples of {seq_len} tokens, "
+                       f"fewer than one global batch of {args.batch_size}: give more held-out data or a smaller batch")
+    if args.eval_batches * args.batch_size > len(held.source):
         fit = len(held.source) // args.batch_size
-        raise UsageError(f"--eval-batches {args.eval_batches} x --batch-size {args.batch_size} = "
-                         f"{args.eval_batches * args.batch_size} samples, but {what} has {len(held.source)} samples "
-                         f"of {seq_len} tokens, so evaluation would repeat them; valid: --eval-batches 1..{fit}")
+        raise JobError(f"{where}{_named(args, 'eval_batches')} x {_named(args, 'batch_size')} = "
+                       f"{args.eval_batches * args.batch_size} samples, but {named}{shards and f' ({shards})'} has "
+                       f"{len(held.source)} samples of {seq_len} tokens, so evaluation would repeat them; valid: "
+                       f"{_name(args, 'eval_batches')} 1..{fit}")
     return data, held
+
+
+def _stream(args: argparse.Namespace, dest: str, seq_len: int, max_bytes: int) -> BatchStream:
+    """The batches of ``--data`` or ``--eval-data`` (default: the standard library's text), checked to hold text;
+    a problem names the flag or field."""
+    try:
+        stream = BatchStream.of(getattr(args, dest), seq_len, args.seed, max_bytes=max_bytes)
+        if isinstance(stream.source, TextShards):
+            stream.source.check()
+    except PlanError as exc:
+        name = _named(args, dest) if getattr(args, dest) is not None else "--data (the standard library's sources)"
+        raise JobError([f"{_in_file(args, dest)}{name}: {problem}" for problem in exc.problems]) from None
+    return stream
 
 
 def _text(value: Path | None) -> str | None:
     return None if value is None else str(value)
 
 
-def _resume_folder(args: argparse.Namespace, model: nn.Module, data: BatchStream) -> Path | None:
-    """The checkpoint ``--resume`` starts from, checked against the model and data before launch
-    (None: nothing to resume yet, which is said)."""
-    if args.save_every is not None and args.save is None:
-        raise UsageError("--save-every N: needs --save DIR, the folder to save checkpoints in")
-    if args.keep_last is not None and args.save is None:
-        raise UsageError("--keep-last K: needs --save DIR, the folder whose checkpoints it keeps")
+def _resume_folder(args: argparse.Namespace, model: nn.Module, data: BatchStream) -> tuple[Path | None, int]:
+    """The checkpoint ``--resume`` starts from and its step, checked against the model and data before launch
+    (``(None, 0)``: nothing to resume yet, which is said)."""
+    for dest in ("save_every", "keep_last"):
+        if getattr(args, dest) is not None and args.save is None:
+            what = "the folder to save checkpoints in" if dest == "save_every" else "the folder whose checkpoints it keeps"
+            raise JobError(f"{_in_file(args, dest)}{_named(args, dest)}: needs --save DIR (checkpoint.dir), {what}")
     if args.resume is None:
         if args.save is not None and latest_checkpoint(args.save) is not None:
-            raise UsageError(f"--save {args.save} already holds checkpoints (the latest: "
-                             f"{latest_checkpoint(args.save).name}): add --resume to continue from it, or save in "
-                             f"another folder")
-        return None
+            raise JobError(f"{_in_file(args, 'save')}{_named(args, 'save')} already holds checkpoints (the latest: "
+                           f"{latest_checkpoint(args.save).name}): add --resume (checkpoint.resume: true) to continue "
+                           f"from it, or save in another folder")
+        return None, 0
     if args.resume == RESUME_FROM_SAVE:
         if args.save is None:
-            raise UsageError("--resume without a folder resumes from --save DIR; give one: --resume DIR or --save DIR")
+            raise JobError(f"{_in_file(args, 'resume')}{_named(args, 'resume')} without a folder resumes from --save "
+                           f"DIR (checkpoint.dir); give one: --resume DIR or --save DIR")
         args.resume = args.save
     if latest_checkpoint(args.resume) is None and not (args.resume / MANIFEST_NAME).is_file():
         print(f"shardkit train: --resume: no complete checkpoint in {args.resume} yet: starting at step 0", flush=True)
-        return None
+        return None, 0
     folder, manifest = checkpoint_to_load(args.resume)
     problems = model_mismatch(manifest.parameters, model_parameters(model))
     if problems:
         raise UsageError(f"--resume {args.resume}: {folder.name} holds another model's parameters: "
                          f"{'; '.join(problems[:5])}")
     if manifest.step >= args.steps:
-        raise UsageError(f"--resume {args.resume}: {folder.name} is at step {manifest.step}, and --steps is "
-                         f"{args.steps}: nothing left to train; raise --steps (it counts from step 0)")
+        raise JobError(f"{_in_file(args, 'resume', 'steps')}{_named(args, 'resume')}: {folder.name} is at step {manifest.step}, "
+                       f"and {_named(args, 'steps')} counts from step 0: nothing left to train; raise it above "
+                       f"{manifest.step}")
     data.check_position((manifest.extra or {}).get("data"))
-    return folder
+    return folder, manifest.step
 
 
 def _check_token_sizes(args: argparse.Namespace, entry: ModelEntry, model: nn.Module) -> int | None:
@@ -572,6 +671,7 @@ def train_job(ctx: Context, job: TrainJob) -> tuple[RankStats, list]:
     model = shard(_builder(job)(), ctx.plan, ctx, seed=job.seed, weights=job.init_from)
     optimizer = make_optimizer(model, job.optimizer, job.lr, betas=job.betas, weight_decay=job.weight_decay,
                                momentum=job.momentum)  # ZeRO-1's partitioned optimizer under Plan(zero=1)
+    _finish_setup(model)
     first, position = 0, None
     losses, times = [], []
     tokens_per_step = job.batch_size * job.seq_len
@@ -628,6 +728,17 @@ def train_job(ctx: Context, job: TrainJob) -> tuple[RankStats, list]:
     spans = [s for s in timeline.collect() if s.step != last or job.steps == 1] if job.profile else []
     stats = RankStats(ctx.rank, ctx.coordinates(), held, memory.peak_bytes(), memory.method, times, comm.summary(), losses)
     return stats, spans
+
+
+def _finish_setup(model: nn.Module) -> None:
+    """Run now the one-time set-up DDP (torch's composable ``replicate``) defers to the first forward, its
+    broadcast of every parameter, so that the first step's communication is the step's own (metrics.jsonl)."""
+    from torch.distributed._composable import replicate
+
+    for module in model.modules():
+        state = replicate.state(module)
+        if state is not None and state._init_args:  # what its forward pre-hook checks before the set-up
+            state.lazy_init()
 
 
 class _Progress:
@@ -703,9 +814,10 @@ def run(args: argparse.Namespace) -> int:
     plan, world_size = build_plan(args)
     job = check_job(args, plan, world_size)
     leader = not in_torchrun() or os.environ["RANK"] == "0"
+    steps = _steps_text(job)
     if leader:
         zero = "" if plan.zero is None else f" with ZeRO stage {plan.zero}"
-        print(f"shardkit train: {job.model} on {plan.mesh!r}{zero} ({world_size} processes), {job.steps} steps of "
+        print(f"shardkit train: {job.model} on {plan.mesh!r}{zero} ({world_size} processes), {steps} of "
               f"{job.batch_size} x {job.seq_len} tokens from {job.data.describe()}"
               f"{'' if job.eval_data is None else f', evaluating on {job.eval_data.describe()}'}", flush=True)
     start = time.perf_counter()
@@ -721,13 +833,19 @@ def run(args: argparse.Namespace) -> int:
         return 1
     if leader:
         console = Console(width=None if sys.stdout.isatty() else 120)
-        print_summary([stats for stats, _ in results], console,
-                      title=f"per device: {job.model}, {plan.mesh!r}, {job.steps} steps")
-        tokens = job.steps * job.batch_size * job.seq_len
-        print(f"{tokens:,} tokens in {time.perf_counter() - start:.1f} s (including process start)")
+        print_summary([stats for stats, _ in results], console, title=f"per device: {job.model}, {plan.mesh!r}, {steps}")
+        tokens = (job.steps - job.start) * job.batch_size * job.seq_len
+        print(f"{tokens:,} tokens in {time.perf_counter() - start:.1f} s ({steps}, including process start)")
         if args.profile is not None:
             _write_profile(plan, {rank: spans for rank, (_, spans) in enumerate(results)}, args.profile)
     return 0
+
+
+def _steps_text(job: TrainJob) -> str:
+    """The steps this run trains: ``'4 steps'``, or after a resume ``'2 steps (3-4 of 4)'``."""
+    count = job.steps - job.start
+    text = f"{count} step{'s' if count != 1 else ''}"
+    return text if job.start == 0 else f"{text} ({job.start + 1}-{job.steps} of {job.steps})"
 
 
 def _write_profile(plan: Plan, spans_by_rank: dict, out_dir: Path) -> None:

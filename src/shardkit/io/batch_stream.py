@@ -5,7 +5,9 @@ random windows of one byte stream, drawn from a seeded generator) or a sharded d
 (:class:`~shardkit.io.sharded_data.ShardedDataset`: every sample once per epoch, in a seeded
 order). Either way a checkpoint stores where the data stood (:attr:`Batch.position`, plain JSON)
 and a resumed run carries on from there, under any plan: the position counts global samples
-(or batches drawn), never ranks. A position from other data is refused, naming both.
+(or batches drawn), never ranks. A position from other data is refused, naming both: the
+fingerprint hashes the data themselves (a text stream's :attr:`~TextShards.digest`, a sharded
+folder's manifest of sha256s) with ``seq_len`` and ``seed``, never the path they were read from.
 
 >>> stream = BatchStream.of(TextShards(max_bytes=4096), seq_len=8, seed=0)
 >>> first, second = stream.batches(batch_size=2, steps=2)
@@ -36,6 +38,10 @@ from ..plan.text import format_bytes
 from .data import TextShards
 from .manifest import MANIFEST_NAME
 from .sharded_data import ShardedDataset
+
+#: What a text position holds since its fingerprint hashes the text, not the folder's path: a position
+#: without it was written by an older shardkit and never matches.
+TEXT_FINGERPRINT = {"fingerprint_of": "contents"}
 
 
 @dataclass(frozen=True)
@@ -79,11 +85,15 @@ class BatchStream:
 
     @property
     def fingerprint(self) -> str:
-        """What the batches depend on, hashed: a position is only valid for the same fingerprint."""
+        """What the batches depend on, hashed: a position is only valid for the same fingerprint.
+
+        The data (a text stream's digest: its files' names, sizes and contents, read here if not yet;
+        a sharded folder's manifest), ``seq_len``, ``seed`` and the part read; not where the data lie.
+        """
         if isinstance(self.source, ShardedDataset):
             fingerprint = self.source.fingerprint
         else:
-            text = f"{self.source.root}|{self.source.pattern}|{self.source.max_bytes}|{self.seq_len}|{self.seed}"
+            text = f"{self.source.digest}|{self.seq_len}|{self.seed}"
             if self.source.byte_range is not None:
                 text += f"|{self.source.byte_range}"
             fingerprint = hashlib.sha256(text.encode()).hexdigest()[:16]
@@ -132,7 +142,7 @@ class BatchStream:
                 f"({format_bytes(stop - start)})")
 
     def check_position(self, position: dict[str, Any] | None) -> None:
-        """Refuse a position saved from other data (another folder, seq_len or seed)."""
+        """Refuse a position saved from other data (other files or contents, seq_len or seed)."""
         if position is None:
             return
         kind, data = position.get("kind"), position.get("data")
@@ -141,14 +151,19 @@ class BatchStream:
             holdout = "" if saved == now else (
                 f"; it was saved holding out {'nothing' if saved is None else saved} of the training data "
                 f"(--eval-holdout), this run holds out {'nothing' if now is None else now}")
-            raise UsageError(f"the checkpoint's data position is for {kind} data {data!r}, but this run reads "
-                             f"{self.kind} data {self.fingerprint!r} ({self.describe()}, seq_len {self.seq_len}, "
+            older = "" if kind != "text" or all(position.get(k) == v for k, v in TEXT_FINGERPRINT.items()) else (
+                " (the checkpoint was written by an older shardkit, whose text fingerprint hashed the folder's "
+                "path, not the text: it never matches)")
+            raise UsageError(f"the checkpoint's data position is for {kind} data {data!r}{older}, but this run "
+                             f"reads {self.kind} data {self.fingerprint!r} ({self.describe()}, seq_len {self.seq_len}, "
                              f"seed {self.seed}){holdout}: resume with the same data, seq_len, seed and holdout, or "
                              f"start from the weights alone (--init-from an export)")
 
     def _position_base(self) -> dict[str, Any]:
         """What every position of this stream holds: the kind of data, its fingerprint, the holdout if any."""
         base: dict[str, Any] = {"kind": self.kind, "data": self.fingerprint}
+        if self.kind == "text":
+            base.update(TEXT_FINGERPRINT)
         if self.holdout is not None:
             base["holdout"] = self.holdout
         return base

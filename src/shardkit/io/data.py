@@ -8,12 +8,15 @@ The byte stream is built lazily and capped (the first ``max_bytes`` of text in w
 order), so start-up stays fast however big the folder is. Batches are drawn with a seeded
 generator, so every rank draws the same global batch and then takes its slice with
 ``ctx.shard_batch``. A part of the stream (``byte_range``, or :meth:`TextShards.split`)
-draws its windows from that part only.
+draws its windows from that part only. :attr:`TextShards.digest` hashes the text the stream
+holds (each file's name relative to the folder, its bytes read and those bytes), not the
+folder's path: the same files anywhere give the same digest, other text another.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import hashlib
 import math
 import os
 import sysconfig
@@ -73,9 +76,11 @@ class TextShards:
         self.max_bytes = max_bytes
         self.byte_range = byte_range
         self._stream: torch.Tensor | None = None
+        self._digest: str | None = None
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_stream": None}  # each process rebuilds the stream: send paths, not bytes
+        # each process rebuilds the stream and its digest from what it reads: send paths, not bytes
+        return {**self.__dict__, "_stream": None, "_digest": None}
 
     def __repr__(self) -> str:
         part = "" if self.byte_range is None else f", byte_range={self.byte_range}"
@@ -114,8 +119,11 @@ class TextShards:
         """The corpus as one uint8 tensor: files joined by newlines, cut at ``max_bytes``."""
         if self._stream is None:
             buffer, size = [], 0
-            for _, data in self.texts():
+            digest = hashlib.sha256()
+            for path, data in self.texts():
                 piece = data[: self.max_bytes - size]
+                digest.update(f"{path.relative_to(self.root).as_posix()}\0{len(piece)}\0".encode())
+                digest.update(piece)
                 buffer.append(piece)
                 size += len(piece)
                 if size >= self.max_bytes:
@@ -125,7 +133,19 @@ class TextShards:
             if not buffer:
                 self.check()
             self._stream = torch.frombuffer(bytearray(b"".join(buffer)), dtype=torch.uint8)
+            self._digest = digest.hexdigest()
         return self._stream
+
+    @property
+    def digest(self) -> str:
+        """The sha256 (hex) of the text :attr:`stream` holds, file by file in walk order: each file's path
+        relative to ``root``, the number of its bytes read and those bytes (reads the stream once).
+
+        The same files reached by another path give the same digest; changed text gives another.
+        """
+        _ = self.stream  # built with its digest
+        assert self._digest is not None
+        return self._digest
 
     @property
     def span(self) -> tuple[int, int]:
@@ -147,7 +167,7 @@ class TextShards:
         parts = (TextShards(self.root, self.pattern, self.max_bytes, (start, cut)),
                  TextShards(self.root, self.pattern, self.max_bytes, (cut, stop)))
         for part in parts:
-            part._stream = self._stream  # read once, shared (never pickled)
+            part._stream, part._digest = self._stream, self._digest  # read once, shared (never pickled)
         return parts
 
     def batches(self, seq_len: int, batch_size: int, seed: int, steps: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

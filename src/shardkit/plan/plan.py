@@ -285,8 +285,13 @@ class Plan:
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:
-        """Read a plan file: ``.json``, or ``.yaml`` / ``.yml`` (a key given twice is an error)."""
-        return cls.from_dict(read_file(path, "plan"))
+        """Read a plan file: ``.json``, or ``.yaml`` / ``.yml`` (a key given twice is an error); every
+        problem names the file."""
+        data = read_file(path, "plan")
+        try:
+            return cls.from_dict(data)
+        except PlanError as exc:
+            raise PlanError([f"plan file {str(path)!r}: {problem}" for problem in exc.problems]) from None
 
     def save(self, path: str | Path) -> None:
         path = Path(path)
