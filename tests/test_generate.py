@@ -404,8 +404,10 @@ def test_cli_generates_from_a_hf_folder_as_transformers_does(hf_folder, cli):
 def test_cli_stops_at_the_models_eos_unless_told_otherwise(hf_folder, cli, tmp_path):
     config = json.loads((hf_folder / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, "eos_token_id": STOP_ONE}))
+    weights = tmp_path / "weights"  # no generation_config.json, which would take the place of the config's eos
+    shutil.copytree(hf_folder, weights, ignore=shutil.ignore_patterns("generation_config.json"))
     ids = ",".join(map(str, PROMPT[0].tolist()))
-    argv = ["--model", str(tmp_path / "config.json"), "--hf", str(hf_folder), "--mesh", "tp=2", "--prompt-ids", ids,
+    argv = ["--model", str(tmp_path / "config.json"), "--hf", str(weights), "--mesh", "tp=2", "--prompt-ids", ids,
             "--max-new-tokens", str(NEW)]
     stopped = _hf_stopping(STOP_ONE, STOP_ONE, PROMPT[:1])[0, PROMPT.shape[1]:].tolist()
     assert len(stopped) < NEW and stopped[-1] == STOP_ONE  # premise
