@@ -258,7 +258,7 @@ def _unit_of(name: str, unit_of_module: dict[str, int]) -> int | None:
         path = path.rpartition(".")[0]
         if path in unit_of_module:
             return unit_of_module[path]
-    return unit_of_module.get("")
+    return None
 
 
 def assign_stages(model: nn.Module, pipeline: Pipeline, mesh: Mesh | None = None,

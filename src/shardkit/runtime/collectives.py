@@ -10,7 +10,6 @@ slice, of ``reduce_scatter`` an all-gather, of ``broadcast`` the identity at the
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterable
 from typing import Any
 
@@ -20,6 +19,7 @@ from torch import nn
 
 from ..plan import ReplicaGrouping, UsageError
 from .groups import ReplicaGroup, replica_group
+from .pieces import local_tensor
 
 REDUCE_OPS = {"sum": "SUM", "mean": "SUM", "max": "MAX", "min": "MIN", "product": "PRODUCT"}
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
@@ -222,7 +222,7 @@ def average_gradients(module: nn.Module | Iterable[torch.Tensor], grouping: Repl
     >>> loss.backward(); average_gradients(model, ReplicaGrouping(8, group_size=2))   # doctest: +SKIP
     """
     params = module.parameters() if isinstance(module, nn.Module) else module
-    grads = [_local(p.grad) for p in params if p.grad is not None]
+    grads = [local_tensor(p.grad) for p in params if p.grad is not None]
     if isinstance(grouping, ReplicaGrouping) or grouping is None:
         group = replica_group(grouping, transpose=transpose)
         pg, size = group.process_group, group.size
@@ -247,15 +247,6 @@ def average_gradients(module: nn.Module | Iterable[torch.Tensor], grouping: Repl
             for g in bucket:
                 g.copy_(flat[offset:offset + g.numel()].view_as(g))
                 offset += g.numel()
-
-
-def _local(grad: torch.Tensor) -> torch.Tensor:
-    # DTensor can only exist once its module is imported; importing it here would cost seconds per process
-    dtensor = sys.modules.get("torch.distributed.tensor")
-    if dtensor is not None and isinstance(grad, dtensor.DTensor):
-        with torch.no_grad():
-            return grad.to_local()
-    return grad
 
 
 __all__ = ["REDUCE_OPS", "all_gather", "all_reduce", "average_gradients", "broadcast", "check_same_layout",

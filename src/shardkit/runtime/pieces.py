@@ -21,6 +21,7 @@ this module adds the runs.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -83,6 +84,16 @@ def pieces(tensor: torch.Tensor, permutation: Permutation | None = None) -> list
     return found
 
 
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (the same storage), or the tensor itself."""
+    # DTensor can only exist once its module is imported; importing it here would cost seconds per process
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is not None and isinstance(tensor, dtensor.DTensor):
+        with torch.no_grad():
+            return tensor.to_local()
+    return tensor
+
+
 def full_parameter(tensor: torch.Tensor, permutation: Permutation | None = None) -> torch.Tensor:
     """The whole canonical tensor (a collective over the tensor's mesh when it is a DTensor:
     every rank holding a part must call it), the permutation undone.
@@ -106,4 +117,4 @@ def model_pieces(model: nn.Module) -> dict[str, list[Piece]]:
     return {name: pieces(p, permutations.get(name)) for name, p in model.named_parameters()}
 
 
-__all__ = ["Permutation", "Piece", "full_parameter", "model_pieces", "pieces"]
+__all__ = ["Permutation", "Piece", "full_parameter", "local_tensor", "model_pieces", "pieces"]

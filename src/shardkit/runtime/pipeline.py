@@ -45,7 +45,9 @@ from . import spans as timeline
 from .accumulation import micro_batches
 from .context import Context
 from .materialize import WeightSource
+from .meshes import process_group
 from .parallelize import parallelize, with_mixin
+from .pieces import local_tensor
 
 
 # -- the pipelined model -------------------------------------------------------------------------
@@ -230,17 +232,17 @@ class _Runtime:
         gradient each copy gained summed over the copies (:meth:`_sum_tied_grads`). Copies on
         one device are one parameter already (``zbv`` puts the first and last stage on one)."""
         mesh, groups = self.ctx.mesh, {}
+        # the groups (made once per process, runtime/meshes.py): one per coordinate of the other axes
         pp_dim = mesh.mesh_dim_names.index("pp")
         lines = mesh.mesh.movedim(pp_dim, -1).reshape(-1, mesh.mesh.shape[pp_dim]).tolist()
         for tie in self.assignment.ties:
             devices = tuple(sorted({self.assignment.ranks[s] for s in tie.stages}))
             if len(devices) < 2:
                 continue
-            if devices not in groups:
-                groups[devices] = None
+            if devices not in groups:  # every rank asks for every line's group, in one order
                 for line in lines:
-                    ranks = [line[d] for d in devices]
-                    group = dist.new_group(ranks)
+                    ranks = tuple(line[d] for d in devices)
+                    group = process_group(ranks)
                     if dist.get_rank() in ranks:
                         groups[devices] = group
             if self.pp_rank not in devices:
@@ -250,7 +252,7 @@ class _Runtime:
             copy = _TiedCopy(name, tie.names[0], model.get_parameter(name), groups[devices], devices.index(first),
                              primary=first == self.pp_rank)
             with torch.no_grad():
-                dist.broadcast(_local(copy.param), group=copy.group, group_src=copy.source)
+                dist.broadcast(local_tensor(copy.param), group=copy.group, group_src=copy.source)
             self.ties.append(copy)
 
     def _tied_grads(self) -> list[torch.Tensor | None]:
@@ -269,7 +271,7 @@ class _Runtime:
                 param = tie.param
                 if param.grad is None and param.requires_grad:
                     param.grad = torch.zeros_like(param)
-                grad = _local_grad(param) if param.grad is not None else torch.zeros_like(_local(param))
+                grad = _local_grad(param) if param.grad is not None else torch.zeros_like(local_tensor(param))
                 gained = torch.empty(grad.numel() + 1, dtype=grad.dtype, device=grad.device)
                 gained[:-1] = (grad - old if old is not None else grad).flatten()
                 gained[-1] = float(param.requires_grad)
@@ -400,11 +402,6 @@ class _TiedCopy:
     primary: bool
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (the same storage), or the tensor."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
 def _local_grad(param: nn.Parameter) -> torch.Tensor:
     """``param``'s gradient as its local shard, laid out as ``param`` first: the backward of a
     vocabulary-split embedding leaves a replicated DTensor gradient beside its sharded weight,
@@ -412,7 +409,7 @@ def _local_grad(param: nn.Parameter) -> torch.Tensor:
     grad = param.grad
     if isinstance(grad, DTensor) and isinstance(param, DTensor) and grad.placements != param.placements:
         param.grad = grad = grad.redistribute(param.device_mesh, param.placements)
-    return _local(grad)
+    return local_tensor(grad)
 
 
 def _positional_inputs(stage_forward: Callable) -> int | None:
