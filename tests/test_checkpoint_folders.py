@@ -22,7 +22,7 @@ from torch import nn
 
 import shardkit as sk
 from shardkit.checkpoint import store
-from shardkit.checkpoint.manifest import MANIFEST_NAME, checksum_of
+from shardkit.checkpoint.manifest import MANIFEST_NAME
 from shardkit.cli import main
 
 LATEST = "step-00000003"
@@ -73,8 +73,8 @@ DAMAGE = {
     "manifest a JSON list": lambda f: (f / MANIFEST_NAME).write_text("[3]"),
     "manifest of step 1": lambda f: shutil.copy(f.parent / "step-00000001" / MANIFEST_NAME, f / MANIFEST_NAME),
     "step edited": lambda f: _rewrite(f, lambda m: m.update(step=2)),
-    "extra edited, checksum too": lambda f: _rewrite(f, lambda m: m.update(extra={"data": 1},
-                                                                          checksum=checksum_of(m))),
+    "extra edited": lambda f: _rewrite(f, lambda m: m.update(extra={"data": {"position": 1}})),
+    "a permutation added": lambda f: _rewrite(f, lambda m: m["permutations"].update(weight=[0, [1, 0]])),
     "world_size of the wrong type": lambda f: _rewrite(f, lambda m: m.update(world_size="1")),
     "checksum removed": lambda f: _rewrite(f, lambda m: m.pop("checksum")),
     "version 1 with a checksum": lambda f: _rewrite(f, lambda m: m.update(version=1)),
