@@ -252,13 +252,18 @@ def _leftovers(target: Path) -> list[Path]:
 
 def _locked(folder: Path) -> int:
     """A descriptor of ``folder`` holding its exclusive ``flock`` (released when closed, or when the
-    process dies); :class:`BlockingIOError` when another process holds it."""
+    process dies); :class:`BlockingIOError` when another process holds it. On a file system without
+    ``flock`` the descriptor holds no lock (writers there are not told apart)."""
     handle = os.open(folder, os.O_RDONLY)
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BaseException:
+    except BlockingIOError:
         os.close(handle)
         raise
+    except OSError as error:
+        if error.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            os.close(handle)
+            raise
     return handle
 
 
