@@ -60,8 +60,6 @@ from pathlib import Path
 
 from ..plan.errors import UsageError
 
-#: At most this many names in a message; the rest are counted.
-NAMES_SHOWN = 8
 _HOST = re.sub(r"[^A-Za-z0-9_]", "_", socket.gethostname()) or "host"
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
@@ -115,12 +113,6 @@ def writer_tag() -> str:
     return f"{_HOST}-{os.getpid()}"
 
 
-def names(found: list[str]) -> str:
-    """``a, b`` or ``a, b, ... and 3 more``, for messages."""
-    shown = ", ".join(found[:NAMES_SHOWN])
-    return shown if len(found) <= NAMES_SHOWN else f"{shown} and {len(found) - NAMES_SHOWN} more"
-
-
 def interrupted_replacement(path: str | os.PathLike) -> str:
     """For a reader that finds nothing at ``path``: ``'; ...'`` naming a folder a killed replacement
     left beside it (renamed back by the next write), or ``''``."""
@@ -161,7 +153,7 @@ class FolderWrite:
             raise UsageError(occupied)
         foreign = [name for name in entries if not self.ours(name)]
         if foreign:
-            raise UsageError(f"{label} holds {names(foreign)}, which this write does not make: replacing the folder "
+            raise UsageError(f"{label} holds {', '.join(foreign)}, which this write does not make: replacing the folder "
                              f"would delete them, so nothing was written; move them out of it, or write elsewhere")
 
     @contextmanager
@@ -234,20 +226,10 @@ class FolderWrite:
                 os.close(handle)
 
 
-@contextmanager
-def written_whole(path: str | os.PathLike, ours: Callable[[str], bool], overwrite: bool, label: str,
-                  occupied: str) -> Iterator[Path]:
-    """:class:`FolderWrite`'s prepare and open in one: ``with written_whole(...) as folder:``."""
-    write = FolderWrite(path, ours)
-    write.prepare(overwrite, label, occupied)
-    with write.open() as folder:
-        yield folder
-
-
 def _leftovers(target: Path) -> list[Path]:
     """The hidden folders that writes to ``target`` make beside it."""
     pattern = re.compile(rf"\.{re.escape(target.name)}\.(partial|replaced)-\w+-\d+-[0-9a-f]+")
-    return sorted(p for p in target.parent.iterdir() if pattern.fullmatch(p.name))
+    return sorted(p for p in target.parent.iterdir() if pattern.fullmatch(p.name) and p.is_dir())
 
 
 def _locked(folder: Path) -> int:
@@ -316,5 +298,4 @@ def _exchange(first: Path, second: Path) -> bool:
     raise OSError(error, os.strerror(error), str(second))
 
 
-__all__ = ["FolderWrite", "interrupted_replacement", "names", "overlap", "sync_folder", "writer_of", "writer_tag",
-           "written_whole"]
+__all__ = ["FolderWrite", "interrupted_replacement", "overlap", "sync_folder", "writer_of", "writer_tag"]
