@@ -430,22 +430,27 @@ def _steps(root: Path) -> list[str]:
     return sorted(p.name for p in root.iterdir())
 
 
-def test_load_takes_the_latest_complete_checkpoint_never_a_half_written_one(tmp_path):
+def test_load_takes_the_latest_checkpoint_passing_over_only_a_half_written_one(tmp_path):
     _save_steps(tmp_path, [1, 2])
     shutil.copytree(tmp_path / "step-00000002", tmp_path / ".step-00000003.tmp-99-dead")  # a killed save
-    shutil.copytree(tmp_path / "step-00000002", tmp_path / "step-00000004", ignore=shutil.ignore_patterns(MANIFEST_NAME))
-    shutil.copytree(tmp_path / "step-00000002", tmp_path / "step-00000005")
-    (tmp_path / "step-00000005" / MANIFEST_NAME).write_text('{"format": "shardkit.checkpoint", "ver')  # cut short
     model = nn.Linear(3, 2)
     assert sk.load(tmp_path, model)["step"] == 2 and bool((model.weight == 2).all())
     assert sk.latest_checkpoint(tmp_path) == tmp_path / "step-00000002"
+    shutil.copytree(tmp_path / "step-00000002", tmp_path / "step-00000004", ignore=shutil.ignore_patterns(MANIFEST_NAME))
+    shutil.copytree(tmp_path / "step-00000002", tmp_path / "step-00000005")
+    (tmp_path / "step-00000005" / MANIFEST_NAME).write_text('{"format": "shardkit.checkpoint", "ver')  # cut short
     with pytest.raises(sk.CheckpointError, match="step-00000004' has no readable manifest.json .*: it is incomplete"):
         sk.load(tmp_path / "step-00000004", model)
     with pytest.raises(sk.CheckpointError, match=r"manifest.json' is not valid JSON"):
         sk.load(tmp_path / "step-00000005", model)
+    for latest in ("step-00000005", "step-00000004"):  # a damaged latest is refused, never skipped in silence
+        with pytest.raises(sk.CheckpointError, match=f"the latest checkpoint in .*, {latest}, is damaged.* "
+                                                     r"load an earlier one by its folder \(step-00000002, "):
+            sk.load(tmp_path, model)
+        shutil.rmtree(tmp_path / latest)
     empty = tmp_path / "none"
-    shutil.copytree(tmp_path / "step-00000004", empty / "step-00000004")
-    with pytest.raises(sk.CheckpointError, match="holds no complete checkpoint .*; incomplete: step-00000004"):
+    (empty / ".step-00000007.tmp-99-dead").mkdir(parents=True)
+    with pytest.raises(sk.CheckpointError, match="holds no checkpoint .*; saves in progress or killed: .step-00000007"):
         sk.load(empty, model)
     _damage(tmp_path / "step-00000002" / "__0_0.distcp", "flip", 0.9, 0)  # the latest is damaged: refused,
     with pytest.raises(sk.CheckpointError, match=r"__0_0.distcp has sha256 .*Load another checkpoint "

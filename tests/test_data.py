@@ -88,6 +88,16 @@ def test_sequence_longer_than_the_stream_is_an_error(tmp_path):
         next(TextShards(tmp_path).batches(10, 1, 0, 1))
 
 
+def test_a_stream_too_short_for_any_seq_len_says_so(tmp_path):
+    (tmp_path / "a.txt").write_bytes(b"abc")
+    with pytest.raises(PlanError, match=r"has 1 bytes .*too few for seq_len=1 .*too few for any seq_len") as caught:
+        next(TextShards(tmp_path, byte_range=(1, 2)).batches(1, 1, 0, 1))
+    assert "seq_len < 1" not in str(caught.value) and str(tmp_path) in str(caught.value)
+    with pytest.raises(PlanError, match=r"has 4 bytes .*valid: seq_len <= 3, or more data"):
+        next(TextShards(tmp_path).batches(4, 1, 0, 1))
+    assert next(TextShards(tmp_path).batches(3, 1, 0, 1))[0].shape == (1, 3)
+
+
 def test_the_fingerprint_is_of_the_data_not_of_the_path_they_are_read_by(tmp_path, monkeypatch):
     from shardkit.io.batch_stream import BatchStream
     from shardkit.io.shard_writer import write_shards

@@ -257,6 +257,11 @@ def test_export_refuses_a_folder_in_use(world, tmp_path):
     with pytest.raises(sk.UsageError, match="exists and is not an empty folder: pass overwrite=True"):
         sk.export_hf(tmp_path, torch.nn.Linear(2, 2))
     assert (tmp_path / "keep.txt").read_text() == "mine"
+    with pytest.raises(sk.UsageError, match="holds keep.txt, which this write does not make"):
+        sk.export_hf(tmp_path, torch.nn.Linear(2, 2), overwrite=True)  # overwrite replaces an export, nothing else
+    assert sorted(os.listdir(tmp_path)) == ["keep.txt"]
+    (tmp_path / "keep.txt").unlink()
+    sk.export_hf(tmp_path, torch.nn.Linear(3, 3))
     sk.export_hf(tmp_path, torch.nn.Linear(2, 2), overwrite=True)
     assert sorted(os.listdir(tmp_path)) == ["model.safetensors"]
 

@@ -291,6 +291,31 @@ def test_bad_dataset_arguments_are_refused(folder, kwargs, message):
         ShardedDataset(folder, **kwargs)
 
 
+@settings(max_examples=12)
+@given(text=st.text(string.ascii_letters, min_size=1, max_size=30), seq_len=st.integers(1, 40))
+def test_a_folder_too_short_for_seq_len_says_the_longest_seq_len_it_allows(text, seq_len):
+    """One-token shards allow no seq_len at all (never "valid: seq_len < 1"); otherwise the longest one is named."""
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "a.txt").write_text(text)
+        total = len(text) + 1
+        for shards in (total, 1):
+            out = Path(tmp) / f"out-{shards}"
+            write_shards(Path(tmp) / "a.txt", out, shards=shards)
+            longest = -(-total // shards)
+            if seq_len < longest:
+                continue
+            with pytest.raises(UsageError) as caught:
+                ShardedDataset(out, seq_len=seq_len)
+            message = str(caught.value)
+            assert str(out) in message and f"{total} tokens in all" in message and not re.search(r"seq_len < 1\b", message)
+            if longest == 1:
+                assert "no seq_len fits (a sample needs at least 2 tokens)" in message
+                assert f"with --shards 1, seq_len up to {total - 1}" in message
+            else:
+                assert f"valid: seq_len < {longest} (at most {longest - 1})" in message
+                assert len(ShardedDataset(out, seq_len=longest - 1)) >= 1  # what it says is valid is
+
+
 def test_bad_order_and_sample_arguments_are_refused(dataset):
     with pytest.raises(UsageError, match=r"^order\(epoch=-1, start=0, stop=None\): epoch=-1 is not valid"):
         dataset.order(-1)

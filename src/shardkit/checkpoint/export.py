@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
-import uuid
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from pathlib import Path
@@ -34,6 +34,7 @@ from torch import nn
 
 from ..families import family_of
 from ..families.base import WeightNames
+from ..io.folders import FolderWrite
 from ..io.hf_weights import INDEX, SINGLE
 from ..io.safetensors import SafetensorsWriter
 from ..plan import UsageError
@@ -104,26 +105,41 @@ def _nbytes(entry: Entry) -> int:
     return torch.Size(entry[1]).numel() * torch.empty((), dtype=entry[2]).element_size()
 
 
-def _write_folder(path: Path, entries: list[Entry], max_shard_size: str | int, overwrite: bool,
+#: What an export holds: what ``overwrite`` may replace (anything else in the folder is the user's).
+EXPORT_FILES = re.compile(rf"{re.escape(SINGLE)}|{re.escape(INDEX)}|model-\d{{5}}-of-\d{{5}}\.safetensors|"
+                          rf"{'|'.join(map(re.escape, CONFIG_FILES))}")
+
+
+def _prepared(path: Path, overwrite: bool, source: tuple[str, Path] | None = None) -> FolderWrite:
+    """The export's :class:`~shardkit.io.folders.FolderWrite`, checked on rank 0 (every rank raises
+    its refusal) before any tensor moves."""
+    write = FolderWrite(path, EXPORT_FILES.fullmatch)
+    problem = ""
+    if _rank_world()[0] == 0:
+        try:
+            write.prepare(overwrite, repr(str(path)), f"{path} exists and is not an empty folder: pass overwrite=True "
+                          f"(on the command line: --overwrite) to replace it", source)
+        except UsageError as error:
+            problem = str(error)
+    problem = _rank0_value(problem, _rank_world()[1])
+    if problem:
+        raise UsageError(problem)
+    return write
+
+
+def _write_folder(write: FolderWrite, entries: list[Entry], max_shard_size: str | int,
                   tensors: Callable[[list[Entry]], Iterator[torch.Tensor | None]], finish: Callable[[Path], None],
                   progress: Callable[[str, int], None] | None, names: WeightNames) -> Path:
     """Write a HuggingFace folder: ``tensors(file's entries)`` yields each file's tensors in order
     (on rank 0; other ranks' iterations do their part of gathering them and yield None); then
-    the index and ``finish(folder)``, in a staging folder renamed to ``path`` last. Tensors are
-    written under the names the model's library writes (``names.to_checkpoint``)."""
+    the index and ``finish(folder)``. Rank 0 writes into a hidden folder that takes the place of
+    ``write.path`` whole when complete (a kill at any moment leaves the old export or the new
+    one). Tensors are written under the names the model's library writes (``names.to_checkpoint``)."""
     rank, world = _rank_world()
     groups = _groups(entries, parse_bytes(max_shard_size))
     files = [SINGLE] if len(groups) == 1 else [f"model-{k:05d}-of-{len(groups):05d}.safetensors"
                                               for k in range(1, len(groups) + 1)]
-    busy = rank == 0 and path.exists() and not overwrite and (not path.is_dir() or any(path.iterdir()))
-    problem = _rank0_value(f"{path} exists and is not an empty folder: pass overwrite=True (on the command line: "
-                           f"--overwrite) to replace it" if busy else "", world)
-    if problem:
-        raise UsageError(problem)
-    staging = Path(_rank0_value(str(path.with_name(f".{path.name}.incomplete-{uuid.uuid4().hex[:8]}")), world))
-    if rank == 0:
-        staging.mkdir(parents=True)
-    try:
+    with write.open() if rank == 0 else nullcontext() as staging:
         for file_name, group in zip(files, groups):
             header = {names.to_checkpoint(name): (shape, kind) for name, shape, kind in group}
             with SafetensorsWriter(staging / file_name, header) if rank == 0 else nullcontext() as writer:
@@ -139,16 +155,9 @@ def _write_folder(path: Path, entries: list[Entry], max_shard_size: str | int, o
                 index = {"metadata": {"total_size": sum(map(_nbytes, entries))}, "weight_map": weight_map}
                 (staging / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
             finish(staging)
-            if path.exists():
-                shutil.rmtree(path) if path.is_dir() else path.unlink()
-            os.replace(staging, path)
-    except BaseException:
-        if rank == 0:
-            shutil.rmtree(staging, ignore_errors=True)
-        raise
     if world > 1:
         dist.barrier()
-    return path
+    return write.path
 
 
 def export_hf(path: str | os.PathLike, model: nn.Module, *, max_shard_size: str | int = "2GB",
@@ -158,15 +167,18 @@ def export_hf(path: str | os.PathLike, model: nn.Module, *, max_shard_size: str 
 
     ``max_shard_size``: the most bytes per ``.safetensors`` file (``"2GB"``, ``"500MiB"``);
     ``dtype``: cast floating tensors on the way out (``torch.bfloat16``); ``overwrite``: replace
-    an existing folder (else an existing, non-empty ``path`` is an error). The folder appears
-    whole or not at all (written under a temporary name, renamed last). ``progress(name,
-    bytes)`` is called on rank 0 after each tensor. Returns ``path``.
+    an existing export (else an existing, non-empty ``path`` is an error; a folder holding
+    anything an export does not write, a tokenizer for one, is never replaced: the files are
+    named). ``path`` is replaced atomically: written under a hidden name beside it, then swapped
+    in, so a process killed at any moment leaves the old export or the new one, complete.
+    ``progress(name, bytes)`` is called on rank 0 after each tensor. Returns ``path``.
 
     >>> import tempfile, torch
     >>> folder = export_hf(tempfile.mkdtemp() + "/out", torch.nn.Linear(3, 2))
     >>> sorted(p.name for p in folder.iterdir())
     ['model.safetensors']
     """
+    write = _prepared(Path(path), overwrite)
     rank, world = _rank_world()
     permutations = getattr(model, "_sk_permutations", {})
     local = _local_tensors(model)
@@ -193,7 +205,7 @@ def export_hf(path: str | os.PathLike, model: nn.Module, *, max_shard_size: str 
             values.pop("torch_dtype", None)
             config.write_text(json.dumps(values, indent=2, sort_keys=True) + "\n")
 
-    return _write_folder(Path(path), entries, max_shard_size, overwrite, tensors, finish, progress,
+    return _write_folder(write, entries, max_shard_size, tensors, finish, progress,
                          family_of(model).weight_names(model))
 
 
@@ -206,12 +218,13 @@ def convert_to_hf(checkpoint: str | os.PathLike, path: str | os.PathLike, *, max
     ``checkpoint``: one checkpoint folder, or a folder of them (the latest complete one). Every
     file is checked first (sizes and sha256). Tensors are read with DCP a file's worth at a time
     (at most ``max_shard_size``), permutations undone; the checkpoint's ``config.json`` (saved
-    when the model had a HuggingFace config) is copied beside them. Other arguments as
-    :func:`export_hf`.
+    when the model had a HuggingFace config) is copied beside them. ``path`` must lie outside
+    ``checkpoint`` and not hold it (it is replaced whole). Other arguments as :func:`export_hf`.
     """
     if _rank_world()[1] > 1:
         raise UsageError("convert_to_hf reads a checkpoint in one process; in a launched world, sk.load it into "
                          "the sharded model and call sk.export_hf(path, model)")
+    write = _prepared(Path(path), overwrite, (f"the checkpoint {str(checkpoint)!r}", Path(checkpoint)))
     folder, manifest = checkpoint_to_load(Path(checkpoint))
     check_files(folder, manifest)
     entries = [(name, tuple(shape), _written(getattr(torch, kind), dtype))
@@ -234,8 +247,7 @@ def convert_to_hf(checkpoint: str | os.PathLike, path: str | os.PathLike, *, max
             if (folder / name).is_file():
                 shutil.copyfile(folder / name, staging / name)
 
-    return _write_folder(Path(path), entries, max_shard_size, overwrite, tensors, finish, progress,
-                         _names_of_saved(folder))
+    return _write_folder(write, entries, max_shard_size, tensors, finish, progress, _names_of_saved(folder))
 
 
 def _names_of_saved(folder: Path) -> WeightNames:

@@ -5,13 +5,19 @@ tensors stored in them.
 ``manifest.json`` is the last file written into a checkpoint, so a folder with a valid one is
 complete (see :mod:`shardkit.checkpoint.store`)::
 
-    {"format": "shardkit.checkpoint", "version": 1, "step": 123, "world_size": 4,
+    {"format": "shardkit.checkpoint", "version": 2, "step": 123, "world_size": 4,
      "plan": {"mesh": {"fsdp": 4}, ...} or null,
      "model": {"hash": "3f0c...", "parameters": {"embed.weight": {"shape": [256, 64], "dtype": "float32"}, ...}},
      "optimizer": "AdamW" or null,
      "permutations": {"h.0.attn.c_attn.weight": [1, [0, 1, ...]]},
      "extra": {...},
-     "files": [{"name": ".metadata", "bytes": 9051, "sha256": "..."}, {"name": "__0_0.distcp", ...}, ...]}
+     "files": [{"name": ".metadata", "bytes": 9051, "sha256": "..."}, {"name": "__0_0.distcp", ...}, ...],
+     "saved_by": {"host": "node7", "pid": 4242},
+     "checksum": "9f86d0..."}
+
+``checksum`` is the sha256 of every other field (:func:`checksum_of`), so a manifest cut short,
+edited by hand or damaged is refused, never read as if it were true (version 1, written before
+it, has neither ``checksum`` nor ``saved_by``).
 
 >>> parameters = {"w": ((2, 3), "float32")}
 >>> manifest = Manifest(7, 1, None, parameters, None, {}, {"data": {"position": 12}},
@@ -35,7 +41,9 @@ from ..io.manifest import sha256_of
 from ..plan.errors import UsageError
 
 FORMAT = "shardkit.checkpoint"
-VERSION = 1
+VERSION = 2
+#: The versions this shardkit reads (1: no checksum, no saved_by).
+READS = (1, 2)
 MANIFEST_NAME = "manifest.json"
 #: DCP's index of a checkpoint: every tensor, its shape, dtype and which file holds which part.
 METADATA_NAME = ".metadata"
@@ -79,18 +87,29 @@ class Manifest:
     permutations: dict[str, list]
     extra: Any
     files: tuple[FileEntry, ...]
+    #: who saved it: ``{"host": ..., "pid": ...}`` (None in a version 1 manifest)
+    saved_by: dict[str, Any] | None = None
 
     @property
     def model_hash(self) -> str:
         return model_hash(self.parameters)
 
+    @property
+    def writer(self) -> str:
+        """Who saved it, for messages: ``process 4242 on node7``."""
+        if not self.saved_by:
+            return "a shardkit that did not record its process"
+        return f"process {self.saved_by.get('pid')} on {self.saved_by.get('host')}"
+
     def to_json(self) -> str:
         parameters = {name: {"shape": list(shape), "dtype": dtype} for name, (shape, dtype) in self.parameters.items()}
         files = [{"name": f.name, "bytes": f.size, "sha256": f.sha256} for f in self.files]
-        return json.dumps({"format": FORMAT, "version": VERSION, "step": self.step, "world_size": self.world_size,
-                           "plan": self.plan, "model": {"hash": self.model_hash, "parameters": parameters},
-                           "optimizer": self.optimizer, "permutations": self.permutations, "extra": self.extra,
-                           "files": files}, indent=1, allow_nan=False) + "\n"
+        fields = {"format": FORMAT, "version": VERSION, "step": self.step, "world_size": self.world_size,
+                  "plan": self.plan, "model": {"hash": self.model_hash, "parameters": parameters},
+                  "optimizer": self.optimizer, "permutations": self.permutations, "extra": self.extra,
+                  "files": files, "saved_by": self.saved_by}
+        fields = json.loads(json.dumps(fields, allow_nan=False))  # as a reader parses it (tuples are lists)
+        return json.dumps({**fields, "checksum": checksum_of(fields)}, indent=1, allow_nan=False) + "\n"
 
     @classmethod
     def from_json(cls, text: str, where: str) -> Manifest:
@@ -98,11 +117,23 @@ class Manifest:
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise CheckpointError(f"{where} is not valid JSON ({exc})") from None
+            raise CheckpointError(f"{where} is not valid JSON ({exc}): cut short or damaged") from None
         top = _Fields(data, where)
-        if (top.get("format", str), top.get("version", int)) != (FORMAT, VERSION):
+        if top.get("format", str) != FORMAT or top.get("version", int) not in READS:
             raise CheckpointError(f"{where} is format {data['format']!r} version {data['version']}; this shardkit "
-                                  f"reads {FORMAT!r} version {VERSION}")
+                                  f"reads {FORMAT!r} versions {', '.join(map(str, READS))}")
+        saved_by = None
+        if data["version"] == 1 and {"checksum", "saved_by"} & set(data):
+            raise CheckpointError(f"{where} says version 1 but has the fields of version 2 (checksum, saved_by): "
+                                  f"the manifest was edited")
+        if data["version"] >= 2:
+            fields = {key: value for key, value in data.items() if key != "checksum"}
+            if top.get("checksum", str) != checksum_of(fields):
+                raise CheckpointError(f"{where}: its checksum is not that of its fields: the manifest was edited or "
+                                      f"damaged, so nothing it says can be trusted")
+            saved_by = data.get("saved_by")
+            if saved_by is not None and not isinstance(saved_by, dict):
+                raise CheckpointError(f"{where}: field 'saved_by' must be a JSON object or null, got {saved_by!r}")
         model = _Fields(top.get("model", dict), f"{where}: model")
         parameters = _parameters(model.get("parameters", dict), f"{where}: model.parameters")
         if model.get("hash", str) != model_hash(parameters):
@@ -114,7 +145,13 @@ class Manifest:
         if plan is not None and not isinstance(plan, dict):
             raise CheckpointError(f"{where}: field 'plan' must be a JSON object or null, got {type(plan).__name__}")
         return cls(top.get("step", int), top.get("world_size", int), plan, parameters, optimizer,
-                   top.get("permutations", dict), data.get("extra"), _files(top.get("files", list), where))
+                   top.get("permutations", dict), data.get("extra"), _files(top.get("files", list), where), saved_by)
+
+
+def checksum_of(fields: dict[str, Any]) -> str:
+    """The sha256 (hex) of a manifest's fields, as compact JSON with sorted keys."""
+    text = json.dumps(fields, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 class _Fields:
@@ -170,8 +207,8 @@ def read_manifest(folder: Path) -> Manifest:
         text = file.read_text()
     except OSError as exc:
         raise CheckpointError(f"checkpoint {str(folder)!r} has no readable {MANIFEST_NAME} "
-                              f"({exc.strerror or exc}): it is incomplete (a save that was stopped or is still "
-                              f"running) or not a shardkit checkpoint") from None
+                              f"({exc.strerror or exc}): it is incomplete or damaged (sk.save writes the manifest "
+                              f"before it names a folder step-*), or not a shardkit checkpoint") from None
     return Manifest.from_json(text, repr(str(file)))
 
 
@@ -275,6 +312,6 @@ def _shape(shape: tuple[int, ...], dtype: str) -> str:
     return f"{list(shape)} {dtype}"
 
 
-__all__ = ["FORMAT", "MANIFEST_NAME", "METADATA_NAME", "VERSION", "CheckpointError", "FileEntry", "Manifest",
-           "Parameters", "checksum_problems", "damage_message", "model_hash", "model_mismatch", "name_list",
+__all__ = ["FORMAT", "MANIFEST_NAME", "METADATA_NAME", "READS", "VERSION", "CheckpointError", "FileEntry", "Manifest",
+           "Parameters", "checksum_of", "checksum_problems", "damage_message", "model_hash", "model_mismatch", "name_list",
            "read_manifest", "rng_file_name", "size_problems", "tensors_by_file"]

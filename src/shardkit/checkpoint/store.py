@@ -10,13 +10,15 @@
         manifest.json             written last: step, plan, model identity, permutations, extra, and
                                   every other file's size and sha256
       step-00000200/
-      .step-00000300.tmp-4242-9f3a1c2b/    a save in progress, or one that was killed: never loaded
+      .step-00000300.tmp-node7-4242-9f3a1c2b/    a save in progress (host, pid), or one that was killed: never loaded
 
 **Atomic.** Every rank writes into the hidden temporary folder; every file is synced; rank 0
-writes the manifest last, syncs the folder and renames it to ``step-*``. A folder named
-``step-*`` is therefore complete, and :func:`load` takes only those with a valid manifest: a
-process killed at any moment leaves the earlier checkpoints as they were, plus at most a
-hidden ``.step-*.tmp-*`` folder (delete it when no save is running).
+writes the manifest last (it names the process that saved), syncs the folder and renames it to
+``step-*``. A folder named ``step-*`` is therefore complete, and one that is not is damaged:
+refused by name, never passed over (:mod:`shardkit.checkpoint.steps`). A process killed at any
+moment leaves the earlier checkpoints as they were, plus at most a hidden ``.step-*.tmp-*``
+folder (delete it when no save is running). Two runs saving one step: the second rename fails,
+and that run's :class:`CheckpointError` names the folder and the process that saved it.
 
 **Checked.** :func:`load` compares every file with the manifest (size, then sha256: the ranks
 share the reading) and the model's parameters (names, shapes, dtypes) with those saved, and
@@ -34,20 +36,17 @@ import json
 import math
 import operator
 import os
-import re
 import secrets
 import shutil
-import warnings
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+import socket
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
+from ..io.folders import sync_folder, writer_tag
 from ..io.manifest import sha256_of
 from ..plan import Plan
 from ..plan.errors import UsageError
@@ -65,20 +64,17 @@ from .manifest import (
     rng_file_name,
     size_problems,
 )
+from .ranks import all_gather, everyone, from_rank0, rank, single_process_quiet, world_size
 from .state import load_state, permutations, save_state
-
-STEP_FOLDER = re.compile(r"step-(\d{8,})")
-T = TypeVar("T")
-
-
-def step_folder_name(step: int) -> str:
-    """The folder of a step's checkpoint (at least 8 digits, so names sort as numbers do).
-
-    >>> step_folder_name(123)
-    'step-00000123'
-    """
-    return f"step-{step:08d}"
-
+from .steps import (
+    STEP_FOLDER,
+    checkpoint_to_load,
+    checkpoints_beside,
+    complete_checkpoints,
+    latest_checkpoint,
+    remove_older,
+    step_folder_name,
+)
 
 # -- the public functions -------------------------------------------------------------------------
 
@@ -109,17 +105,17 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     root = Path(path)
     final = root / step_folder_name(step)
     parameters, permuted = model_parameters(model), permutations(model)
-    work = _from_rank0(lambda: _begin(root, final))
+    work = from_rank0(lambda: _begin(root, final))
     try:
-        with _single_process_quiet():
+        with single_process_quiet():
             save_state(work, model, optimizer)
-        _everyone(lambda: _write_synced(work / rng_file_name(_rank()), json.dumps(rng.capture()).encode()))
-        _from_rank0(lambda: write_model_config(work, model))
-        manifest = Manifest(step, _world_size(), _plan_of(model), parameters, _optimizer_name(optimizer), permuted,
-                            extra, _hash_files(work))
-        _from_rank0(lambda: _commit(work, final, manifest, keep_last))
+        everyone(lambda: _write_synced(work / rng_file_name(rank()), json.dumps(rng.capture()).encode()))
+        from_rank0(lambda: write_model_config(work, model))
+        manifest = Manifest(step, world_size(), _plan_of(model), parameters, _optimizer_name(optimizer), permuted,
+                            extra, _hash_files(work), {"host": socket.gethostname(), "pid": os.getpid()})
+        from_rank0(lambda: _commit(work, final, manifest, keep_last))
     except BaseException:
-        if _rank() == 0:
+        if rank() == 0:
             shutil.rmtree(work, ignore_errors=True)
         raise
     return final
@@ -128,9 +124,10 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
 def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
     """Read a checkpoint into ``model`` (and ``optimizer``), sharded by any plan; restore the RNG states.
 
-    ``path``: a folder of checkpoints (the latest complete one is read) or one checkpoint
-    folder. Every file is checked against the manifest and the model's parameters against
-    those saved before anything is read: :class:`CheckpointError` names what does not match.
+    ``path``: a folder of checkpoints (the one of the highest step is read; damaged, it is
+    refused, never passed over) or one checkpoint folder. Every file is checked against the
+    manifest and the model's parameters against those saved before anything is read:
+    :class:`CheckpointError` names what does not match.
     Returns ``{"step", "extra", "plan" (a Plan, or None), "path", "world_size" (of the save),
     "rng": "restored" | "reseeded"}``: this rank's generators are those rank ``r`` saved, or,
     on a rank the save did not have, seeded from ``(step, rank)``. A collective.
@@ -139,36 +136,15 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     >>> loader = ds.loader(12, rank, ranks, position=info["extra"]["data"]["position"])  # doctest: +SKIP
     """
     _check_load(model, optimizer)
-    folder, manifest = _from_rank0(lambda: checkpoint_to_load(Path(path)))
+    folder, manifest = from_rank0(lambda: checkpoint_to_load(Path(path)))
     check_files(folder, manifest)
     _check_model(folder, manifest, model_parameters(model))
     _check_optimizer(folder, manifest, optimizer)
-    with _single_process_quiet():
+    with single_process_quiet():
         load_state(folder, model, optimizer, manifest.permutations)
     return {"step": manifest.step, "extra": manifest.extra,
             "plan": None if manifest.plan is None else Plan.from_dict(manifest.plan), "path": folder,
             "world_size": manifest.world_size, "rng": _restore_rng(folder, manifest)}
-
-
-def latest_checkpoint(path: str | os.PathLike) -> Path | None:
-    """The complete checkpoint of the highest step in folder ``path``, or None (none, or no folder).
-
-    >>> latest_checkpoint("/no/such/folder") is None
-    True
-    """
-    found = _latest(Path(path))
-    return None if found is None else found[0]
-
-
-def complete_checkpoints(path: str | os.PathLike) -> list[Path]:
-    """The ``step-*`` folders of ``path`` with a valid manifest, lowest step first."""
-    return [folder for step, folder in _step_folders(Path(path)) if _manifest_of(folder, step) is not None]
-
-
-def checkpoints_beside(folder: str | os.PathLike) -> list[str]:
-    """The names of the other complete checkpoints in checkpoint ``folder``'s parent, newest first."""
-    folder = Path(folder)
-    return [other.name for other in reversed(complete_checkpoints(folder.parent)) if other != folder]
 
 
 def model_parameters(model: nn.Module) -> Parameters:
@@ -178,7 +154,7 @@ def model_parameters(model: nn.Module) -> Parameters:
     local = {name: (tuple(p.shape), str(p.dtype).removeprefix("torch.")) for name, p in model.named_parameters()
              if name not in copies}
     every = {}
-    for found in _all_gather(local):
+    for found in all_gather(local):
         every.update(found)
     return dict(sorted(every.items()))
 
@@ -244,86 +220,27 @@ def _optimizer_name(optimizer: torch.optim.Optimizer | None) -> str | None:
     return None if optimizer is None else type(optimizer).__name__
 
 
-# -- the world: rank 0 decides, every rank hears it -----------------------------------------------
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _world_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def _all_gather(value: T) -> list[T]:
-    if not _distributed():
-        return [value]
-    every: list = [None] * dist.get_world_size()
-    dist.all_gather_object(every, value)
-    return every
-
-
-def _outcome(fn: Callable[[], T]) -> tuple[T | None, Exception | None]:
-    try:
-        return fn(), None
-    except Exception as exc:
-        return None, exc
-
-
-def _message(error: Exception, rank: int) -> str:
-    """An error as the other ranks raise it (a CheckpointError): its text, with the rank unless it is ours."""
-    return str(error) if isinstance(error, CheckpointError) else f"rank {rank}: {type(error).__name__}: {error}"
-
-
-def _from_rank0(fn: Callable[[], T]) -> T:
-    """``fn()`` run on rank 0 only; every rank returns its value, or raises its error."""
-    if not _distributed():
-        return fn()
-    value, error = _outcome(fn) if dist.get_rank() == 0 else (None, None)
-    box = [(value, None if error is None else _message(error, 0))]
-    dist.broadcast_object_list(box, src=0)
-    if error is not None:
-        raise error
-    value, message = box[0]
-    if message is not None:
-        raise CheckpointError(message)
-    return value  # type: ignore[return-value]
-
-
-def _everyone(fn: Callable[[], T]) -> list[T]:
-    """``fn()`` on every rank; the values in rank order, or on every rank an error of the first rank that failed."""
-    value, error = _outcome(fn)
-    every = _all_gather((value, None if error is None else _message(error, _rank())))
-    if error is not None:
-        raise error
-    message = next((message for _, message in every if message is not None), None)
-    if message is not None:
-        raise CheckpointError(message)
-    return [found for found, _ in every]
-
-
-@contextmanager
-def _single_process_quiet() -> Iterator[None]:
-    """DCP warns on every save and load in one process without a process group, the use intended here."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is (disabled, )?unavailable or uninitialized")
-        yield
-
-
 # -- saving ----------------------------------------------------------------------------------------
 
 def _begin(root: Path, final: Path) -> Path:
-    """Rank 0: the new temporary folder beside ``final`` (refusing a step already saved)."""
+    """Rank 0: the new temporary folder beside ``final``, named with this host and process (refusing
+    a step already saved)."""
     root.mkdir(parents=True, exist_ok=True)
-    if final.exists():
+    if os.path.lexists(final):
         raise CheckpointError(f"sk.save: {str(final)!r} exists: step {int(STEP_FOLDER.fullmatch(final.name)[1])} "
-                              f"was saved before; save another step, or remove that folder first to replace it")
-    work = root / f".{final.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+                              f"was saved before, by {_writer(final)}; save another step, or remove that folder "
+                              f"first to replace it")
+    work = root / f".{final.name}.tmp-{writer_tag()}-{secrets.token_hex(4)}"
     work.mkdir()
     return work
+
+
+def _writer(folder: Path) -> str:
+    """Who saved checkpoint ``folder``, as its manifest says."""
+    try:
+        return read_manifest(folder).writer
+    except CheckpointError:
+        return "a process whose manifest cannot be read"
 
 
 #: Modules whose classes wrap a model's class (shardkit's mixins, FSDP2's ``FSDP<Class>``).
@@ -354,103 +271,43 @@ def _write_synced(path: Path, data: bytes) -> None:
         os.fsync(file.fileno())
 
 
-def _sync_folder(folder: Path) -> None:
-    """Make the folder's entries (new, renamed, removed files) durable."""
-    handle = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(handle)
-    finally:
-        os.close(handle)
-
-
 def _hash_files(work: Path) -> tuple[FileEntry, ...]:
     """Every file's size and sha256, the ranks sharing the reading (a collective)."""
-    names = _from_rank0(lambda: sorted(p.name for p in work.iterdir()))
-    mine = names[_rank()::_world_size()]
-    shares = _everyone(lambda: [FileEntry(n, (work / n).stat().st_size, sha256_of(work / n)) for n in mine])
+    names = from_rank0(lambda: sorted(p.name for p in work.iterdir()))
+    mine = names[rank()::world_size()]
+    shares = everyone(lambda: [FileEntry(n, (work / n).stat().st_size, sha256_of(work / n)) for n in mine])
     return tuple(sorted((entry for share in shares for entry in share), key=lambda e: e.name))
 
 
 def _commit(work: Path, final: Path, manifest: Manifest, keep_last: int | None) -> None:
     """Rank 0: the manifest, then the rename that makes the checkpoint complete; then keep_last."""
     _write_synced(work / MANIFEST_NAME, manifest.to_json().encode())
-    _sync_folder(work)
-    os.rename(work, final)  # fails if another run has just saved this step: never two of one step
-    _sync_folder(final.parent)
+    sync_folder(work)
+    try:
+        os.rename(work, final)  # never two of one step: it fails if another run has just saved this one
+    except OSError as error:
+        if not os.path.lexists(final):
+            raise
+        raise CheckpointError(f"sk.save: {str(final)!r} was saved by {_writer(final)} while this process "
+                              f"({manifest.writer}) was saving the same step ({error.strerror}); this save was "
+                              f"discarded. Two runs are saving into {str(final.parent)!r}: give each its own "
+                              f"folder") from None
+    sync_folder(final.parent)
     if keep_last is not None:
-        _remove_older(final.parent, keep_last, final)
-
-
-def _remove_older(root: Path, keep_last: int, written: Path) -> None:
-    """Remove complete checkpoints beyond the newest ``keep_last`` (never ``written``), each first
-    renamed aside so that a kill halfway through a removal never leaves a partial ``step-*`` folder."""
-    complete = complete_checkpoints(root)
-    for folder in complete[:-keep_last]:
-        if folder != written:
-            aside = root / f".{folder.name}.removing-{secrets.token_hex(4)}"
-            os.rename(folder, aside)
-            _sync_folder(root)
-            shutil.rmtree(aside)
-    for leftover in root.glob(".step-*.removing-*"):  # removals a kill interrupted
-        shutil.rmtree(leftover, ignore_errors=True)
+        remove_older(final.parent, keep_last, final)
 
 
 # -- loading ---------------------------------------------------------------------------------------
 
-def _step_folders(root: Path) -> list[tuple[int, Path]]:
-    """``(step, folder)`` of every ``step-*`` folder of ``root``, lowest step first."""
-    if not root.is_dir():
-        return []
-    found = [(int(match[1]), child) for child in root.iterdir()
-             if (match := STEP_FOLDER.fullmatch(child.name)) and child.is_dir()]
-    return sorted(found)
-
-
-def _manifest_of(folder: Path, step: int) -> Manifest | None:
-    """The manifest of ``folder`` if it is valid and of ``step``, else None."""
-    try:
-        manifest = read_manifest(folder)
-    except CheckpointError:
-        return None
-    return manifest if manifest.step == step else None
-
-
-def _latest(root: Path) -> tuple[Path, Manifest] | None:
-    for step, folder in reversed(_step_folders(root)):
-        manifest = _manifest_of(folder, step)
-        if manifest is not None:
-            return folder, manifest
-    return None
-
-
-def checkpoint_to_load(path: Path) -> tuple[Path, Manifest]:
-    """The checkpoint folder ``path`` names (itself, or the latest complete one in it) and its manifest."""
-    if not path.is_dir():
-        raise CheckpointError(f"{str(path)!r} is not a folder; give a folder of checkpoints (step-* "
-                              f"folders written by sk.save) or one checkpoint folder")
-    if (path / MANIFEST_NAME).exists() or STEP_FOLDER.fullmatch(path.name):
-        return path, read_manifest(path)
-    found = _latest(path)
-    if found is None:
-        raise CheckpointError(f"{str(path)!r} holds no complete checkpoint (a step-* folder with a valid "
-                              f"{MANIFEST_NAME}){_incomplete(path)}")
-    return found
-
-
-def _incomplete(root: Path) -> str:
-    names = [folder.name for _, folder in _step_folders(root)] + sorted(p.name for p in root.glob(".step-*.tmp-*"))
-    return f"; incomplete: {', '.join(names)}" if names else ""
-
-
 def check_files(folder: Path, manifest: Manifest) -> None:
     """Every file's size (every rank: one ``stat`` each), then the sha256 of this rank's share."""
     sized = size_problems(folder, manifest)
-    share = [entry for entry in manifest.files[_rank()::_world_size()] if entry.name not in sized]
+    share = [entry for entry in manifest.files[rank()::world_size()] if entry.name not in sized]
     problems = dict(sized)
-    for found in _everyone(lambda: checksum_problems(folder, share)):
+    for found in everyone(lambda: checksum_problems(folder, share)):
         problems.update(found)
     if problems:
-        raise CheckpointError(_from_rank0(lambda: damage_message(folder, manifest, problems, checkpoints_beside(folder))))
+        raise CheckpointError(from_rank0(lambda: damage_message(folder, manifest, problems, checkpoints_beside(folder))))
 
 
 def _check_model(folder: Path, manifest: Manifest, loading: Parameters) -> None:
@@ -474,12 +331,12 @@ def _check_optimizer(folder: Path, manifest: Manifest, optimizer: torch.optim.Op
 
 def _restore_rng(folder: Path, manifest: Manifest) -> str:
     """This rank's generators as saved by the same rank, or seeded from (step, rank) on a rank the save did not have."""
-    if _rank() < manifest.world_size:
-        rng.restore(json.loads((folder / rng_file_name(_rank())).read_text()))
+    if rank() < manifest.world_size:
+        rng.restore(json.loads((folder / rng_file_name(rank())).read_text()))
         return "restored"
-    rng.reseed(manifest.step, _rank())
+    rng.reseed(manifest.step, rank())
     return "reseeded"
 
 
-__all__ = ["CheckpointError", "checkpoint_to_load", "checkpoints_beside", "complete_checkpoints", "latest_checkpoint", "load", "model_parameters", "save",
-           "step_folder_name"]
+__all__ = ["CheckpointError", "check_files", "checkpoint_to_load", "checkpoints_beside", "complete_checkpoints",
+           "latest_checkpoint", "load", "model_parameters", "save", "step_folder_name", "write_model_config"]

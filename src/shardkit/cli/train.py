@@ -29,7 +29,8 @@ from pathlib import Path
 from rich.console import Console
 from torch import nn
 
-from ..checkpoint.manifest import MANIFEST_NAME, model_mismatch
+from ..checkpoint.manifest import model_mismatch
+from ..checkpoint.steps import nothing_saved
 from ..checkpoint.store import checkpoint_to_load, latest_checkpoint, load, model_parameters, save
 from ..families import token_sizes
 from ..io.batch_stream import BatchStream
@@ -622,7 +623,7 @@ def _resume_folder(args: argparse.Namespace, model: nn.Module, data: BatchStream
             raise JobError(f"{_in_file(args, 'resume')}{_named(args, 'resume')} without a folder resumes from --save "
                            f"DIR (checkpoint.dir); give one: --resume DIR or --save DIR")
         args.resume = args.save
-    if latest_checkpoint(args.resume) is None and not (args.resume / MANIFEST_NAME).is_file():
+    if nothing_saved(args.resume):
         print(f"shardkit train: --resume: no complete checkpoint in {args.resume} yet: starting at step 0", flush=True)
         return None, 0
     folder, manifest = checkpoint_to_load(args.resume)

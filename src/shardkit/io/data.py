@@ -187,8 +187,10 @@ class TextShards:
                             f"({self.root})")
         windows = stop - start - seq_len
         if windows < 1:
-            raise PlanError(f"the data stream has {stop - start} bytes, too few for seq_len={seq_len}; "
-                            f"use seq_len < {stop - start} or more data (max_bytes={self.max_bytes}, {self.root})")
+            valid = (f"valid: seq_len <= {stop - start - 1}, or more data" if stop - start >= 2 else
+                     "too few for any seq_len (a window needs at least 2 bytes): give more text")
+            raise PlanError(f"the data stream of {str(self.root)!r} has {stop - start} bytes (max_bytes="
+                            f"{self.max_bytes}), too few for seq_len={seq_len} (a window is seq_len + 1 bytes); {valid}")
         generator = torch.Generator().manual_seed(seed)
         offsets = torch.arange(seq_len + 1)
         for _ in range(steps):

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from ..plan import UsageError
+from .folders import interrupted_replacement
 from .safetensors import SafetensorsError, SafetensorsFile
 
 SINGLE = "model.safetensors"
@@ -153,7 +154,8 @@ def _files(path: Path) -> dict[Path, list[str] | None]:
                                f"(a pickled checkpoint can run code when loaded)")
         return {path: None}
     if not path.is_dir():
-        raise WeightsError(f"no weights at {path}: give a HuggingFace model folder or a .safetensors file")
+        raise WeightsError(f"no weights at {path}: give a HuggingFace model folder or a .safetensors file"
+                           f"{interrupted_replacement(path)}")
     if (path / INDEX).is_file():
         try:
             weight_map = json.loads((path / INDEX).read_text())["weight_map"]

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from ..plan.errors import UsageError
+from .folders import interrupted_replacement
 
 FORMAT = "shardkit.bytes"
 VERSION = 1
@@ -141,7 +142,8 @@ def read_manifest(folder: Path) -> Manifest:
     """The manifest of ``folder``, after :func:`check_folder`."""
     file = folder / MANIFEST_NAME
     if not folder.is_dir():
-        raise DataError(f"data folder {str(folder)!r} does not exist or is not a folder; {_REWRITE}")
+        raise DataError(f"data folder {str(folder)!r} does not exist or is not a folder; {_REWRITE}"
+                        f"{interrupted_replacement(folder)}")
     try:
         text = file.read_text()
     except OSError as exc:

@@ -6,10 +6,13 @@ sorted walk) is one byte stream: every file's bytes followed by a newline, the s
 nearly equal size (shard ``i`` holds bytes ``i*T//N`` up to ``(i+1)*T//N``), so a document
 may continue into the next shard.
 
-Everything is written into a hidden sibling folder ``.OUT.partial-*`` (each file synced),
-the manifest last, and that folder is renamed to OUT only when complete; an error removes
-it. A run killed mid-write leaves at most that hidden folder, which has no manifest and can
-be deleted; OUT is either absent, the previous folder, or complete.
+Everything is written into a hidden sibling folder ``.OUT.partial-*``, the manifest last, and
+that folder takes OUT's place only when complete (:class:`~shardkit.io.folders.FolderWrite`:
+synced, swapped in one atomic step with a previous OUT, which is then deleted); an error removes
+it. A run killed at any moment leaves OUT absent, the previous folder, or the new one, complete,
+plus at most hidden leftovers that the next write to OUT clears. With ``overwrite`` a previous
+OUT is replaced only when it holds nothing but a data folder's files (a file of the user's is
+named and kept).
 
 >>> import shutil, tempfile
 >>> root = Path(tempfile.mkdtemp())
@@ -23,18 +26,19 @@ be deleted; OUT is either absent, the previous folder, or complete.
 from __future__ import annotations
 
 import hashlib
-import os
-import secrets
-import shutil
+import re
 from collections.abc import Callable
 from pathlib import Path
 
 from ..plan.errors import UsageError
 from .data import TextShards, decode_text
+from .folders import FolderWrite
 from .manifest import MANIFEST_NAME, Manifest, ShardFile, Source
 
 #: ``progress(bytes_written, total_bytes)``, called after each source file.
 Progress = Callable[[int, int], None]
+#: What a data folder holds: what ``overwrite`` may replace.
+DATA_FILES = re.compile(rf"shard-\d{{5,}}\.bin|{re.escape(MANIFEST_NAME)}")
 
 
 def write_shards(src: str | Path, out: str | Path, shards: int, *, pattern: str = "*", overwrite: bool = False,
@@ -42,44 +46,28 @@ def write_shards(src: str | Path, out: str | Path, shards: int, *, pattern: str 
     """Write ``shards`` shard files and ``manifest.json`` into the folder ``out``; returns the manifest.
 
     ``src`` is a text file or a folder of text files (``pattern`` filters a folder's file
-    names). A non-empty ``out`` is refused unless ``overwrite``. :class:`UsageError` names the
-    argument and what would be valid.
+    names). A non-empty ``out`` is refused unless ``overwrite``, and even then when it holds
+    anything but a data folder's files. :class:`UsageError` names the argument and what would be valid.
     """
     src, out = Path(src), Path(out)
     if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
         raise UsageError(f"shards={shards!r}: give the number of shard files, an integer >= 1")
-    _check_paths(src, out, overwrite)
+    if not src.exists():
+        raise UsageError(f"SRC {str(src)!r} does not exist; give a text file or a folder of text files")
+    write = FolderWrite(out, DATA_FILES.fullmatch)
+    write.prepare(overwrite, f"OUT {str(out)!r}", f"OUT {str(out)!r} exists and is not empty; pass --overwrite "
+                  f"(overwrite=True) to replace it, or choose another folder", (f"SRC {str(src)!r}", src))
     files = _text_files(src, pattern)
     total = sum(size + 1 for _, size in files)
     if shards > total:
         raise UsageError(f"shards={shards}: {str(src)!r} has {total} bytes of text (with a newline after each "
                          f"file), so valid shard counts are 1..{total}: every shard holds at least one byte")
     sizes = [(i + 1) * total // shards - i * total // shards for i in range(shards)]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    partial = _hidden_sibling(out, "partial")
-    try:
+    with write.open() as partial:
         written = _write_stream(partial, files, sizes, progress)
         manifest = Manifest(written, Source(str(src.resolve()), len(files), sum(size for _, size in files)))
-        _write_synced(partial / MANIFEST_NAME, manifest.to_json().encode())
-        _move_into_place(partial, out)
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
+        (partial / MANIFEST_NAME).write_text(manifest.to_json())
     return manifest
-
-
-def _check_paths(src: Path, out: Path, overwrite: bool) -> None:
-    if not src.exists():
-        raise UsageError(f"SRC {str(src)!r} does not exist; give a text file or a folder of text files")
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"OUT {str(out)!r} is a file; give a folder to write the shards into")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise UsageError(f"OUT {str(out)!r} exists and is not empty; pass --overwrite (overwrite=True) to "
-                         f"replace it, or choose another folder")
-    source, target = src.resolve(), out.resolve()
-    if source == target or source in target.parents or target in source.parents:
-        raise UsageError(f"SRC {str(src)!r} and OUT {str(out)!r} overlap; write the shards outside the source "
-                         f"(and the source outside OUT, which is replaced)")
 
 
 def _text_files(src: Path, pattern: str) -> list[tuple[Path, int]]:
@@ -115,7 +103,7 @@ def _write_stream(folder: Path, files: list[tuple[Path, int]], sizes: list[int],
 
 
 class _ShardSink:
-    """One byte stream written into consecutive shard files of the given sizes, each hashed and synced."""
+    """One byte stream written into consecutive shard files of the given sizes, each hashed."""
 
     def __init__(self, folder: Path, sizes: list[int]):
         self.folder, self.sizes = folder, sizes
@@ -146,39 +134,5 @@ class _ShardSink:
             self._open()
 
     def close(self) -> None:
-        if not self.file.closed:
-            self.file.flush()
-            os.fsync(self.file.fileno())
-            self.file.close()
+        self.file.close()
 
-
-def _write_synced(path: Path, data: bytes) -> None:
-    with path.open("xb") as file:
-        file.write(data)
-        file.flush()
-        os.fsync(file.fileno())
-
-
-def _hidden_sibling(out: Path, kind: str) -> Path:
-    """A new empty folder ``.OUT.kind-PID-RANDOM`` beside ``out`` (same file system, so renames are atomic)."""
-    folder = out.parent / f".{out.name}.{kind}-{os.getpid()}-{secrets.token_hex(4)}"
-    folder.mkdir()
-    return folder
-
-
-def _move_into_place(partial: Path, out: Path) -> None:
-    """Rename the complete ``partial`` folder to ``out``; a previous ``out`` is moved aside first, then removed."""
-    if out.is_dir() and any(out.iterdir()):
-        aside = _hidden_sibling(out, "old")
-        os.replace(out, aside / out.name)
-        os.replace(partial, out)
-        shutil.rmtree(aside)
-    else:
-        if out.is_dir():
-            out.rmdir()
-        os.replace(partial, out)
-    directory = os.open(out.parent, os.O_RDONLY)
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)

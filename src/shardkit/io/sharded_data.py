@@ -89,11 +89,22 @@ class ShardedDataset:
         #: the global index of each selected shard's first sample, then the number of samples
         self.first_sample = np.cumsum([0, *counts])
         if len(self) == 0:
-            longest = max(self.manifest.shards[shard].tokens for shard in self.shards)
-            raise UsageError(f"seq_len={seq_len}: the longest shard of {str(self.folder)!r} has {longest} tokens, "
-                             f"too few for one sample of seq_len + 1 tokens; valid: seq_len < {longest}, or write "
-                             f"fewer, larger shards")
+            raise UsageError(self._too_short(seq_len))
         self._tokens: dict[int, np.memmap] = {}
+
+    def _too_short(self, seq_len: int) -> str:
+        """Why no shard gives a sample of ``seq_len + 1`` tokens, and the longest ``seq_len`` that would."""
+        tokens = [self.manifest.shards[shard].tokens for shard in self.shards]
+        which = f"selected shards {self.shards.start}..{self.shards.stop - 1}" if self.selected else "shards"
+        found = (f"seq_len={seq_len}: the longest shard of {str(self.folder)!r} (of its {len(tokens)} {which}, "
+                 f"{sum(tokens):,} tokens in all) has {max(tokens)} tokens, too few for one sample of seq_len + 1 "
+                 f"tokens")
+        if max(tokens) >= 2:
+            return f"{found}; valid: seq_len < {max(tokens)} (at most {max(tokens) - 1}), or write fewer, larger shards"
+        total = self.manifest.total_bytes
+        fewer = (f"write the folder again with fewer shards (with --shards 1, seq_len up to {total - 1})"
+                 if total >= 2 else "write it again from more text")
+        return f"{found}, and no seq_len fits (a sample needs at least 2 tokens): {fewer}"
 
     def __len__(self) -> int:
         """Samples per epoch."""
