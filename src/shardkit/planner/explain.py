@@ -258,7 +258,8 @@ def _mesh_table(mesh: Mesh) -> Table:
 
 def _options_line(plan: Plan, mesh: Mesh) -> str:
     fsdp = plan.fsdp
-    parts = [f"fsdp options: reshard_after_forward={fsdp.reshard_after_forward}, param_dtype={fsdp.param_dtype}, "
+    stage = f" (zero={plan.zero}'s)" if plan.zero is not None and not fsdp.written else ""
+    parts = [f"fsdp options: reshard_after_forward={fsdp.reshard_after_forward}{stage}, param_dtype={fsdp.param_dtype}, "
              f"reduce_dtype={fsdp.reduce_dtype}", f"sequence_parallel={plan.sequence_parallel}",
              f"recompute={plan.recompute}"] + ([f"zero={plan.zero}"] if plan.zero is not None else [])
     if plan.pipeline is not None:
