@@ -28,7 +28,7 @@ from ..plan import UsageError
 from ..plan.text import format_bytes, format_seconds
 from ..planner.autoshard import AXES, Candidates, autoshard
 from ..planner.catalogue import CATALOGUE
-from ..planner.estimate import OPTIMIZER_STATES
+from ..planner.costs import OPTIMIZER_STATES
 from ..planner.hardware import PRESETS, Hardware, hardware
 from .options import model_from_flag, path, positive_int
 

@@ -247,11 +247,19 @@ class Plan:
 
         >>> Plan(mesh=Mesh(dp=2, tp=2), rules=LayoutMap([(".*", None)])).batch_problems(3)
         ['batch of 3 samples does not split evenly over 2 data-parallel replicas (dp=2 x fsdp=1); use a multiple of 2']
+        >>> Plan(mesh=Mesh(dp=2)).batch_problems(-1)
+        ['a batch of -1 samples: give a whole number of samples, a positive multiple of 2 (dp=2 x fsdp=1), e.g. 2']
         """
         data = self.mesh.data_size
+        if type(batch_size) is not int or batch_size < 1:
+            step = data * (self.pipeline.microbatches if self.pipeline is not None else 1)
+            axes = " x ".join(f"{a}={self.mesh.size_of(a)}" for a in DATA_AXES) + (
+                f" x {self.pipeline.microbatches} micro-batches" if self.pipeline is not None else "")
+            return [f"a batch of {batch_size!r} samples: give a whole number of samples, a positive multiple of "
+                    f"{step} ({axes}), e.g. {step}"]
         if self.pipeline is not None:
             problems = self.pipeline.check_batch(batch_size, data)
-        elif batch_size < 1 or batch_size % data:
+        elif batch_size % data:
             axes = " x ".join(f"{a}={self.mesh.size_of(a)}" for a in DATA_AXES)
             problems = [f"batch of {batch_size} samples does not split evenly over {data} data-parallel replicas "
                         f"({axes}); use a multiple of {data}"]

@@ -29,19 +29,12 @@ from ..plan.pipeline import Pipeline
 from ..plan.sequence import sequence_problems
 from ..plan.text import format_bytes
 from .analysis import ModelAnalysis, probe_model
-from .estimate import (
-    MESH_ORDER,
-    OPTIMIZER_STATES,
-    Costs,
-    Estimate,
-    Setting,
-    evaluate,
-    memory_of,
-    mesh_of,
-    time_of,
-)
+from .costs import MESH_ORDER, OPTIMIZER_STATES, Costs, Setting, mesh_of
+from .estimate import Estimate, estimate_of, evaluate
 from .hardware import Hardware
 from .hardware import hardware as as_hardware
+from .memory import memory_of
+from .step_time import time_of
 
 AXES = ("dp", "fsdp", "tp", "pp", "sp")
 #: What sk.validate said of each probe plan, per model (a model's kinds of plan do not change while it lives).
@@ -317,7 +310,7 @@ class _Search:
     def candidate(self, setting: Setting, memory: dict[str, int], parts: dict[str, float], fastest: float) -> Candidate:
         costs = self.costs[setting.tp]
         plan = self.plan_of(setting, costs.local)
-        estimate = costs.estimate(plan, setting, self.batch, self.hw, memory, parts)
+        estimate = estimate_of(costs, plan, setting, self.batch, self.hw, memory, parts)
         return Candidate(plan, estimate, _reason(setting, estimate, fastest))
 
     def plan_of(self, s: Setting, analysis: ModelAnalysis) -> Plan:

@@ -27,7 +27,7 @@ makes the same shapes, so a rank's FLOPs and saved bytes are what it computes an
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Container, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from math import prod
@@ -54,8 +54,17 @@ def _cpu_flash_flops(*args: object, **kwargs: object) -> int:
 
 
 _cpu_flash_flops._get_raw = True  # type: ignore[attr-defined]  # called as registered formulas are
+
+
+def _grouped_mm_flops(a_shape: tuple, b_shape: tuple, *args: object, out_shape: tuple, **kwargs: object) -> int:
+    """A grouped product (a mixture of experts' experts): each output element is one dot product
+    over ``a``'s last dim, whichever group (expert) its row went to."""
+    return 2 * prod(out_shape) * a_shape[-1]
+
+
 #: FLOP formulas torch's counter lacks.
-_EXTRA_FLOPS = {_aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash_flops}
+_EXTRA_FLOPS = {_aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash_flops,
+                _aten._grouped_mm: _grouped_mm_flops}
 #: Attention kernels that keep only their output and log-sum-exp for backward.
 _FUSED_ATTENTION = (_aten._scaled_dot_product_flash_attention_for_cpu, _aten._scaled_dot_product_flash_attention,
                     _aten._scaled_dot_product_efficient_attention, _aten._scaled_dot_product_cudnn_attention)
@@ -67,15 +76,22 @@ _NO_KERNEL = {_aten._unsafe_view, _aten._reshape_alias, _aten.empty, _aten.empty
               _aten.sym_storage_offset, torch.ops.prim.device, torch.ops.prim.layout}
 
 
+#: One parameter as FSDP shards it: ``(size of the dim it shards, elements of the other dims)``.
+Piece = tuple[int, int]
+
+
 @dataclass
 class Tally:
-    """What one part holds and computes: parameters (elements, this rank's and whole), FLOPs by
-    component, saved storages ``{storage id: (bytes, component)}`` (each counted once), operator
-    calls and the bytes the non-matmul ones read and write (:class:`_OpCounter`)."""
+    """What one part holds and computes: parameters (elements, this rank's and whole; ``pieces``:
+    each as FSDP shards it; ``borrowed``: those it uses that an earlier part holds, a tied
+    weight), FLOPs by component, saved storages ``{storage id: (bytes, component)}`` (each counted
+    once), operator calls and the bytes the non-matmul ones read and write (:class:`_OpCounter`)."""
 
     params: int = 0
     param_bytes: int = 0
     global_params: int = 0
+    pieces: list[Piece] = field(default_factory=list)
+    borrowed: list[Piece] = field(default_factory=list)
     flops: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     saved: dict[int, tuple[int, str]] = field(default_factory=dict)
     ops: int = 0
@@ -163,7 +179,7 @@ class _Recorder:
     """Module hooks keeping the running stack; FLOPs and saved tensors booked to (part, component)."""
 
     def __init__(self, model: nn.Module, scopes: _Scopes, blocks: list[str], counter: FlopCounterMode,
-                 fixed: set[int], params: dict[str, tuple[int, int, int]], canonical: dict[str, str]):
+                 fixed: set[int], params: dict[str, tuple[int, int, int, Piece]], canonical: dict[str, str]):
         self.scopes, self.blocks, self.counter, self.fixed = scopes, {b: i for i, b in enumerate(blocks)}, counter, fixed
         self.params, self.canonical = params, canonical
         self.parts: dict[str, Tally] = defaultdict(Tally)
@@ -197,13 +213,16 @@ class _Recorder:
         prefix = f"{name}." if name else ""
         for pname, _ in module.named_parameters(recurse=False):
             canonical = self.canonical[prefix + pname]
+            local, nbytes, whole, piece = self.params[canonical]
+            tally = self.parts[part]
             if canonical not in self.owner:
                 self.owner[canonical] = part
-                local, nbytes, whole = self.params[canonical]
-                tally = self.parts[part]
                 tally.params += local
                 tally.param_bytes += nbytes
                 tally.global_params += whole
+                tally.pieces.append(piece)
+            elif self.owner[canonical] != part and piece not in tally.borrowed:
+                tally.borrowed.append(piece)
 
     def leave(self, name: str) -> None:
         self.book_flops()
@@ -211,14 +230,9 @@ class _Recorder:
         if name in self.blocks:
             self.passed_block = True
 
-    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        key = storage._cdata
-        if key not in self.fixed:
-            part = self.part()
-            component = self.scopes.component(self.stack, part)
-            self.parts[part].saved.setdefault(key, (storage.nbytes(), component))
-        return tensor
+    def saved(self, key: int, nbytes: int) -> None:
+        part = self.part()
+        self.parts[part].saved.setdefault(key, (nbytes, self.scopes.component(self.stack, part)))
 
     @contextmanager
     def hooks(self) -> Iterator[None]:
@@ -233,6 +247,37 @@ class _Recorder:
                 handle.remove()
 
 
+@contextmanager
+def saved_storages(on_saved: Callable[[int, int], None], excluded: Container[int] = ()) -> Iterator[None]:
+    """While open, ``on_saved(key, nbytes)`` each time autograd saves a tensor for backward, with
+    its storage's key (``untyped_storage()._cdata``) and bytes, except for the storages whose key is
+    in ``excluded`` (parameters, buffers); a caller counts a key once where it books it (a view and
+    its base share one storage). Real, fake, meta tensors and DTensors (this rank's part) alike:
+    shardkit's one count of activation bytes (the planner's analysis, pipeline unit costs, a
+    pipeline's timeline).
+
+    >>> seen = {}
+    >>> w = torch.ones(3, 3, requires_grad=True)
+    >>> with saved_storages(lambda key, n: seen.setdefault(key, n), {w.untyped_storage()._cdata}):
+    ...     y = (torch.ones(2, 3) @ w).tanh()
+    >>> sorted(seen.values())   # the input of the product (not the weight) and tanh's output
+    [24, 24]
+    """
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        local = getattr(tensor, "_local_tensor", tensor)
+        try:
+            storage = local.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # a tensor subclass without storage holds nothing of its own
+            return tensor
+        if storage._cdata not in excluded:
+            on_saved(storage._cdata, storage.nbytes())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield
+
+
 def _bytes(tensor: torch.Tensor) -> int:
     """The bytes of ``tensor``'s distinct elements: a broadcast (stride 0) dimension is read once."""
     return prod(n for n, stride in zip(tensor.shape, tensor.stride()) if stride) * tensor.element_size()
@@ -240,6 +285,19 @@ def _bytes(tensor: torch.Tensor) -> int:
 
 def _tensors(value: object) -> list[torch.Tensor]:
     return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
+
+
+def _call(func, args: tuple, kwargs: dict):
+    """``func(*args, **kwargs)``; torch's grouped product (a mixture of experts' experts) has CPU and
+    meta kernels for bfloat16 only, so it runs in bfloat16 here and its output returns in the
+    inputs' dtype: the shapes, and so the FLOPs and bytes, are the same."""
+    if func._overloadpacket is not _aten._grouped_mm or args[0].dtype == torch.bfloat16:
+        return func(*args, **kwargs)
+    dtype = args[0].dtype
+    low = [a.to(torch.bfloat16) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+    if isinstance(kwargs.get("bias"), torch.Tensor):
+        kwargs = {**kwargs, "bias": kwargs["bias"].to(torch.bfloat16)}
+    return func(*low, **kwargs).to(dtype)
 
 
 class _OpCounter(TorchDispatchMode):
@@ -260,7 +318,7 @@ class _OpCounter(TorchDispatchMode):
         self.paused = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        out = _call(func, args, kwargs or {})
         packet = func._overloadpacket
         if self.paused or func.is_view or packet in _NO_KERNEL:
             return out
@@ -340,9 +398,10 @@ def _local_dims(model: nn.Module, plan: AxisPlan | None) -> dict[str, int]:
 
 
 def measure(model: nn.Module, family: Family, blocks: list[str], seq_len: int, dtype: torch.dtype,
-            plan: AxisPlan | None = None) -> Measurement:
+            plan: AxisPlan | None = None, fsdp_dims: Mapping[str, int] | None = None) -> Measurement:
     """Run ``model`` once on token ids ``[1, seq_len]`` (fake CPU tensors, train mode) and, when its
     output is logits over its vocabulary, the cross-entropy loss; see the module docstring.
+    ``fsdp_dims``: the dim FSDP shards of the parameters whose layout names one (else dim 0).
 
     >>> from shardkit.families import family_of
     >>> from shardkit.models.gpt import build_tiny_gpt
@@ -361,14 +420,17 @@ def measure(model: nn.Module, family: Family, blocks: list[str], seq_len: int, d
     with ExitStack() as stack:
         stack.enter_context(FakeTensorMode())
         tensors: dict[str, torch.Tensor] = {}
-        params: dict[str, tuple[int, int, int]] = {}
+        params: dict[str, tuple[int, int, int, Piece]] = {}
         for name, p in model.named_parameters():
             shape = list(p.shape)
             if name in split_dims:
                 shape[split_dims[name]] //= size
             kind = dtype if p.is_floating_point() else p.dtype
             tensors[name] = torch.empty(shape, dtype=kind, device="cpu", requires_grad=p.requires_grad)
-            params[name] = (tensors[name].numel(), tensors[name].numel() * tensors[name].element_size(), p.numel())
+            numel = tensors[name].numel()
+            dim = (fsdp_dims or {}).get(name, 0)
+            piece = (shape[dim], numel // shape[dim] if shape[dim] else 0) if shape else (1, 1)  # a scalar: whole
+            params[name] = (numel, numel * tensors[name].element_size(), p.numel(), piece)
         for name, b in model.named_buffers():
             tensors[name] = torch.empty(b.shape, dtype=b.dtype, device="cpu")  # as built (rotary frequencies stay fp32)
         fixed = {t.untyped_storage()._cdata for t in tensors.values()}
@@ -381,7 +443,7 @@ def measure(model: nn.Module, family: Family, blocks: list[str], seq_len: int, d
         stack.enter_context(recorder.hooks())
         stack.enter_context(counter)
         stack.enter_context(ops)
-        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t))
+        stack.enter_context(saved_storages(recorder.saved, fixed))
         model.train()
         try:
             output = model(ids)
@@ -397,4 +459,4 @@ def measure(model: nn.Module, family: Family, blocks: list[str], seq_len: int, d
     return Measurement(dict(recorder.parts), len(blocks), quadratic)
 
 
-__all__ = ["COMPONENTS", "Measurement", "Tally", "block_names", "first_blocks", "measure"]
+__all__ = ["COMPONENTS", "Measurement", "Piece", "Tally", "block_names", "first_blocks", "measure", "saved_storages"]
