@@ -9,7 +9,7 @@ and a :class:`~torch.utils._python_dispatch.TorchDispatchMode` sees every ATen o
 (after autograd's decompositions: what a device would launch). What shardkit adds is the
 attribution: forward hooks on every module keep the stack of modules running, which says the part
 and the component of each FLOP, saved tensor and operator call; and the rule of what an operator
-costs (:class:`_OpCounter`), since torch has no counter of kernel launches or bytes moved.
+costs (:class:`~shardkit.planner.counters.OpCounter`), since torch has no counter of kernel launches or bytes moved.
 
 The forward runs on :class:`~torch._subclasses.fake_tensor.FakeTensorMode` tensors on the CPU
 device, not on meta tensors: torch picks attention kernels by device, and on meta
@@ -27,53 +27,22 @@ makes the same shapes, so a rank's FLOPs and saved bytes are what it computes an
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Container, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from math import prod
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
-from torch.utils.flop_counter import FlopCounterMode, flop_registry
+from torch.utils.flop_counter import FlopCounterMode
 
 from ..families import Family
 from ..families.modules import is_conv1d, is_linear, is_norm
 from ..families.on_meta import swapped
+from .counters import EXTRA_FLOPS, FUSED_ATTENTION, OpCounter, saved_storages
 from .tensor_parallel import COLWISE, DTENSOR, EMBED_COLWISE, ROWWISE, AxisPlan, aliases
 
 COMPONENTS = ("attention_core", "attention", "mlp", "norm", "embedding", "logits", "other")
-_aten = torch.ops.aten
-
-
-def _cpu_flash_flops(*args: object, **kwargs: object) -> int:
-    """torch's count for the GPU flash kernel, which takes (query, key, value, ...) as the CPU one does."""
-    return flop_registry[_aten._scaled_dot_product_flash_attention](*args, **kwargs)
-
-
-_cpu_flash_flops._get_raw = True  # type: ignore[attr-defined]  # called as registered formulas are
-
-
-def _grouped_mm_flops(a_shape: tuple, b_shape: tuple, *args: object, out_shape: tuple, **kwargs: object) -> int:
-    """A grouped product (a mixture of experts' experts): each output element is one dot product
-    over ``a``'s last dim, whichever group (expert) its row went to."""
-    return 2 * prod(out_shape) * a_shape[-1]
-
-
-#: FLOP formulas torch's counter lacks.
-_EXTRA_FLOPS = {_aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash_flops,
-                _aten._grouped_mm: _grouped_mm_flops}
-#: Attention kernels that keep only their output and log-sum-exp for backward.
-_FUSED_ATTENTION = (_aten._scaled_dot_product_flash_attention_for_cpu, _aten._scaled_dot_product_flash_attention,
-                    _aten._scaled_dot_product_efficient_attention, _aten._scaled_dot_product_cudnn_attention)
-#: Operators that launch no kernel, besides views (``OpOverload.is_view``: view, t, transpose,
-#: expand, permute, slice, select, split, (un)squeeze, detach, alias, as_strided, lift_fresh):
-#: views whose schema declares no alias, allocations without a fill, metadata queries.
-_NO_KERNEL = {_aten._unsafe_view, _aten._reshape_alias, _aten.empty, _aten.empty_like, _aten.empty_strided,
-              _aten.new_empty, _aten.new_empty_strided, _aten.sym_size, _aten.sym_stride, _aten.sym_numel,
-              _aten.sym_storage_offset, torch.ops.prim.device, torch.ops.prim.layout}
 
 
 #: One parameter as FSDP shards it: ``(size of the dim it shards, elements of the other dims)``.
@@ -85,7 +54,7 @@ class Tally:
     """What one part holds and computes: parameters (elements, this rank's and whole; ``pieces``:
     each as FSDP shards it; ``borrowed``: those it uses that an earlier part holds, a tied
     weight), FLOPs by component, saved storages ``{storage id: (bytes, component)}`` (each counted
-    once), operator calls and the bytes the non-matmul ones read and write (:class:`_OpCounter`)."""
+    once), operator calls and the bytes the non-matmul ones read and write (:class:`OpCounter`)."""
 
     params: int = 0
     param_bytes: int = 0
@@ -248,102 +217,7 @@ class _Recorder:
 
 
 @contextmanager
-def saved_storages(on_saved: Callable[[int, int], None], excluded: Container[int] = ()) -> Iterator[None]:
-    """While open, ``on_saved(key, nbytes)`` each time autograd saves a tensor for backward, with
-    its storage's key (``untyped_storage()._cdata``) and bytes, except for the storages whose key is
-    in ``excluded`` (parameters, buffers); a caller counts a key once where it books it (a view and
-    its base share one storage). Real, fake, meta tensors and DTensors (this rank's part) alike:
-    shardkit's one count of activation bytes (the planner's analysis, pipeline unit costs, a
-    pipeline's timeline).
-
-    >>> seen = {}
-    >>> w = torch.ones(3, 3, requires_grad=True)
-    >>> with saved_storages(lambda key, n: seen.setdefault(key, n), {w.untyped_storage()._cdata}):
-    ...     y = (torch.ones(2, 3) @ w).tanh()
-    >>> sorted(seen.values())   # the input of the product (not the weight) and tanh's output
-    [24, 24]
-    """
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        local = getattr(tensor, "_local_tensor", tensor)
-        try:
-            storage = local.untyped_storage()
-        except (RuntimeError, NotImplementedError):  # a tensor subclass without storage holds nothing of its own
-            return tensor
-        if storage._cdata not in excluded:
-            on_saved(storage._cdata, storage.nbytes())
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        yield
-
-
-def _bytes(tensor: torch.Tensor) -> int:
-    """The bytes of ``tensor``'s distinct elements: a broadcast (stride 0) dimension is read once."""
-    return prod(n for n, stride in zip(tensor.shape, tensor.stride()) if stride) * tensor.element_size()
-
-
-def _tensors(value: object) -> list[torch.Tensor]:
-    return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
-
-
-def _call(func, args: tuple, kwargs: dict):
-    """``func(*args, **kwargs)``; torch's grouped product (a mixture of experts' experts) has CPU and
-    meta kernels for bfloat16 only, so it runs in bfloat16 here and its output returns in the
-    inputs' dtype: the shapes, and so the FLOPs and bytes, are the same."""
-    if func._overloadpacket is not _aten._grouped_mm or args[0].dtype == torch.bfloat16:
-        return func(*args, **kwargs)
-    dtype = args[0].dtype
-    low = [a.to(torch.bfloat16) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
-    if isinstance(kwargs.get("bias"), torch.Tensor):
-        kwargs = {**kwargs, "bias": kwargs["bias"].to(torch.bfloat16)}
-    return func(*low, **kwargs).to(dtype)
-
-
-class _OpCounter(TorchDispatchMode):
-    """Books each ATen operator that launches a kernel (not in :data:`_NO_KERNEL`, not a view) as
-    one call of the running part, and, unless torch's FLOP counter prices it (matrix products,
-    convolutions, attention kernels), its traffic: the bytes of its tensor inputs and outputs.
-    Gathers read the rows they gather, not their whole table: an embedding lookup counts its
-    indices and its output twice (rows read, rows written), the loss's ``nll_loss`` its targets,
-    one log-probability per target, and its outputs.
-
-    torch counts FLOPs (:class:`~torch.utils.flop_counter.FlopCounterMode`) but neither kernel
-    launches nor bytes moved, hence this mode. ``paused`` is set while shardkit's stand-ins for
-    torch's collectives run (:func:`_local_shard`): communication is priced apart."""
-
-    def __init__(self, recorder: _Recorder):
-        super().__init__()
-        self.recorder = recorder
-        self.paused = False
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = _call(func, args, kwargs or {})
-        packet = func._overloadpacket
-        if self.paused or func.is_view or packet in _NO_KERNEL:
-            return out
-        if packet in flop_registry or packet in _EXTRA_FLOPS:
-            traffic = 0
-        elif packet is _aten.embedding:
-            traffic = _bytes(args[1]) + 2 * _bytes(out)
-        elif packet is _aten.nll_loss_forward:
-            traffic = _bytes(args[1]) + args[1].numel() * args[0].element_size() + sum(map(_bytes, out))
-        else:
-            traffic = sum(map(_bytes, _tensors((args, kwargs)) + _tensors(out)))
-        self.recorder.book_op(traffic)
-        return out
-
-    @contextmanager
-    def pause(self) -> Iterator[None]:
-        self.paused = True
-        try:
-            yield
-        finally:
-            self.paused = False
-
-
-@contextmanager
-def _local_shard(model: nn.Module, plan: AxisPlan | None, counter: _OpCounter) -> Iterator[None]:
+def _local_shard(model: nn.Module, plan: AxisPlan | None, counter: OpCounter) -> Iterator[None]:
     """Make a model running on local stand-ins behave, at its boundaries, as one rank does under
     torch's styles: attribute changes set (local head counts, GPT-2 ``Conv1D.nf``), gathered
     outputs back to full width, locally split inputs cut to this rank's width.
@@ -434,9 +308,9 @@ def measure(model: nn.Module, family: Family, blocks: list[str], seq_len: int, d
         for name, b in model.named_buffers():
             tensors[name] = torch.empty(b.shape, dtype=b.dtype, device="cpu")  # as built (rotary frequencies stay fp32)
         fixed = {t.untyped_storage()._cdata for t in tensors.values()}
-        counter = FlopCounterMode(display=False, custom_mapping=_EXTRA_FLOPS)
+        counter = FlopCounterMode(display=False, custom_mapping=EXTRA_FLOPS)
         recorder = _Recorder(model, _Scopes(model, family, blocks), blocks, counter, fixed, params, canonical)
-        ops = _OpCounter(recorder)
+        ops = OpCounter(recorder.book_op)
         ids = torch.zeros(1, seq_len, dtype=torch.long)
         stack.enter_context(swapped(model, tensors))
         stack.enter_context(_local_shard(model, plan, ops))
@@ -454,9 +328,9 @@ def measure(model: nn.Module, family: Family, blocks: list[str], seq_len: int, d
         finally:
             for module, mode in zip(model.modules(), modes):
                 module.training = mode
-    fused = any(op in counter.flop_counts["Global"] for op in _FUSED_ATTENTION)
+    fused = any(op in counter.flop_counts["Global"] for op in FUSED_ATTENTION)
     quadratic = not fused and any(t.flops.get("attention_core") for t in recorder.parts.values())
     return Measurement(dict(recorder.parts), len(blocks), quadratic)
 
 
-__all__ = ["COMPONENTS", "Measurement", "Piece", "Tally", "block_names", "first_blocks", "measure", "saved_storages"]
+__all__ = ["COMPONENTS", "Measurement", "Piece", "Tally", "block_names", "first_blocks", "measure"]
