@@ -134,7 +134,7 @@ class _Search:
     """One autoshard run: the space walked, the best option per degree choice, what was refused."""
 
     def __init__(self, model: Any, devices: int, hw: Hardware, batch: int, seq_len: int, axes: tuple[str, ...],
-                 optimizer: str, param_dtype: str | None, rules: LayoutMap | None):
+                 optimizer: str, param_dtype: str | None, rules: LayoutMap | None = None):
         self.model, self.devices, self.hw, self.batch, self.seq_len = model, devices, hw, batch, seq_len
         self.axes, self.optimizer, self.rules = axes, optimizer, rules
         self.whole = Costs.of(model, seq_len, 1, None).whole
