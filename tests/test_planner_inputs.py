@@ -44,6 +44,12 @@ def test_a_world_size_is_a_whole_number_of_devices(world_size):
         _est(sk.Plan(sk.Mesh(fsdp=-1)), world_size=world_size)
 
 
+@pytest.mark.parametrize("world_size", [0, -2, 2.0, True])
+def test_explain_names_a_world_size_that_is_no_number_of_devices(world_size):
+    with pytest.raises(sk.PlanError, match=rf"world size {world_size!r}: the number of devices, a whole number >= 1"):
+        sk.explain_plan(sk.Plan(sk.Mesh(fsdp=-1)), build_tiny_gpt(), world_size=world_size)
+
+
 # -- sizes --------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("batch", [-1, 0, 2.5, True, "8"])
