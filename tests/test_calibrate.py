@@ -16,9 +16,13 @@ from hypothesis import strategies as st
 import shardkit as sk
 import shardkit.cli.calibrate as calibrate_cli
 import shardkit.observe.calibrate as calibrate_module
+import shardkit.observe.probes as probes
 from shardkit.cli import build_parser, main
 from shardkit.cli.options import model_from_flag, plan_from_args
-from shardkit.observe.calibrate import Fit, Overlap, fit_alpha_beta, fit_residual, measure
+from shardkit.observe.calibrate import measure
+from shardkit.observe.fits import Fit, fit_alpha_beta, fit_residual
+from shardkit.observe.probes import Overlap
+from shardkit.planner.counters import OpCounter
 from shardkit.planner.hardware import COLLECTIVES, DTYPES, Hardware, Link, ring_terms
 
 SIZES = st.lists(st.integers(min_value=1, max_value=2**32), min_size=2, max_size=12, unique=True)
@@ -159,20 +163,20 @@ def test_a_flat_sweep_goes_on_to_larger_messages_until_the_times_grow(monkeypatc
         timed.append(size)
         return 5e-3 + size / 4e9
 
-    monkeypatch.setattr(calibrate_module, "_time_collective", loaded)
-    sizes, times = calibrate_module._collective_job(None, "all_reduce", (4096, 2**22), 0.1)
+    monkeypatch.setattr(probes, "_time_collective", loaded)
+    sizes, times = probes.collective_job(None, "all_reduce", (4096, 2**22), 0.1)
     assert sizes == timed == [4096, 2**22, 2**24, 2**26] and times[-1] >= 2 * times[0] > times[-2]
-    monkeypatch.setattr(calibrate_module, "_time_collective", lambda collective, size, seconds: 5e-3)
-    sizes, _ = calibrate_module._collective_job(None, "p2p", (4096, 2**22), 0.1)
-    assert sizes == [4096, 2**22, 2**24, 2**26, 2**28] and max(sizes) == calibrate_module.MAX_MESSAGE_BYTES
-    monkeypatch.setattr(calibrate_module, "_time_collective", lambda collective, size, seconds: 1e-4 + size / 1e9)
-    assert calibrate_module._collective_job(None, "p2p", (4096, 2**22), 0.1)[0] == [4096, 2**22]  # grows: no more
+    monkeypatch.setattr(probes, "_time_collective", lambda collective, size, seconds: 5e-3)
+    sizes, _ = probes.collective_job(None, "p2p", (4096, 2**22), 0.1)
+    assert sizes == [4096, 2**22, 2**24, 2**26, 2**28] and max(sizes) == probes.MAX_MESSAGE_BYTES
+    monkeypatch.setattr(probes, "_time_collective", lambda collective, size, seconds: 1e-4 + size / 1e9)
+    assert probes.collective_job(None, "p2p", (4096, 2**22), 0.1)[0] == [4096, 2**22]  # grows: no more
 
 
 def test_a_sweep_without_slope_stops_naming_the_collective_and_what_to_do(monkeypatch):
     flat = ([4096, 2**28], [5e-3, 4.9e-3])
     monkeypatch.setattr(calibrate_module, "launch", lambda job, world, **kwargs: [
-        flat if job is calibrate_module._collective_job else [(64, 1e9)] if job is calibrate_module._matmul_job
+        flat if job is probes.collective_job else [(64, 1e9)] if job is probes.matmul_job
         else None])
     with pytest.raises(sk.UsageError, match=r"gloo all_reduce up to 268435456 bytes gives no bandwidth.*"
                                             r"too loaded.*when it is idle"):
@@ -217,16 +221,17 @@ def test_calibrate_writes_a_loadable_file_of_measured_figures(calibrated):
         given = len(calibrate_module.MESSAGE_SIZES)
         assert fit.sizes[:given] == calibrate_module.MESSAGE_SIZES and all(t > 0 for t in fit.times)
         assert fit.sizes[given:] == tuple(fit.sizes[given - 1] * 4 ** (k + 1) for k in range(len(fit.sizes) - given))
-        assert fit.times[-1] >= calibrate_module.GROWTH * fit.times[0] or fit.sizes[-1] * 4 > calibrate_module.MAX_MESSAGE_BYTES
+        assert fit.times[-1] >= probes.GROWTH * fit.times[0] or fit.sizes[-1] * 4 > probes.MAX_MESSAGE_BYTES
         assert fit.link == hw.link(collective, False) == fit_alpha_beta(fit.sizes, fit.times, factor, steps)
         assert fit.residual == fit_residual(fit.link, fit.sizes, fit.times, factor, steps)
     assert [p[0] for p in progress] == list(range(len(progress))) and progress[-1] == (10, 10, "done")
     # the three cost-model fields: measured, in range, and what was measured
     assert 1e8 < hw.memory_bandwidth < 1e13  # bytes/s of one process's add, CPU RAM to caches
     assert 1e-7 < hw.op_overhead < 1e-3
-    with calibrate_module._OpCounter() as forward:
+    forward: list[float] = []
+    with OpCounter(forward.append):
         torch.nn.Linear(4, 4)(torch.randn(4, 4)).sum()
-    assert calibration.ops_per_step > forward.count >= 2  # backward's ops are counted too
+    assert calibration.ops_per_step > len(forward) >= 2  # backward's ops are counted too
     times = calibration.overlap
     assert min(times.compute, times.communication, times.both) > 0
     assert 0 <= hw.overlap == times.fraction <= 1

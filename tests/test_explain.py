@@ -53,13 +53,17 @@ def test_70b_on_meta_explains_bytes_per_device():
 
 
 def test_70b_memory_estimate():
+    """estimate_memory is sk.estimate's memory (one model of it): the state terms by hand from the
+    architecture; FSDP2 gathers the largest unit (the tp-local LM head with the final norm) while it
+    computes, prefetches the next and holds one unit's gradients before the reduce-scatter."""
     model = build_llama_70b()
-    params, largest_unit = _llama_70b_bytes_per_device(tp=8, fsdp=8)
+    params, _ = _llama_70b_bytes_per_device(tp=8, fsdp=8)
+    head = VOCAB // 8 * H + H  # the largest FSDP unit, elements
     memory = estimate_memory(Plan(Mesh(fsdp=8, tp=8), LLAMA_RULES), model)
-    assert memory == {"parameters": params, "gradients": params, "optimizer": 2 * params,
-                      "gathered": 4 * largest_unit, "total": 4 * params + 4 * largest_unit}
+    assert (memory["parameters"], memory["gradients"], memory["optimizer"]) == (params, params, 2 * params)
+    assert memory["gathered"] == 3 * 4 * head and memory["total"] == sum(v for k, v in memory.items() if k != "total")
     bf16 = Plan(Mesh(fsdp=8, tp=8), LLAMA_RULES, fsdp=FSDPOptions(param_dtype="bfloat16"))
-    assert estimate_memory(bf16, model)["gathered"] == 2 * largest_unit
+    assert estimate_memory(bf16, model)["gathered"] == 3 * 2 * head
     assert estimate_memory(Plan(Mesh(tp=8), LLAMA_RULES), model)["gathered"] == 0
 
 
@@ -89,8 +93,8 @@ def test_fsdp_shards_the_dim_a_layout_names_and_joins_sp():
     rules = LayoutMap([("w", (None, "fsdp")), ("v", None)])
     text = explain_plan(Plan(Mesh(fsdp=2), rules), shapes)
     assert re.search(r"^w\s+x1\s+\[6, 10\]\s+#0\s+\(None, fsdp\)\s+replicated\s+\[6, 10\]\s+\[6, 5\]", text, re.M)
-    assert estimate_memory(Plan(Mesh(fsdp=2, sp=2), rules), shapes)["parameters"] == 4 * (6 * 3 + 2)  # ceil(10/4), ceil(5/4)
-    assert estimate_memory(Plan(Mesh(dp=2, sp=2), None), shapes)["parameters"] == 4 * (60 + 5)  # sp alone replicates
+    assert "parameter bytes per device: 80 B" in explain_plan(Plan(Mesh(fsdp=2, sp=2), rules), shapes)  # 4 x (6 x ceil(10/4) + ceil(5/4))
+    assert "parameter bytes per device: 260 B" in explain_plan(Plan(Mesh(dp=2, sp=2), None), shapes)  # 4 x (60 + 5): sp alone replicates
 
 
 def test_explain_shows_fsdp_padding_and_conv1d_mechanisms():
@@ -164,3 +168,17 @@ def test_cli_70b(capsys):
     expected, _ = _llama_70b_bytes_per_device(tp=8, fsdp=8)
     assert f"{expected:,} B" in capsys.readouterr().out
     assert torch.get_default_device().type == "cpu"  # building on meta left the default device alone
+
+
+def test_cli_prints_one_memory_total_that_of_the_estimate(capsys):
+    """One model of memory: `shardkit explain` prints one total per device, sk.estimate's for the same
+    plan and batch, and sk.estimate_memory is that estimate's memory."""
+    from shardkit.plan.text import format_bytes
+    from shardkit.planner.estimate import estimate
+
+    assert main(["explain", "--model", "gpt-tiny", "--mesh", "fsdp=2,tp=2", "--batch-size", "4"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if "memory per device" in line]
+    plan, model = Plan(Mesh(fsdp=2, tp=2), GPT_RULES), meta_model(build_tiny_gpt)
+    expected = estimate(model, plan, batch_size=4, seq_len=32)
+    assert len(lines) == 1 and f": {format_bytes(expected.memory['total'], digits=2)} of " in lines[0], lines
+    assert estimate_memory(plan, model, batch_size=4, seq_len=32) == dict(expected.memory)

@@ -4,6 +4,8 @@ and the planner's estimate of them. One shared world of 2 processes."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from model_zoo import build_with_unused
@@ -51,8 +53,9 @@ CONTRADICTIONS = [
     (sk.Plan(sk.Mesh(dp=2), fsdp=sk.FSDPOptions(**BF16), zero=1), "zero=1 with mixed precision"),
     (sk.Plan(sk.Mesh(dp=2), fsdp=KEEP, zero=2), "zero=2 shards parameters, gradients and optimizer state over the "
                                                 "'fsdp' axis"),
-    (sk.Plan(sk.Mesh(fsdp=2), zero=2), "zero=2 keeps gathered parameters after the forward, but the plan has fsdp "
-                                       "reshard_after_forward=True; set FSDPOptions(reshard_after_forward=False)"),
+    (sk.Plan(sk.Mesh(fsdp=2), fsdp=sk.FSDPOptions(reshard_after_forward=True), zero=2),
+     "zero=2 keeps gathered parameters after the forward, but the plan has fsdp reshard_after_forward=True; set "
+     "FSDPOptions(reshard_after_forward=False)"),
     (sk.Plan(sk.Mesh(fsdp=2), fsdp=KEEP, zero=3), "zero=3 frees gathered parameters after the forward, but the plan "
                                                   "has fsdp reshard_after_forward=False"),
 ]
@@ -63,6 +66,53 @@ def test_contradictions_are_refused_before_launch(plan, message, no_processes):
     assert any(message in p for p in plan.problems()), plan.problems()
     with pytest.raises(sk.PlanError, match="zero="):
         sk.verify(build_tiny_gpt, plan, _batch(), loss_fn=gpt_loss)
+
+
+def test_a_stage_alone_sets_what_the_user_left_out():
+    """zero=2 alone is FSDP2 kept gathered (reshard_after_forward=False); a default nobody wrote is
+    no contradiction, and stays unwritten through files and a change of stage."""
+    plan = sk.Plan(sk.Mesh(fsdp=2), zero=2)
+    assert plan.problems() == [] and plan.fsdp.reshard_after_forward is False and not plan.fsdp.written
+    for text, read in ((plan.to_json(), sk.Plan.from_json), (plan.to_yaml(), sk.Plan.from_yaml)):
+        assert "reshard_after_forward" not in text and read(text) == plan
+    assert sk.Plan.from_dict({"mesh": {"fsdp": 2}, "zero": 2}) == plan
+    assert sk.Plan.from_yaml("mesh: {fsdp: 2}\nzero: 2\nfsdp: {param_dtype: bfloat16}\n").problems() == []
+    assert replace(plan, zero=3).fsdp.reshard_after_forward is True and replace(plan, zero=3).problems() == []
+    assert replace(plan, zero=None).fsdp.reshard_after_forward is True
+    kept = replace(plan, fsdp=replace(plan.fsdp, param_dtype="bfloat16"))  # another option changed: still unwritten
+    assert kept.problems() == [] and not kept.fsdp.written and kept.fsdp.reshard_after_forward is False
+    written = sk.Plan(sk.Mesh(fsdp=2), fsdp=sk.FSDPOptions(reshard_after_forward=False))
+    assert written.fsdp.written and "reshard_after_forward: false" in written.to_yaml()
+    assert sk.Plan.from_yaml(written.to_yaml()) == written and written != sk.Plan(sk.Mesh(fsdp=2))
+    assert any("zero=3 frees gathered parameters" in p for p in replace(written, zero=3).problems())
+
+
+@pytest.mark.parametrize("text, stage", [
+    ('{"mesh": {"fsdp": 2}, "zero": 2, "fsdp": {"reshard_after_forward": true}}', 2),
+    ("mesh: {fsdp: 2}\nzero: 2\nfsdp: {reshard_after_forward: true}\n", 2),
+    ("mesh: {fsdp: 2}\nzero: 3\nfsdp: {reshard_after_forward: false}\n", 3),
+])
+def test_only_a_written_contradiction_is_refused(text, stage, tmp_path, capsys, no_processes):
+    from shardkit.cli import main
+
+    plan = sk.Plan.from_yaml(text)
+    assert any(f"zero={stage} " in p and "reshard_after_forward" in p for p in plan.problems()), plan.problems()
+    path = tmp_path / "plan.yaml"
+    path.write_text(text)
+    assert main(["explain", "--model", "gpt-tiny", "--plan", str(path)]) == 2
+    assert f"zero={stage} " in capsys.readouterr().err
+    path.write_text(text.replace("true", "false") if stage == 2 else text.replace("false", "true"))
+    assert main(["explain", "--model", "gpt-tiny", "--plan", str(path)]) == 0
+    assert f"zero={stage}" in capsys.readouterr().out
+
+
+def test_a_plan_file_with_a_stage_alone_is_explained(tmp_path, capsys, no_processes):
+    from shardkit.cli import main
+
+    path = tmp_path / "plan.yaml"
+    path.write_text("mesh: {fsdp: 2}\nzero: 2\n")
+    assert main(["explain", "--model", "gpt-tiny", "--plan", str(path)]) == 0
+    assert "reshard_after_forward=False (zero=2's)" in capsys.readouterr().out
 
 
 def test_optimizer_is_the_plain_one_without_a_plan():
@@ -145,6 +195,12 @@ def _state_job(ctx):
     opt.step()
     held = state_bytes(model, opt)  # after the step, gradients still allocated, as shardkit train measures
     return type(opt).__name__, held.params, held.grads, held.optimizer, gathered
+
+
+def test_zero2_alone_runs_fsdp2_kept_gathered(world):
+    """The runtime gets the stage's reshard_after_forward=False when the plan leaves it out."""
+    alone = world(2).run(_state_job, plan=sk.Plan(sk.Mesh(fsdp=2), zero=2))
+    assert alone == world(2).run(_state_job, plan=STAGES[2]) and alone[0][-1] == 4 * PSI
 
 
 @pytest.mark.parametrize("precision", ["float32", "bfloat16"])

@@ -1,9 +1,14 @@
-"""``shardkit plan``: the best plans for a model on a number of devices, before any device is used.
+"""``shardkit plan``: the best plans for a language model on a number of devices, before any device is used.
 
 ::
 
     shardkit plan --model llama3-70b --devices 64 --hardware h100-80g --global-batch 512 --seq 8192
     shardkit plan --model gpt-small --local --out plan.yaml
+    shardkit plan --model mypkg.models:build --devices 8 --global-batch 64 --seq 2048 --rules rules.yaml
+
+The planner plans causal language models over token ids (a token embedding, repeated blocks,
+a head: transformers' ``*ForCausalLM``, shardkit's GPT); any other model is refused by name
+(``shardkit explain`` and ``shardkit train`` still take its plans, written by hand).
 
 Prints the ranked candidates (degrees, memory by component, step time, tokens/s, MFU and why),
 then the families of plans refused and why, and writes the best with ``--out``. ``--local``
@@ -28,9 +33,9 @@ from ..plan import UsageError
 from ..plan.text import format_bytes, format_seconds
 from ..planner.autoshard import AXES, Candidates, autoshard
 from ..planner.catalogue import CATALOGUE
-from ..planner.estimate import OPTIMIZER_STATES
+from ..planner.costs import OPTIMIZER_STATES
 from ..planner.hardware import PRESETS, Hardware, hardware
-from .options import model_from_flag, path, positive_int
+from .options import load_rules, model_from_flag, path, positive_int
 
 #: The local world's size when none is given (the world ``shardkit train`` starts with no flags).
 DEFAULT_LOCAL_WORLD = 4
@@ -39,10 +44,12 @@ _TABLE_STYLE: dict[str, Any] = dict(box=box.SIMPLE_HEAD, title_justify="left", p
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "plan", help="rank the plans of a model on N devices by estimated step time (no processes started)",
-        description="Estimate every plan of a model (dp, fsdp, tp, pp, sp degrees, micro-batches, schedule, "
-                    "recompute, resharding) on N devices of a hardware and print the best, with memory per "
-                    "device by component, step time, tokens/s and MFU, and the families refused and why.")
+        "plan", help="rank the plans of a language model on N devices by estimated step time (no processes started)",
+        description="Estimate every plan of a causal language model over token ids (dp, fsdp, tp, pp, sp degrees, "
+                    "micro-batches, schedule, recompute, resharding) on N devices of a hardware and print the best, "
+                    "with memory per device by component, step time, tokens/s and MFU, and the families refused and "
+                    "why. Other models (encoders, vision models, other inputs) are refused by name: write their "
+                    "plans by hand (shardkit explain checks them).")
     parser.add_argument("--model", required=True, metavar="NAME",
                         help=f"a catalogue name ({', '.join(sorted(CATALOGUE))}), a registered model, or a "
                              f"builder as package.module:function")
@@ -59,6 +66,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="sequences per optimizer step, over all devices")
     parser.add_argument("--seq", type=positive_int, required=True, metavar="N", help="sequence length in tokens")
     parser.add_argument("--axes", metavar="AXES", help=f"axes to search, comma-separated (default: {','.join(AXES)})")
+    parser.add_argument("--rules", type=path, metavar="FILE",
+                        help="JSON/YAML file: a list of [regex, layout] pairs splitting the model over tp (default: "
+                             "the model's own rules); read only when tp is searched")
     parser.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATES), default="adamw")
     parser.add_argument("--top", type=positive_int, default=10, metavar="N", help="candidates shown (default 10)")
     parser.add_argument("--out", type=path, metavar="FILE", help="write the best plan (.yaml or .json)")
@@ -78,8 +88,12 @@ def run(args: argparse.Namespace) -> int:
                 raise UsageError(f"{flag} is for --local; with --devices give the hardware with --hardware")
         devices, hw = args.devices, hardware(args.hardware or "h100-80g")
     axes = None if args.axes is None else parse_axes(args.axes)
+    searched = AXES if axes is None else axes
+    rules = load_rules(args.rules) if args.rules is not None and "tp" in searched else None
+    if args.rules is not None and rules is None:
+        print(f"--rules {args.rules}: not read, tp is not searched (--axes {args.axes})")
     candidates = autoshard(model, devices=devices, hardware=hw, global_batch=args.global_batch, seq_len=args.seq,
-                           axes=axes, top=args.top, optimizer=args.optimizer)
+                           axes=axes, top=args.top, optimizer=args.optimizer, rules=rules)
     print(candidates_text(candidates, args.model, devices, hw), end="")
     if args.out is not None:
         best = candidates[0]

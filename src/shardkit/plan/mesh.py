@@ -151,7 +151,15 @@ class Mesh(Mapping[str, int]):
         return index
 
     def resolved(self, world_size: int) -> Mesh:
-        """This mesh with its ``-1`` axis inferred; checks the product equals ``world_size``."""
+        """This mesh with its ``-1`` axis inferred; checks the product equals ``world_size``.
+
+        >>> Mesh(fsdp=-1).resolved(0)
+        Traceback (most recent call last):
+            ...
+        shardkit.plan.errors.PlanError: world size 0: the number of devices, a whole number >= 1
+        """
+        if type(world_size) is not int or world_size < 1:
+            raise PlanError(f"world size {world_size!r}: the number of devices, a whole number >= 1")
         known = math.prod(s for s in self._axes.values() if s != -1)
         axes = dict(self._axes)
         inferred = [n for n, s in axes.items() if s == -1]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,24 +27,32 @@ ZERO_STAGES = (1, 2, 3)
 class FSDPOptions:
     """Options of the data-parallel wrapper (torch's FSDP2: ``fully_shard`` / ``replicate``).
 
-    ``reshard_after_forward``: free gathered parameters after the forward (``fsdp`` only).
+    ``reshard_after_forward``: free gathered parameters after the forward (``fsdp`` only);
+    ``None`` (not written): the plan's ZeRO stage says, ``False`` under ``zero=2`` and ``True``
+    otherwise. Inside a :class:`Plan` it reads as that ``bool``, and stays not written: plan
+    files leave it out, and a plan with another stage resolves it again.
     ``param_dtype`` / ``reduce_dtype``: mixed precision (``"bfloat16"``, ``"float16"``,
     ``"float32"`` or ``None`` to keep the parameter dtype), torch's ``MixedPrecisionPolicy``:
     parameters stay in their dtype for the optimizer, compute runs in ``param_dtype`` and
     gradients are reduced in ``reduce_dtype``. It applies to every plan, with or without data axes.
 
+    >>> Plan(Mesh(fsdp=2), zero=2).fsdp.reshard_after_forward, Plan(Mesh(fsdp=2)).fsdp.reshard_after_forward
+    (False, True)
     >>> FSDPOptions(reshard_after_forward="no")
     Traceback (most recent call last):
         ...
     shardkit.plan.errors.PlanError: FSDPOptions(reshard_after_forward=...) must be true or false, got str 'no'
     """
 
-    reshard_after_forward: bool = True
+    reshard_after_forward: bool | None = None
     param_dtype: str | None = None
     reduce_dtype: str | None = None
+    #: the zero stage's value, when ``reshard_after_forward`` holds it because it was not written
+    _stage_default: bool | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        boolean(self.reshard_after_forward, "FSDPOptions(reshard_after_forward=...)")
+        if self.reshard_after_forward is not None:
+            boolean(self.reshard_after_forward, "FSDPOptions(reshard_after_forward=...)")
         for name in ("param_dtype", "reduce_dtype"):
             value = getattr(self, name)
             if value is not None and value not in _DTYPES:
@@ -55,12 +63,42 @@ class FSDPOptions:
         """Whether compute or gradient reduction runs below float32."""
         return bool({self.param_dtype, self.reduce_dtype} - {None, "float32"})
 
+    @property
+    def written(self) -> bool:
+        """Whether ``reshard_after_forward`` was written, rather than left to the zero stage
+        (``dataclasses.replace`` with the other value writes it)."""
+        return self.reshard_after_forward is not None and self.reshard_after_forward != self._stage_default
+
+    def resolved(self, zero: int | None) -> FSDPOptions:
+        """These options in a plan of ZeRO stage ``zero``: ``reshard_after_forward``, when not
+        written, is the stage's (``False`` under ``zero=2``, else ``True``), still not written.
+
+        >>> options = FSDPOptions().resolved(2)
+        >>> options.reshard_after_forward, options.written, options.resolved(3).reshard_after_forward
+        (False, False, True)
+        """
+        if self.written:
+            return self
+        return replace(self, reshard_after_forward=zero != 2, _stage_default=zero != 2)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The options as written: ``reshard_after_forward`` only when it was."""
+        return {name: getattr(self, name) for name in _written_fields(type(self))
+                if name != "reshard_after_forward" or self.written}
+
     @classmethod
     def from_dict(cls, data: Any) -> FSDPOptions:
         data = mapping(data, "plan field 'fsdp'", "{reshard_after_forward: true, param_dtype: bfloat16}")
-        names = [f.name for f in fields(cls)]
-        known_keys(data, names, "plan field 'fsdp'")
+        known_keys(data, _written_fields(cls), "plan field 'fsdp'")
+        if "reshard_after_forward" in data:  # written: null is no choice (leave the key out for the stage's)
+            boolean(data["reshard_after_forward"], "plan field 'fsdp' reshard_after_forward (leave it out for the "
+                                                   "zero stage's choice)")
         return cls(**dict(data))
+
+
+def _written_fields(cls: type) -> list[str]:
+    """The fields a user writes (in Python and in plan files); private ones are shardkit's bookkeeping."""
+    return [f.name for f in fields(cls) if not f.name.startswith("_")]
 
 
 def _recompute(value: Any, where: str) -> str:
@@ -101,7 +139,9 @@ class Plan:
     (``docs/zero.md``): ``1`` optimizer state sharded over ``dp`` (``ZeroRedundancyOptimizer``,
     built by ``sk.optimizer``), ``2`` FSDP2 over ``fsdp`` keeping parameters gathered from
     forward to backward (``reshard_after_forward=False``), ``3`` FSDP2 over ``fsdp`` resharding
-    after the forward; ``None``: the mesh and ``fsdp`` options alone say what is sharded.
+    after the forward; ``None``: the mesh and ``fsdp`` options alone say what is sharded. The
+    stage sets ``reshard_after_forward`` when it is not written; only a written contradiction
+    is a problem.
 
     A plan is data: it checks its own fields here, and what it can know without a model with
     :meth:`problems`; ``sk.validate(plan, model)`` adds every check against the model.
@@ -136,6 +176,8 @@ class Plan:
         boolean(self.sequence_parallel, "Plan(sequence_parallel=...)")
         _recompute(self.recompute, "Plan(recompute=...)")
         _zero(self.zero, "Plan(zero=...)")
+        # what the user left out of the fsdp options takes the zero stage's value (and stays left out)
+        object.__setattr__(self, "fsdp", self.fsdp.resolved(self.zero))
 
     def __getattr__(self, name: str) -> Any:
         if name in ("validate", "explain"):
@@ -205,11 +247,19 @@ class Plan:
 
         >>> Plan(mesh=Mesh(dp=2, tp=2), rules=LayoutMap([(".*", None)])).batch_problems(3)
         ['batch of 3 samples does not split evenly over 2 data-parallel replicas (dp=2 x fsdp=1); use a multiple of 2']
+        >>> Plan(mesh=Mesh(dp=2)).batch_problems(-1)
+        ['a batch of -1 samples: give a whole number of samples, a positive multiple of 2 (dp=2 x fsdp=1), e.g. 2']
         """
         data = self.mesh.data_size
+        if type(batch_size) is not int or batch_size < 1:
+            step = data * (self.pipeline.microbatches if self.pipeline is not None else 1)
+            axes = " x ".join(f"{a}={self.mesh.size_of(a)}" for a in DATA_AXES) + (
+                f" x {self.pipeline.microbatches} micro-batches" if self.pipeline is not None else "")
+            return [f"a batch of {batch_size!r} samples: give a whole number of samples, a positive multiple of "
+                    f"{step} ({axes}), e.g. {step}"]
         if self.pipeline is not None:
             problems = self.pipeline.check_batch(batch_size, data)
-        elif batch_size < 1 or batch_size % data:
+        elif batch_size % data:
             axes = " x ".join(f"{a}={self.mesh.size_of(a)}" for a in DATA_AXES)
             problems = [f"batch of {batch_size} samples does not split evenly over {data} data-parallel replicas "
                         f"({axes}); use a multiple of {data}"]
@@ -228,7 +278,7 @@ class Plan:
             "mesh": self.mesh.to_dict(),
             "rules": None if self.rules is None else self.rules.to_list(),
             "strict": True if self.rules is None else self.rules.strict,
-            "fsdp": {f.name: getattr(self.fsdp, f.name) for f in fields(self.fsdp)},
+            "fsdp": self.fsdp.to_dict(),
             "pipeline": None if self.pipeline is None else self.pipeline.to_dict(),
             "replicas": None if self.replicas is None else self.replicas.to_dict(),
             "sequence_parallel": self.sequence_parallel,
@@ -335,11 +385,11 @@ def zero_problems(plan: Plan) -> list[str]:
                 f"{mesh!r} has none of size > 1; add one, e.g. Mesh(fsdp=2, ...) (with dp in front: HSDP), or "
                 f"zero=1 over dp"]
     keep = zero == 3
-    if plan.fsdp.reshard_after_forward != keep:
+    if plan.fsdp.written and plan.fsdp.reshard_after_forward != keep:  # a default the user did not write is the stage's
         return [f"zero={zero} {'frees' if keep else 'keeps'} gathered parameters after the forward, but the plan has "
                 f"fsdp reshard_after_forward={plan.fsdp.reshard_after_forward}; set FSDPOptions(reshard_after_forward="
-                f"{keep}) (plan file: fsdp: {{reshard_after_forward: {str(keep).lower()}}}), or zero={2 if keep else 3}"]
+                f"{keep}) or leave it out (plan file: fsdp: {{reshard_after_forward: {str(keep).lower()}}}, or no "
+                f"such key), or zero={2 if keep else 3}"]
     return []
-
 
 __all__ = ["RECOMPUTE", "ZERO_STAGES", "zero_problems", "FSDPOptions", "Plan", "param_shapes"]

@@ -31,12 +31,10 @@ from torch import nn
 from ..families import Family, family_of
 from ..families.modules import is_linear, linear_dims
 from ..models.gpt import GPT, GPTConfig
-from ..plan import LayoutMap, Mesh, PlanError, UsageError, param_shapes, resolve_layouts
-from ..plan.hf_plan import hf_tp_plan
+from ..plan import LayoutMap, PlanError, UsageError
 from .catalogue import catalogue_config
-from .dataflow import trace
-from .measure import COMPONENTS, Measurement, Tally, block_names, first_blocks, measure
-from .tensor_parallel import AxisPlan, plan_axis, tensor_parallel_problems
+from .measure import COMPONENTS, Measurement, Piece, Tally, block_names, first_blocks, measure
+from .model_rules import axis_plan, default_rules, fsdp_dims
 
 #: Blocks built from a config: two, so tensors every block saves alike can be told apart.
 BLOCKS_BUILT = 2
@@ -74,6 +72,9 @@ class PartCost:
     (one block, for the block; views and other operators launching no kernel left out), per
     call, not per token. ``traffic_per_token``: the bytes the operators that are not matrix
     products or attention kernels (whose time the FLOPs price) read and write, per token.
+    ``pieces``: this rank's parameters as FSDP shards them, ``(size of the sharded dim, elements
+    of the rest)`` each; ``borrowed``: those the part uses that an earlier part holds (the LM head
+    of a tied embedding: a pipeline's last stage holds its own copy).
 
     >>> part = PartCost("block", 10, 40, {"mlp": 20.0, "norm": 0.0}, {"mlp": 8.0, "norm": 4.0}, 3, 16.0)
     >>> part.flops, part.activations, part.ops, part.traffic_per_token
@@ -87,6 +88,8 @@ class PartCost:
     activations_per_token: Mapping[str, float]
     ops: int = 0
     traffic_per_token: float = 0.0
+    pieces: tuple[Piece, ...] = ()
+    borrowed: tuple[Piece, ...] = ()
 
     @property
     def flops(self) -> float:
@@ -127,11 +130,16 @@ class ModelAnalysis:
     head_dim: int = 0
     notes: tuple[str, ...] = ()
     _rules: LayoutMap | None = field(default=None, repr=False, compare=False)
+    _rules_problem: PlanError | None = field(default=None, repr=False, compare=False)
 
     def tp_rules(self) -> LayoutMap | None:
         """The layout rules that split this model over ``tp`` (the reference GPT's ``GPT_RULES``,
         transformers' own plan, GPT-2's rules, those inferred from the dataflow, or those given to
-        :func:`analyse`)."""
+        :func:`analyse`). An analysis at ``tp=1`` needs none: when the model's own cannot be read
+        (a transformers plan style shardkit has no equivalent of), asking raises that
+        :class:`PlanError`."""
+        if self._rules_problem is not None:
+            raise self._rules_problem
         return self._rules
 
     def flops_per_token(self) -> float:
@@ -286,9 +294,16 @@ def _analyse_blocks(model: nn.Module, family: Family, blocks: list[str], name: s
         raise UsageError(f"analyse(seq_len={seq_len}): {type(model).__name__} takes at most {positions} positions; "
                          f"pass seq_len <= {positions} or a config with more positions")
     dtype = dtype or next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    rules = rules if rules is not None else default_rules(model, family)
-    plan = None if tp == 1 else _axis_plan(model, family, rules, tp)
-    measured = measure(model, family, blocks, seq_len, dtype, plan)
+    rules_problem = None
+    if rules is None:
+        try:
+            rules = default_rules(model, family)
+        except PlanError as exc:  # one rank of tp=1 splits nothing: the rules are needed only when asked for
+            if tp > 1:
+                raise PlanError([f"analyse(tp={tp}): {p}" for p in exc.problems]) from None
+            rules_problem = exc
+    plan = None if tp == 1 else axis_plan(model, family, rules, tp)
+    measured = measure(model, family, blocks, seq_len, dtype, plan, fsdp_dims(model, rules))
     _share(measured)
     notes = []
     block, differ = _largest_block(measured)
@@ -311,48 +326,7 @@ def _analyse_blocks(model: nn.Module, family: Family, blocks: list[str], name: s
         kv_heads=attention.kv_heads if attention else 0, vocab=family.vocab_size(model) or 0,
         intermediate=_intermediate(model, family, blocks[0]), dtype=dtype, tied=_tied(model, family), total_params=total,
         family=_family_label(model, family), head_dim=attention.head_dim if attention else 0,
-        notes=tuple(notes), _rules=rules)
-
-
-def default_rules(model: nn.Module, family: Family) -> LayoutMap | None:
-    """The rules shardkit knows for ``model``: the reference GPT's, GPT-2's, transformers' own plan,
-    else the rules inferred from its dataflow (``sk.infer_tp_rules``; ``None`` if nothing pairs)."""
-    from ..models.gpt import GPT_RULES
-    from ..models.hf import GPT2_RULES
-    from .tp_infer import infer_tp_rules
-
-    if family.name == "gpt":
-        return GPT_RULES
-    if family.name == "gpt2" and any(n.startswith("transformer.h.") for n, _ in model.named_parameters()):
-        return GPT2_RULES
-    if hf_tp_plan(model):
-        return LayoutMap.from_hf(model)
-    try:
-        return infer_tp_rules(model)
-    except (PlanError, UsageError):  # nothing pairs: tp > 1 is then refused, naming the model
-        return None
-
-
-def _axis_plan(model: nn.Module, family: Family, rules: LayoutMap | None, tp: int) -> AxisPlan:
-    """The tensor-parallel plan of one ``tp`` rank, checked as the validator checks it."""
-    where = f"analyse(tp={tp})"
-    if rules is None or "tp" not in rules.axes():
-        raise PlanError(f"{where}: no layout rules split {type(model).__name__} over 'tp' "
-                        f"({'none known' if rules is None else f'the rules use axes {sorted(rules.axes())}'}); "
-                        f"pass rules=LayoutMap([...]) with 'tp' in them, or tp=1")
-    try:
-        layouts = resolve_layouts(param_shapes(model), rules, Mesh(tp=tp)).params
-    except PlanError as exc:  # sizes tp does not divide; head counts too, so one error names every size
-        raise PlanError([f"{where}: {p}" for p in exc.problems + tensor_parallel_problems(model, tp)]) from None
-    try:
-        flow = trace(model, family.example_inputs(model, seq_len=8),
-                     {n for n, m in model.named_modules() if is_linear(m)})
-        plan = plan_axis(model, layouts, "tp", tp, family, flow)
-    except PlanError as exc:
-        raise PlanError([f"{where}: {p}" for p in exc.problems]) from None
-    if not plan.splits:
-        raise PlanError(f"{where}: the rules split no parameter of {type(model).__name__} over 'tp'")
-    return plan
+        notes=tuple(notes), _rules=rules, _rules_problem=rules_problem)
 
 
 def _share(measured: Measurement) -> None:
@@ -389,7 +363,7 @@ def _part(name: str, tally: Tally, seq_len: int) -> PartCost:
     return PartCost(name, tally.params, tally.param_bytes,
                     Components({c: tally.flops.get(c, 0.0) / seq_len for c in COMPONENTS}),
                     Components({c: saved.get(c, 0.0) / seq_len for c in COMPONENTS}), tally.ops,
-                    tally.traffic / seq_len)
+                    tally.traffic / seq_len, tuple(tally.pieces), tuple(tally.borrowed))
 
 
 def _token_embedding(model: nn.Module, family: Family) -> nn.Embedding | None:
@@ -429,4 +403,4 @@ def _family_label(model: nn.Module, family: Family) -> str:
     return model_type if isinstance(model_type, str) and model_type else family.name
 
 
-__all__ = ["probe_model", "BLOCKS_BUILT", "Components", "ModelAnalysis", "PartCost", "analyse", "default_rules"]
+__all__ = ["probe_model", "BLOCKS_BUILT", "Components", "ModelAnalysis", "PartCost", "analyse"]

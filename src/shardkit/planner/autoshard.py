@@ -24,24 +24,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..plan import FSDPOptions, Mesh, Plan, PlanError, PlanWarning, UsageError
+from ..plan import FSDPOptions, LayoutMap, Mesh, Plan, PlanError, PlanWarning, UsageError
 from ..plan.pipeline import Pipeline
 from ..plan.sequence import sequence_problems
 from ..plan.text import format_bytes
 from .analysis import ModelAnalysis, probe_model
-from .estimate import (
-    MESH_ORDER,
-    OPTIMIZER_STATES,
-    Costs,
-    Estimate,
-    Setting,
-    evaluate,
-    memory_of,
-    mesh_of,
-    time_of,
-)
+from .costs import MESH_ORDER, OPTIMIZER_STATES, Costs, Setting, mesh_of
+from .estimate import Estimate, estimate_of, evaluate
 from .hardware import Hardware
 from .hardware import hardware as as_hardware
+from .memory import memory_of
+from .step_time import time_of
 
 AXES = ("dp", "fsdp", "tp", "pp", "sp")
 #: What sk.validate said of each probe plan, per model (a model's kinds of plan do not change while it lives).
@@ -83,13 +76,16 @@ class Candidates(list):
 
 def autoshard(model: Any, *, devices: int, hardware: str | Hardware = "h100-80g", global_batch: int,
               seq_len: int, axes: Sequence[str] | None = None, top: int = 10, optimizer: str = "adamw",
-              param_dtype: str | None = "auto") -> Candidates:
-    """Rank every plan of ``model`` on ``devices`` by estimated step time, best first.
+              param_dtype: str | None = "auto", rules: LayoutMap | None = None) -> Candidates:
+    """Rank every plan of the language model ``model`` on ``devices`` by estimated step time, best first.
 
-    ``axes`` restricts the space (e.g. ``("dp", "tp", "pp")``); ``param_dtype``: the compute
-    dtype of every candidate (``"auto"``: bfloat16 where the hardware computes it 4x faster than
-    float32, else the parameters' own). Raises :class:`PlanError` when nothing fits, saying
-    what the leanest plan needs and why.
+    ``model``: a causal LM over token ids, as ``sk.estimate`` takes (other models are refused by
+    name). ``axes`` restricts the space (e.g. ``("dp", "tp", "pp")``); only the axes searched
+    need anything of the model (the ``tp`` rules only when ``tp`` is searched). ``rules``: the
+    layout rules that split the model over ``tp`` (default: the model's own, as ``sk.analyse``
+    finds them). ``param_dtype``: the compute dtype of every candidate (``"auto"``: bfloat16 where
+    the hardware computes it 4x faster than float32, else the parameters' own). Raises
+    :class:`PlanError` when nothing fits, saying what the leanest plan needs and why.
 
     >>> import shardkit as sk
     >>> best = sk.autoshard("gpt-small", devices=4, hardware="a100-80g", global_batch=8, seq_len=128)[0]
@@ -105,7 +101,10 @@ def autoshard(model: Any, *, devices: int, hardware: str | Hardware = "h100-80g"
             raise UsageError(f"autoshard({name}={value!r}): give a positive integer")
     if optimizer not in OPTIMIZER_STATES:
         raise UsageError(f"autoshard(optimizer={optimizer!r}) is unknown; valid: {sorted(OPTIMIZER_STATES)}")
-    search = _Search(model, devices, hw, global_batch, seq_len, axes, optimizer, param_dtype)
+    if rules is not None and (not isinstance(rules, LayoutMap) or "tp" not in rules.axes()):
+        used = sorted(rules.axes()) if isinstance(rules, LayoutMap) else type(rules).__name__
+        raise UsageError(f"autoshard(rules=...): give a LayoutMap that splits the model over 'tp' (got {used})")
+    search = _Search(model, devices, hw, global_batch, seq_len, axes, optimizer, param_dtype, rules)
     best = search.run()
     if not best:
         raise PlanError(search.nothing_fits())
@@ -135,9 +134,9 @@ class _Search:
     """One autoshard run: the space walked, the best option per degree choice, what was refused."""
 
     def __init__(self, model: Any, devices: int, hw: Hardware, batch: int, seq_len: int, axes: tuple[str, ...],
-                 optimizer: str, param_dtype: str | None):
+                 optimizer: str, param_dtype: str | None, rules: LayoutMap | None = None):
         self.model, self.devices, self.hw, self.batch, self.seq_len = model, devices, hw, batch, seq_len
-        self.axes, self.optimizer = axes, optimizer
+        self.axes, self.optimizer, self.rules = axes, optimizer, rules
         self.whole = Costs.of(model, seq_len, 1, None).whole
         self.compute_dtype = _compute_dtype(param_dtype, hw, self.whole)
         self.rejected: dict[str, str] = {}
@@ -203,7 +202,7 @@ class _Search:
                 self._reject(f"tp={tp}", f"tp={tp} does not divide the {count} {what}")
                 return None
         try:
-            costs = Costs.of(self.model, self.seq_len, tp, None)
+            costs = Costs.of(self.model, self.seq_len, tp, None, rules=self.rules if tp > 1 else None)
         except (PlanError, UsageError) as exc:
             self._reject(f"tp={tp}", str(exc).splitlines()[0])
             return None
@@ -317,7 +316,7 @@ class _Search:
     def candidate(self, setting: Setting, memory: dict[str, int], parts: dict[str, float], fastest: float) -> Candidate:
         costs = self.costs[setting.tp]
         plan = self.plan_of(setting, costs.local)
-        estimate = costs.estimate(plan, setting, self.batch, self.hw, memory, parts)
+        estimate = estimate_of(costs, plan, setting, self.batch, self.hw, memory, parts)
         return Candidate(plan, estimate, _reason(setting, estimate, fastest))
 
     def plan_of(self, s: Setting, analysis: ModelAnalysis) -> Plan:

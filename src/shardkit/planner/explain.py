@@ -36,14 +36,13 @@ from ..plan import Mesh, Plan, PlanWarning
 from ..plan.layout import ParamLayout, axes_of
 from ..plan.mesh import axis_role
 from ..plan.text import format_bytes
+from .hardware import Hardware
 from .model_checks import ModelFacts
 from .tensor_parallel import COLWISE, ROWWISE, aliases
 from .validate import validate
 
 FSDP_AXIS = "fsdp"
-ADAMW_STATES = 2  # exp_avg and exp_avg_sq, each the parameter's shape and dtype
 _TABLE_STYLE: dict[str, Any] = dict(box=box.SIMPLE_HEAD, title_justify="left", pad_edge=False, show_edge=False)
-_BLOCK_INDEX = re.compile(r"^(.*?\.\d+)\.")  # "model.layers.3.mlp.w" -> "model.layers.3"
 
 
 @dataclass(frozen=True)
@@ -83,7 +82,7 @@ def explain_plan(plan: Plan, model: Any, world_size: int | None = None, *, width
     if plan.rules is not None:
         console.print(_rules_table(plan, rows), "")
     console.print(_param_table(rows), "")
-    for line in _totals(plan, mesh, rows):
+    for line in _totals(mesh, rows):
         console.print(line)
     for index, pattern in unused:
         console.print(f"unused rule #{index} {pattern!r} matches no parameter (a typo or a renamed module?)")
@@ -98,27 +97,31 @@ def explain_plan(plan: Plan, model: Any, world_size: int | None = None, *, width
     return "\n".join(line.rstrip() for line in console.export_text().splitlines()) + "\n"
 
 
-def estimate_memory(plan: Plan, model: Any, world_size: int | None = None) -> dict[str, int]:
-    """Bytes per device for training with AdamW: a simple model, stated in full here.
-
-    - ``parameters``: the shards a device stores (after layout axes and FSDP), in the
-      model's own dtype; FSDP2 mixed precision keeps the sharded parameters in that dtype.
-    - ``gradients``: the same size (sharded like the parameters).
-    - ``optimizer``: AdamW's two moment tensors per parameter, same shape and dtype.
-    - ``gathered``: with ``fsdp`` > 1, the largest FSDP unit (one numbered block such as
-      ``layers.3``, or the rest of the model) all-gathered for compute, in
-      ``FSDPOptions.param_dtype`` when set; 0 without FSDP.
-    - ``total``: the sum. Activations, communication buffers and allocator slack are not
-      counted; with a ``pp`` axis a device holds only its stage, so these are upper bounds.
+def estimate_memory(plan: Plan, model: Any, world_size: int | None = None, *, batch_size: int | None = None,
+                    seq_len: int | None = None, hardware: str | Hardware = "h100-80g",
+                    optimizer: str = "adamw") -> dict[str, int]:
+    """Bytes per device of training ``model`` under ``plan``, by component and ``total``: the memory
+    of :func:`~shardkit.planner.estimate.estimate` (shardkit's one model of memory,
+    :mod:`shardkit.planner.memory`, which states every term), for ``batch_size`` sequences of
+    ``seq_len`` tokens (default: the smallest batch the plan takes, one sequence per data replica
+    and micro-batch, of the model's positions) on ``hardware``.
 
     >>> from shardkit.models.gpt import GPT_RULES, build_tiny_gpt
     >>> from shardkit.plan import Mesh, Plan
     >>> memory = estimate_memory(Plan(Mesh(tp=2), GPT_RULES), build_tiny_gpt())
-    >>> memory["optimizer"] == 2 * memory["parameters"]
-    True
+    >>> memory["optimizer"] == 2 * memory["parameters"], memory["total"] == sum(v for k, v in memory.items() if k != "total")
+    (True, True)
     """
-    mesh, rows, _ = _analyse(plan, model, world_size)
-    return _memory(plan, mesh, rows)
+    from .analysis import analyse
+    from .estimate import estimate, priced_plan
+
+    plan = priced_plan(plan, world_size, "estimate_memory")
+    if batch_size is None:
+        batch_size = plan.mesh.data_size * (plan.pipeline.microbatches if plan.pipeline is not None else 1)
+    if seq_len is None:
+        seq_len = analyse(model).seq_len
+    return dict(estimate(model, plan, batch_size=batch_size, seq_len=seq_len, hardware=hardware,
+                         optimizer=optimizer).memory)
 
 
 # -- analysis ---------------------------------------------------------------------------------
@@ -229,24 +232,6 @@ def _module_mechanism(module: nn.Module, weight_dims: set[int]) -> str:
     return "sharded"
 
 
-def _memory(plan: Plan, mesh: Mesh, rows: list[ParamRow]) -> dict[str, int]:
-    parameters = sum(r.bytes for r in rows)
-    gathered = 0
-    if _fsdp_shards(mesh) > 1:
-        compute = getattr(torch, plan.fsdp.param_dtype) if plan.fsdp.param_dtype else None
-        units: dict[str, int] = {}
-        for r in rows:
-            match = _BLOCK_INDEX.match(r.layout.name)
-            unit = match.group(1) if match else ""
-            itemsize = compute.itemsize if compute is not None else r.itemsize
-            units[unit] = units.get(unit, 0) + math.prod(r.local) * itemsize
-        gathered = max(units.values(), default=0)
-    memory = {"parameters": parameters, "gradients": parameters, "optimizer": ADAMW_STATES * parameters,
-              "gathered": gathered}
-    memory["total"] = sum(memory.values())
-    return memory
-
-
 # -- rendering --------------------------------------------------------------------------------
 
 def _mesh_table(mesh: Mesh) -> Table:
@@ -258,7 +243,8 @@ def _mesh_table(mesh: Mesh) -> Table:
 
 def _options_line(plan: Plan, mesh: Mesh) -> str:
     fsdp = plan.fsdp
-    parts = [f"fsdp options: reshard_after_forward={fsdp.reshard_after_forward}, param_dtype={fsdp.param_dtype}, "
+    stage = f" (zero={plan.zero}'s)" if plan.zero is not None and not fsdp.written else ""
+    parts = [f"fsdp options: reshard_after_forward={fsdp.reshard_after_forward}{stage}, param_dtype={fsdp.param_dtype}, "
              f"reduce_dtype={fsdp.reduce_dtype}", f"sequence_parallel={plan.sequence_parallel}",
              f"recompute={plan.recompute}"] + ([f"zero={plan.zero}"] if plan.zero is not None else [])
     if plan.pipeline is not None:
@@ -299,21 +285,17 @@ def _param_table(rows: list[ParamRow]) -> Table:
     return table
 
 
-def _totals(plan: Plan, mesh: Mesh, rows: list[ParamRow]) -> list[str]:
+def _totals(mesh: Mesh, rows: list[ParamRow]) -> list[str]:
+    """The parameter bytes the table shows, summed; memory per device in training is the estimate's
+    (``sk.estimate``, printed after this by ``shardkit explain``), one model of it for every command."""
     total = sum(math.prod(r.layout.shape) * r.itemsize for r in rows)
-    memory = _memory(plan, mesh, rows)
-    per_device = memory["parameters"]
+    per_device = sum(r.bytes for r in rows)
     ideal = total / mesh.size
     ratio = per_device / ideal if ideal else 1.0
-    lines = [
-        f"parameter bytes per device: {per_device:,} B ({format_bytes(per_device, digits=2)}); "
-        f"total / {mesh.size} devices = {ideal:,.0f} B ({format_bytes(ideal, digits=2)}); ratio {ratio:.2f}x",
-        "training memory per device (AdamW, estimate_memory): "
-        + " + ".join(f"{key} {format_bytes(memory[key], digits=2)}" for key in ("parameters", "gradients", "optimizer", "gathered"))
-        + f" = {format_bytes(memory['total'], digits=2)}",
-    ]
+    lines = [f"parameter bytes per device: {per_device:,} B ({format_bytes(per_device, digits=2)}); "
+             f"total / {mesh.size} devices = {ideal:,.0f} B ({format_bytes(ideal, digits=2)}); ratio {ratio:.2f}x"]
     if mesh.size_of("pp") > 1:
-        lines.append(f"pp={mesh['pp']}: a device holds only its pipeline stage, so these are upper bounds")
+        lines.append(f"pp={mesh['pp']}: a device holds only its pipeline stage, so this is an upper bound")
     return lines
 
 

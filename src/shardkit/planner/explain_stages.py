@@ -1,7 +1,9 @@
-"""``explain_stages``: a plan's pipeline stages as a table (device, modules, parameters, cost, memory).
+"""``explain_stages``: a plan's pipeline stages as a table (device, modules, parameters, cost).
 
 Costs are measured on the meta device (:mod:`shardkit.planner.autosplit`) for one sample of
-the model's example input on a nominal :class:`DeviceModel`.
+the model's example input on a nominal :class:`DeviceModel`. Memory per device is not
+repeated here: it is the estimate's (``sk.estimate``, :mod:`shardkit.planner.memory`), which
+``shardkit explain`` prints after the tables.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from ..plan import PlanError
 from ..plan.pipeline import Pipeline
 from ..plan.text import format_bytes, format_seconds, format_si
 from .autosplit import DeviceModel
-from .stages import assign_stages, inflight_microbatches, layout_costs
+from .stages import assign_stages, layout_costs
 
 
 def _compress(names: Sequence[str]) -> str:
@@ -48,16 +50,16 @@ def explain_stages(plan: Any, model: nn.Module, example_inputs: tuple | None = N
     """A table of the plan's stages: device, modules, parameter bytes, estimated cost; plus the balance.
 
     Costs are for one sample of the model's example input on :class:`DeviceModel` (a nominal
-    device); memory counts 4x parameter bytes plus the activations of the micro-batches held.
+    device); the balance is the slowest stage's time over the mean.
 
     >>> from shardkit.plan import Mesh, Pipeline, Plan
     >>> seq = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])
     >>> print(explain_stages(Plan(mesh=Mesh(pp=2), pipeline=Pipeline(schedule="gpipe")), seq))  # doctest: +ELLIPSIS
     pipeline: 2 stages on pp=2, schedule gpipe, 1 micro-batches, stages by even split
-    stage  device  modules  params  param bytes  FLOP/sample  est. time  memory
-        0       0  0-1         144        576 B  768          19.3 ns    2.3 KiB
-        1       1  2-3         144        576 B  768          19.3 ns    2.3 KiB
-    balance (slowest / mean stage time): 1.000; ...
+    stage  device  modules  params  param bytes  FLOP/sample  est. time
+        0       0  0-1         144        576 B  768          19.3 ns
+        1       1  2-3         144        576 B  768          19.3 ns
+    balance (slowest / mean stage time): 1.000
     """
     pipeline: Pipeline = plan.pipeline
     if pipeline is None:
@@ -76,10 +78,9 @@ def explain_stages(plan: Any, model: nn.Module, example_inputs: tuple | None = N
     if costs is None and layout.example_inputs is not None:
         costs = tuple(layout_costs(model, layout))
     devices = plan.mesh.size_of("pp")
-    inflight = inflight_microbatches(pipeline.schedule, pipeline.microbatches, assignment.ranks, devices)
     header = (f"pipeline: {assignment.num_stages} stages on pp={devices}, schedule {pipeline.schedule}, "
               f"{pipeline.microbatches} micro-batches, stages by {_METHOD_TEXT[assignment.method]}")
-    rows = [("stage", "device", "modules", "params", "param bytes", "FLOP/sample", "est. time", "memory")]
+    rows = [("stage", "device", "modules", "params", "param bytes", "FLOP/sample", "est. time")]
     times = []
     for s in range(assignment.num_stages):
         params = {id(p): p for path in assignment.modules(s) for p in model.get_submodule(path).parameters()}
@@ -88,11 +89,10 @@ def explain_stages(plan: Any, model: nn.Module, example_inputs: tuple | None = N
         if costs is not None:
             stage_costs = [costs[i] for i in assignment.stages[s]]
             t = sum(device.time(c) for c in stage_costs)
-            mem = sum(4 * c.param_bytes + inflight[s] * c.act_bytes for c in stage_costs)
             times.append(t)
-            extra = (format_si(3 * sum(c.flops for c in stage_costs)), format_seconds(t), format_bytes(mem))
+            extra = (format_si(3 * sum(c.flops for c in stage_costs)), format_seconds(t))
         else:
-            extra = ("?", "?", "?")
+            extra = ("?", "?")
         rows.append((str(s), str(assignment.ranks[s]), _compress(assignment.unit_names(s)), str(numel),
                      format_bytes(nbytes), *extra))
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
@@ -100,8 +100,7 @@ def explain_stages(plan: Any, model: nn.Module, example_inputs: tuple | None = N
                                   for c, (cell, w) in enumerate(zip(row, widths))).rstrip() for row in rows]
     if times:
         mean = sum(times) / len(times)
-        lines.append(f"balance (slowest / mean stage time): {max(times) / mean if mean else 1.0:.3f}; "
-                     f"memory = 4 x param bytes (param, grad, Adam) + activations of the micro-batches held")
+        lines.append(f"balance (slowest / mean stage time): {max(times) / mean if mean else 1.0:.3f}")
     return "\n".join(lines)
 
 

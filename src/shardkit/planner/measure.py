@@ -9,7 +9,7 @@ and a :class:`~torch.utils._python_dispatch.TorchDispatchMode` sees every ATen o
 (after autograd's decompositions: what a device would launch). What shardkit adds is the
 attribution: forward hooks on every module keep the stack of modules running, which says the part
 and the component of each FLOP, saved tensor and operator call; and the rule of what an operator
-costs (:class:`_OpCounter`), since torch has no counter of kernel launches or bytes moved.
+costs (:class:`~shardkit.planner.counters.OpCounter`), since torch has no counter of kernel launches or bytes moved.
 
 The forward runs on :class:`~torch._subclasses.fake_tensor.FakeTensorMode` tensors on the CPU
 device, not on meta tensors: torch picks attention kernels by device, and on meta
@@ -27,55 +27,40 @@ makes the same shapes, so a rank's FLOPs and saved bytes are what it computes an
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from math import prod
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
-from torch.utils.flop_counter import FlopCounterMode, flop_registry
+from torch.utils.flop_counter import FlopCounterMode
 
 from ..families import Family
 from ..families.modules import is_conv1d, is_linear, is_norm
 from ..families.on_meta import swapped
+from .counters import EXTRA_FLOPS, FUSED_ATTENTION, OpCounter, saved_storages
 from .tensor_parallel import COLWISE, DTENSOR, EMBED_COLWISE, ROWWISE, AxisPlan, aliases
 
 COMPONENTS = ("attention_core", "attention", "mlp", "norm", "embedding", "logits", "other")
-_aten = torch.ops.aten
 
 
-def _cpu_flash_flops(*args: object, **kwargs: object) -> int:
-    """torch's count for the GPU flash kernel, which takes (query, key, value, ...) as the CPU one does."""
-    return flop_registry[_aten._scaled_dot_product_flash_attention](*args, **kwargs)
-
-
-_cpu_flash_flops._get_raw = True  # type: ignore[attr-defined]  # called as registered formulas are
-#: FLOP formulas torch's counter lacks.
-_EXTRA_FLOPS = {_aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash_flops}
-#: Attention kernels that keep only their output and log-sum-exp for backward.
-_FUSED_ATTENTION = (_aten._scaled_dot_product_flash_attention_for_cpu, _aten._scaled_dot_product_flash_attention,
-                    _aten._scaled_dot_product_efficient_attention, _aten._scaled_dot_product_cudnn_attention)
-#: Operators that launch no kernel, besides views (``OpOverload.is_view``: view, t, transpose,
-#: expand, permute, slice, select, split, (un)squeeze, detach, alias, as_strided, lift_fresh):
-#: views whose schema declares no alias, allocations without a fill, metadata queries.
-_NO_KERNEL = {_aten._unsafe_view, _aten._reshape_alias, _aten.empty, _aten.empty_like, _aten.empty_strided,
-              _aten.new_empty, _aten.new_empty_strided, _aten.sym_size, _aten.sym_stride, _aten.sym_numel,
-              _aten.sym_storage_offset, torch.ops.prim.device, torch.ops.prim.layout}
+#: One parameter as FSDP shards it: ``(size of the dim it shards, elements of the other dims)``.
+Piece = tuple[int, int]
 
 
 @dataclass
 class Tally:
-    """What one part holds and computes: parameters (elements, this rank's and whole), FLOPs by
-    component, saved storages ``{storage id: (bytes, component)}`` (each counted once), operator
-    calls and the bytes the non-matmul ones read and write (:class:`_OpCounter`)."""
+    """What one part holds and computes: parameters (elements, this rank's and whole; ``pieces``:
+    each as FSDP shards it; ``borrowed``: those it uses that an earlier part holds, a tied
+    weight), FLOPs by component, saved storages ``{storage id: (bytes, component)}`` (each counted
+    once), operator calls and the bytes the non-matmul ones read and write (:class:`OpCounter`)."""
 
     params: int = 0
     param_bytes: int = 0
     global_params: int = 0
+    pieces: list[Piece] = field(default_factory=list)
+    borrowed: list[Piece] = field(default_factory=list)
     flops: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     saved: dict[int, tuple[int, str]] = field(default_factory=dict)
     ops: int = 0
@@ -163,7 +148,7 @@ class _Recorder:
     """Module hooks keeping the running stack; FLOPs and saved tensors booked to (part, component)."""
 
     def __init__(self, model: nn.Module, scopes: _Scopes, blocks: list[str], counter: FlopCounterMode,
-                 fixed: set[int], params: dict[str, tuple[int, int, int]], canonical: dict[str, str]):
+                 fixed: set[int], params: dict[str, tuple[int, int, int, Piece]], canonical: dict[str, str]):
         self.scopes, self.blocks, self.counter, self.fixed = scopes, {b: i for i, b in enumerate(blocks)}, counter, fixed
         self.params, self.canonical = params, canonical
         self.parts: dict[str, Tally] = defaultdict(Tally)
@@ -197,13 +182,16 @@ class _Recorder:
         prefix = f"{name}." if name else ""
         for pname, _ in module.named_parameters(recurse=False):
             canonical = self.canonical[prefix + pname]
+            local, nbytes, whole, piece = self.params[canonical]
+            tally = self.parts[part]
             if canonical not in self.owner:
                 self.owner[canonical] = part
-                local, nbytes, whole = self.params[canonical]
-                tally = self.parts[part]
                 tally.params += local
                 tally.param_bytes += nbytes
                 tally.global_params += whole
+                tally.pieces.append(piece)
+            elif self.owner[canonical] != part and piece not in tally.borrowed:
+                tally.borrowed.append(piece)
 
     def leave(self, name: str) -> None:
         self.book_flops()
@@ -211,14 +199,9 @@ class _Recorder:
         if name in self.blocks:
             self.passed_block = True
 
-    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        key = storage._cdata
-        if key not in self.fixed:
-            part = self.part()
-            component = self.scopes.component(self.stack, part)
-            self.parts[part].saved.setdefault(key, (storage.nbytes(), component))
-        return tensor
+    def saved(self, key: int, nbytes: int) -> None:
+        part = self.part()
+        self.parts[part].saved.setdefault(key, (nbytes, self.scopes.component(self.stack, part)))
 
     @contextmanager
     def hooks(self) -> Iterator[None]:
@@ -233,59 +216,8 @@ class _Recorder:
                 handle.remove()
 
 
-def _bytes(tensor: torch.Tensor) -> int:
-    """The bytes of ``tensor``'s distinct elements: a broadcast (stride 0) dimension is read once."""
-    return prod(n for n, stride in zip(tensor.shape, tensor.stride()) if stride) * tensor.element_size()
-
-
-def _tensors(value: object) -> list[torch.Tensor]:
-    return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
-
-
-class _OpCounter(TorchDispatchMode):
-    """Books each ATen operator that launches a kernel (not in :data:`_NO_KERNEL`, not a view) as
-    one call of the running part, and, unless torch's FLOP counter prices it (matrix products,
-    convolutions, attention kernels), its traffic: the bytes of its tensor inputs and outputs.
-    Gathers read the rows they gather, not their whole table: an embedding lookup counts its
-    indices and its output twice (rows read, rows written), the loss's ``nll_loss`` its targets,
-    one log-probability per target, and its outputs.
-
-    torch counts FLOPs (:class:`~torch.utils.flop_counter.FlopCounterMode`) but neither kernel
-    launches nor bytes moved, hence this mode. ``paused`` is set while shardkit's stand-ins for
-    torch's collectives run (:func:`_local_shard`): communication is priced apart."""
-
-    def __init__(self, recorder: _Recorder):
-        super().__init__()
-        self.recorder = recorder
-        self.paused = False
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        packet = func._overloadpacket
-        if self.paused or func.is_view or packet in _NO_KERNEL:
-            return out
-        if packet in flop_registry or packet in _EXTRA_FLOPS:
-            traffic = 0
-        elif packet is _aten.embedding:
-            traffic = _bytes(args[1]) + 2 * _bytes(out)
-        elif packet is _aten.nll_loss_forward:
-            traffic = _bytes(args[1]) + args[1].numel() * args[0].element_size() + sum(map(_bytes, out))
-        else:
-            traffic = sum(map(_bytes, _tensors((args, kwargs)) + _tensors(out)))
-        self.recorder.book_op(traffic)
-        return out
-
-    @contextmanager
-    def pause(self) -> Iterator[None]:
-        self.paused = True
-        try:
-            yield
-        finally:
-            self.paused = False
-
-
 @contextmanager
-def _local_shard(model: nn.Module, plan: AxisPlan | None, counter: _OpCounter) -> Iterator[None]:
+def _local_shard(model: nn.Module, plan: AxisPlan | None, counter: OpCounter) -> Iterator[None]:
     """Make a model running on local stand-ins behave, at its boundaries, as one rank does under
     torch's styles: attribute changes set (local head counts, GPT-2 ``Conv1D.nf``), gathered
     outputs back to full width, locally split inputs cut to this rank's width.
@@ -340,9 +272,10 @@ def _local_dims(model: nn.Module, plan: AxisPlan | None) -> dict[str, int]:
 
 
 def measure(model: nn.Module, family: Family, blocks: list[str], seq_len: int, dtype: torch.dtype,
-            plan: AxisPlan | None = None) -> Measurement:
+            plan: AxisPlan | None = None, fsdp_dims: Mapping[str, int] | None = None) -> Measurement:
     """Run ``model`` once on token ids ``[1, seq_len]`` (fake CPU tensors, train mode) and, when its
     output is logits over its vocabulary, the cross-entropy loss; see the module docstring.
+    ``fsdp_dims``: the dim FSDP shards of the parameters whose layout names one (else dim 0).
 
     >>> from shardkit.families import family_of
     >>> from shardkit.models.gpt import build_tiny_gpt
@@ -361,27 +294,30 @@ def measure(model: nn.Module, family: Family, blocks: list[str], seq_len: int, d
     with ExitStack() as stack:
         stack.enter_context(FakeTensorMode())
         tensors: dict[str, torch.Tensor] = {}
-        params: dict[str, tuple[int, int, int]] = {}
+        params: dict[str, tuple[int, int, int, Piece]] = {}
         for name, p in model.named_parameters():
             shape = list(p.shape)
             if name in split_dims:
                 shape[split_dims[name]] //= size
             kind = dtype if p.is_floating_point() else p.dtype
             tensors[name] = torch.empty(shape, dtype=kind, device="cpu", requires_grad=p.requires_grad)
-            params[name] = (tensors[name].numel(), tensors[name].numel() * tensors[name].element_size(), p.numel())
+            numel = tensors[name].numel()
+            dim = (fsdp_dims or {}).get(name, 0)
+            piece = (shape[dim], numel // shape[dim] if shape[dim] else 0) if shape else (1, 1)  # a scalar: whole
+            params[name] = (numel, numel * tensors[name].element_size(), p.numel(), piece)
         for name, b in model.named_buffers():
             tensors[name] = torch.empty(b.shape, dtype=b.dtype, device="cpu")  # as built (rotary frequencies stay fp32)
         fixed = {t.untyped_storage()._cdata for t in tensors.values()}
-        counter = FlopCounterMode(display=False, custom_mapping=_EXTRA_FLOPS)
+        counter = FlopCounterMode(display=False, custom_mapping=EXTRA_FLOPS)
         recorder = _Recorder(model, _Scopes(model, family, blocks), blocks, counter, fixed, params, canonical)
-        ops = _OpCounter(recorder)
+        ops = OpCounter(recorder.book_op)
         ids = torch.zeros(1, seq_len, dtype=torch.long)
         stack.enter_context(swapped(model, tensors))
         stack.enter_context(_local_shard(model, plan, ops))
         stack.enter_context(recorder.hooks())
         stack.enter_context(counter)
         stack.enter_context(ops)
-        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t))
+        stack.enter_context(saved_storages(recorder.saved, fixed))
         model.train()
         try:
             output = model(ids)
@@ -392,9 +328,9 @@ def measure(model: nn.Module, family: Family, blocks: list[str], seq_len: int, d
         finally:
             for module, mode in zip(model.modules(), modes):
                 module.training = mode
-    fused = any(op in counter.flop_counts["Global"] for op in _FUSED_ATTENTION)
+    fused = any(op in counter.flop_counts["Global"] for op in FUSED_ATTENTION)
     quadratic = not fused and any(t.flops.get("attention_core") for t in recorder.parts.values())
     return Measurement(dict(recorder.parts), len(blocks), quadratic)
 
 
-__all__ = ["COMPONENTS", "Measurement", "Tally", "block_names", "first_blocks", "measure"]
+__all__ = ["COMPONENTS", "Measurement", "Piece", "Tally", "block_names", "first_blocks", "measure"]

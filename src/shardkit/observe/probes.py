@@ -1,0 +1,235 @@
+"""What every process of a local world runs to measure it (``shardkit calibrate``,
+:mod:`shardkit.observe.calibrate`): matrix products, gloo collectives over a size sweep, a large
+add, a tiny training step and the overlap of all-reduces with products, each timed as the
+slowest rank sees it (the slowest rank paces a synchronous step).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..planner.counters import OpCounter
+
+#: Where the largest message of the sweep takes less than :data:`GROWTH` times the smallest's time,
+#: latency and noise hide the bandwidth (a loaded or throttled machine): the sweep goes on with
+#: messages 4 times larger, up to this many bytes, until the times grow that much.
+MAX_MESSAGE_BYTES = 256 * 2**20
+GROWTH = 2.0
+#: Bytes of each all-reduce of the overlap measurement, and the matrix size of its products.
+OVERLAP_MESSAGE, OVERLAP_MATMUL = 2 * 2**20, 256
+_BLOCKS = 3  # a collective's timing is the best of this many blocks
+_MAX_REPEATS = 64
+_MAX_STEPS = 10_000  # of the tiny step op_overhead is measured on, per block
+
+
+@dataclass(frozen=True)
+class Overlap:
+    """The overlap measurement: seconds of a loop of matrix products alone (``compute``), of a
+    loop of all-reduces alone (``communication``) and of both at once (``both``), each the
+    slowest process's best round. :attr:`fraction` is the part of the shorter loop hidden.
+
+    >>> Overlap(compute=1.0, communication=0.5, both=1.25).fraction
+    0.5
+    """
+
+    compute: float
+    communication: float
+    both: float
+
+    @property
+    def fraction(self) -> float:
+        """``(compute + communication - both) / min(compute, communication)``, clamped to [0, 1]:
+        1 when both at once take as long as the longer alone, 0 when as long as the two in turn."""
+        hidden = (self.compute + self.communication - self.both) / min(self.compute, self.communication)
+        return min(1.0, max(0.0, hidden))
+
+
+def ready(ctx) -> None:
+    """Nothing: run first, it returns once every process is up."""
+
+
+def _slowest(value: float) -> float:
+    """The largest of every rank's ``value``."""
+    tensor = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return float(tensor.item())
+
+
+def matmul_job(ctx, dtype: str, sizes: tuple[int, ...], seconds: float) -> list[tuple[int, float]] | None:
+    """This rank's FLOP/s per size, all ranks multiplying at once for ``seconds`` per size; ``None``
+    when the dtype's products do not run here. The sweep stops before a size whose single product
+    would take most of ``seconds`` (every rank stops at the same size)."""
+    kind = getattr(torch, dtype)
+    try:
+        torch.ones(2, 2, dtype=kind) @ torch.ones(2, 2, dtype=kind)
+    except RuntimeError:
+        return None
+    rates = []
+    for n in sorted(sizes):
+        a, b = torch.randn(n, n).to(kind), torch.randn(n, n).to(kind)
+        started = time.perf_counter()
+        a @ b  # warm-up, and how long one product takes
+        if _slowest(time.perf_counter() - started) * 8 > seconds and rates:
+            break  # the next size would not fit in its time
+        dist.barrier()
+        count, started = 0, time.perf_counter()
+        while (elapsed := time.perf_counter() - started) < seconds or count < 2:
+            a @ b
+            count += 1
+        rates.append((n, 2 * n**3 * count / elapsed))
+    return rates
+
+
+def collective_job(ctx, collective: str, sizes: tuple[int, ...],
+                    seconds: float) -> tuple[list[int], list[float]]:
+    """``(sizes, seconds)`` per ``collective`` of each size (bytes of the whole tensor), the slowest
+    rank's, best of :data:`_BLOCKS` blocks of repeats sized to take about ``seconds`` in all.
+
+    ``sizes`` go on past the last one given, each 4 times larger up to :data:`MAX_MESSAGE_BYTES`,
+    while the largest takes less than :data:`GROWTH` times the smallest's time (every rank sees
+    the same slowest times, so every rank stops at the same size)."""
+    sizes = list(sizes)
+    times: list[float] = []
+    for size in sizes:
+        times.append(_time_collective(collective, size, seconds))
+    while max(times) < GROWTH * times[sizes.index(min(sizes))] and max(sizes) * 4 <= MAX_MESSAGE_BYTES:
+        sizes.append(max(sizes) * 4)
+        times.append(_time_collective(collective, sizes[-1], seconds))
+    return sizes, times
+
+
+def _time_collective(collective: str, size: int, seconds: float) -> float:
+    """Seconds per ``collective`` of ``size`` bytes in all, the slowest rank's, best of
+    :data:`_BLOCKS` blocks."""
+    run = _OPS[collective]
+    world, rank = dist.get_world_size(), dist.get_rank()
+    elements = max(world, size // 4 // world * world)
+    tensors = _tensors(collective, elements, world)
+    run(tensors, rank, world)  # warm-up, and how long one takes
+    dist.barrier()
+    started = time.perf_counter()
+    run(tensors, rank, world)
+    once = _slowest(time.perf_counter() - started)
+    repeats = max(1, min(_MAX_REPEATS, int(seconds / once / _BLOCKS)))
+    best = math.inf
+    for _ in range(_BLOCKS):
+        dist.barrier()
+        started = time.perf_counter()
+        for _ in range(repeats):
+            run(tensors, rank, world)
+        best = min(best, _slowest(time.perf_counter() - started) / repeats)
+    return best
+
+
+def _timed(work: Callable[[], object]) -> float:
+    """Seconds ``work()`` takes here."""
+    started = time.perf_counter()
+    work()
+    return time.perf_counter() - started
+
+
+def bandwidth_job(ctx, nbytes: int, repeats: int) -> float:
+    """Bytes/s of ``torch.add(a, b, out=c)`` on float32 tensors of ``nbytes`` each, every rank
+    adding at once: ``3 * nbytes`` (read a and b, write c) over the best of ``repeats`` adds,
+    the slowest rank's."""
+    a, b, c = torch.ones(nbytes // 4), torch.ones(nbytes // 4), torch.empty(nbytes // 4)
+    torch.add(a, b, out=c)  # warm-up: every page of c is touched
+    best = math.inf
+    for _ in range(repeats):
+        dist.barrier()
+        best = min(best, _timed(lambda: torch.add(a, b, out=c)))
+    return 3 * nbytes / _slowest(best)
+
+
+def overhead_job(ctx, seconds: float) -> tuple[int, float]:
+    """``(aten ops per step, seconds per op)`` of a tiny training step, ``Linear(4, 4)`` forward,
+    ``.sum()`` and backward on a 4 x 4 input, every rank stepping at once: the best of
+    :data:`_BLOCKS` blocks of about ``seconds`` in all, the slowest rank's, over its ops, counted
+    as the planner counts a model's (:class:`~shardkit.planner.counters.OpCounter`: the calls
+    that launch a kernel, backward's included)."""
+    layer, x = torch.nn.Linear(4, 4), torch.randn(4, 4)
+
+    def step() -> None:
+        layer(x).sum().backward()
+
+    step()  # warm-up: the gradients exist, so every later step accumulates into them alike
+    booked: list[float] = []
+    with OpCounter(booked.append):  # the operator calls the estimate multiplies op_overhead by
+        step()
+    once = _slowest(_timed(step))
+    repeats = max(1, min(_MAX_STEPS, int(seconds / once / _BLOCKS)))
+    best = math.inf
+    for _ in range(_BLOCKS):
+        dist.barrier()
+        best = min(best, _timed(lambda: [step() for _ in range(repeats)]) / repeats)
+    return len(booked), _slowest(best) / len(booked)
+
+
+def overlap_job(ctx, seconds: float, rounds: int) -> Overlap:
+    """:class:`Overlap` of float32 products of :data:`OVERLAP_MATMUL` square matrices and
+    all-reduces of :data:`OVERLAP_MESSAGE` bytes, each loop sized to take about ``seconds``
+    alone; the best of ``rounds`` rounds of (products, all-reduces, both), the slowest rank's."""
+    a, b = torch.randn(OVERLAP_MATMUL, OVERLAP_MATMUL), torch.randn(OVERLAP_MATMUL, OVERLAP_MATMUL)
+    probe = torch.zeros(OVERLAP_MESSAGE // 4)
+    a @ b  # warm-up
+    dist.all_reduce(probe)
+    products = max(1, round(seconds / _slowest(_timed(lambda: [a @ b for _ in range(4)]) / 4)))
+    messages = max(1, min(_MAX_REPEATS, round(seconds / _slowest(_timed(lambda: dist.all_reduce(probe))))))
+    buffers = [torch.zeros(OVERLAP_MESSAGE // 4) for _ in range(messages)]
+
+    def compute() -> None:
+        for _ in range(products):
+            a @ b
+
+    def communicate() -> None:
+        for buffer in buffers:
+            dist.all_reduce(buffer)
+
+    def both() -> None:
+        handles = [dist.all_reduce(buffer, async_op=True) for buffer in buffers]
+        compute()
+        for handle in handles:
+            handle.wait()
+
+    best = [math.inf] * 3
+    for _ in range(rounds):
+        for i, work in enumerate((compute, communicate, both)):
+            dist.barrier()
+            best[i] = min(best[i], _slowest(_timed(work)))
+    return Overlap(*best)
+
+
+def _tensors(collective: str, elements: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input, output) float32 tensors for ``elements`` elements in all."""
+    if collective == "all_gather":
+        return torch.zeros(elements // world), torch.empty(elements)
+    return torch.zeros(elements), torch.empty(elements)
+
+
+def _all_reduce(tensors: tuple[torch.Tensor, torch.Tensor], rank: int, world: int) -> None:
+    dist.all_reduce(tensors[0])
+
+
+def _all_gather(tensors: tuple[torch.Tensor, torch.Tensor], rank: int, world: int) -> None:
+    dist.all_gather_single(tensors[1], tensors[0])
+
+
+def _p2p(tensors: tuple[torch.Tensor, torch.Tensor], rank: int, world: int) -> None:
+    """Every rank sends to the next and receives from the previous at once (a ring step)."""
+    received = dist.irecv(tensors[1], (rank - 1) % world)
+    sent = dist.isend(tensors[0], (rank + 1) % world)
+    sent.wait()
+    received.wait()
+
+
+_OPS = {"all_reduce": _all_reduce, "all_gather": _all_gather, "p2p": _p2p}
+
+
+__all__ = ["GROWTH", "MAX_MESSAGE_BYTES", "OVERLAP_MATMUL", "OVERLAP_MESSAGE", "Overlap", "bandwidth_job",
+           "collective_job", "matmul_job", "overhead_job", "overlap_job", "ready"]

@@ -1,0 +1,166 @@
+"""What the estimator reads: one point of the plan space (:class:`Setting`) and a model's measured
+costs as plain numbers (:class:`Costs`, :class:`Numbers`), so that pricing a candidate is
+arithmetic only (:mod:`shardkit.planner.memory`, :mod:`shardkit.planner.step_time`).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..plan import LayoutMap, Mesh, Plan
+from .analysis import ModelAnalysis, analyse
+from .measure import Piece
+
+#: Optimizer states per parameter, each the parameter's shape and dtype.
+OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd-momentum": 1, "sgd": 0}
+#: The axes the estimator prices, in the canonical mesh order (tp innermost, within a node).
+MESH_ORDER = ("pp", "dp", "fsdp", "sp", "tp")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One point of the plan space, as the estimator reads it (built from a Plan, or by autoshard)."""
+
+    dp: int = 1
+    fsdp: int = 1
+    tp: int = 1
+    pp: int = 1
+    sp: int = 1
+    sequence_parallel: bool = False
+    schedule: str = "1f1b"
+    microbatches: int = 1
+    accumulation: int = 1  # gradient accumulation steps without a pipeline (a pipeline's are its micro-batches)
+    virtual: int = 1
+    recompute: str = "none"
+    reshard: bool = True
+    compute_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    order: tuple[str, ...] = field(default=MESH_ORDER)
+    zero: int | None = None
+
+    @property
+    def devices(self) -> int:
+        return self.dp * self.fsdp * self.tp * self.pp * self.sp
+
+    @property
+    def data(self) -> int:
+        return self.dp * self.fsdp
+
+    @property
+    def shards(self) -> int:
+        """Ways FSDP2 shards a parameter: ``fsdp``, times ``sp`` when both are used (1 without ``fsdp``)."""
+        return self.fsdp * self.sp if self.fsdp > 1 else 1
+
+    def size(self, axis: str) -> int:
+        return getattr(self, axis)
+
+    @classmethod
+    def of(cls, plan: Plan) -> Setting:
+        """The setting of a resolved plan whose mesh has only the axes of :data:`MESH_ORDER` above size 1."""
+        mesh = plan.mesh
+        pipeline = plan.pipeline
+        return cls(
+            dp=mesh.size_of("dp"), fsdp=mesh.size_of("fsdp"), tp=mesh.size_of("tp"), pp=mesh.size_of("pp"),
+            sp=mesh.size_of("sp"), sequence_parallel=plan.sequence_parallel,
+            schedule=pipeline.schedule if pipeline else "1f1b",
+            microbatches=pipeline.microbatches if pipeline else 1,
+            virtual=pipeline.virtual_stages if pipeline else 1,
+            recompute=plan.recompute, reshard=plan.fsdp.reshard_after_forward,
+            compute_dtype=_DTYPES[plan.fsdp.param_dtype] if plan.fsdp.param_dtype else None,
+            reduce_dtype=_DTYPES[plan.fsdp.reduce_dtype] if plan.fsdp.reduce_dtype else None,
+            order=tuple(mesh.names), zero=plan.zero)
+
+
+def mesh_of(s: Setting) -> Mesh:
+    """The mesh of a setting in the canonical order (pp, dp, fsdp, sp, tp: tp innermost, within a node)."""
+    return Mesh(**{a: s.size(a) for a in MESH_ORDER if s.size(a) > 1} or {"dp": 1})
+
+
+@dataclass(frozen=True)
+class Numbers:
+    """A tensor-parallel rank's measured costs as plain numbers (per token unless said), read once
+    so that estimating a candidate is arithmetic only."""
+
+    layers: int
+    hidden: int
+    vocab: int
+    kv_bytes: int  # keys + values per token of one block, per rank (elements, times 2)
+    itemsize: int
+    block_params: int
+    embedding_params: int
+    head_params: int
+    tied: bool
+    block_flops: float
+    core_flops: float
+    embedding_flops: float
+    head_flops: float
+    block_traffic: float  # bytes non-matmul ops read and write
+    core_traffic: float  # of which the attention core's (what selective recompute runs again)
+    embedding_traffic: float
+    head_traffic: float
+    block_ops: int  # operator calls of one forward (per micro-batch, not per token)
+    core_ops: int
+    embedding_ops: int
+    head_ops: int
+    block_saved: float  # bytes one block saves for backward
+    block_split_by_sp: float  # of which norms and residual terms (split over tp by Megatron SP)
+    block_core: float  # of which the attention core
+    block_core_recomputed: float  # of which selective recompute frees (not q, k, v and the output)
+    embedding_act: float
+    head_act: float
+    block_pieces: tuple[Piece, ...]  # the parameters as FSDP shards them
+    embedding_pieces: tuple[Piece, ...]
+    head_pieces: tuple[Piece, ...]
+    head_borrowed: tuple[Piece, ...]  # a tied weight the head uses: a pipeline's last stage holds a copy
+
+    @classmethod
+    def of(cls, a: ModelAnalysis) -> Numbers:
+        acts = a.block.activations_per_token
+        core = a.block.flops_per_token["attention_core"]
+        share = core / a.block.flops if a.block.flops else 0.0  # the attention core's share, for traffic and ops
+        head_dim = a.head_dim or (a.hidden // a.heads if a.heads else 0)  # 0: a model without attention heads
+        qkvo = 2 * (a.heads + a.kv_heads) // a.tp * head_dim * a.dtype.itemsize
+        return cls(a.layers, a.hidden, a.vocab, 2 * a.kv_heads * head_dim, a.dtype.itemsize,
+                   a.block.params, a.embedding.params, a.head.params, a.tied, a.block.flops, core,
+                   a.embedding.flops, a.head.flops, a.block.traffic_per_token, share * a.block.traffic_per_token,
+                   a.embedding.traffic_per_token, a.head.traffic_per_token, a.block.ops, round(share * a.block.ops),
+                   a.embedding.ops, a.head.ops, a.block.activations, acts["norm"] + acts["other"],
+                   acts["attention_core"], max(0.0, acts["attention_core"] - qkvo), a.embedding.activations,
+                   a.head.activations, a.block.pieces, a.embedding.pieces, a.head.pieces, a.head.borrowed)
+
+
+@functools.lru_cache(maxsize=4096)
+def sharded_elements(pieces: tuple[Piece, ...], shards: int) -> int:
+    """Elements a device stores of ``pieces`` sharded ``shards`` ways by FSDP2, which pads each
+    tensor's sharded dim to ``ceil(size / shards)`` rows (as ``torch.chunk``).
+
+    >>> sharded_elements(((10, 3), (5, 1)), 4)
+    11
+    """
+    return sum(-(-size // shards) * rest for size, rest in pieces)
+
+
+@dataclass(frozen=True)
+class Costs:
+    """The analyses one setting needs: at its ``tp`` degree, and whole (``tp=1``) for MFU."""
+
+    local: ModelAnalysis
+    whole: ModelAnalysis
+    seq_len: int
+    numbers: Numbers
+
+    @classmethod
+    def of(cls, model: Any, seq_len: int, tp: int, dtype: torch.dtype | None,
+           rules: LayoutMap | None = None) -> Costs:
+        """``rules``: the plan's layouts (its ``tp`` splits, and the dims FSDP shards); default: the model's own."""
+        local = analyse(model, seq_len=seq_len, tp=tp, dtype=dtype, rules=rules)
+        whole = local if tp == 1 else analyse(model, seq_len=seq_len, tp=1, dtype=dtype)
+        return cls(local, whole, seq_len, Numbers.of(local))
+
+
+__all__ = ["MESH_ORDER", "OPTIMIZER_STATES", "Costs", "Numbers", "Setting", "mesh_of", "sharded_elements"]

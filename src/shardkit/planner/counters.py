@@ -1,0 +1,147 @@
+"""What torch does not count for shardkit's planner, counted on any tensors (real, fake, meta):
+FLOPs of kernels torch's ``FlopCounterMode`` has no formula for (:data:`EXTRA_FLOPS`), kernel
+launches and the bytes the non-matmul operators move (:class:`OpCounter`), and the one count of
+activation bytes, the storages autograd saves for backward (:func:`saved_storages`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Container, Iterator
+from contextlib import contextmanager
+from math import prod
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import flop_registry
+
+_aten = torch.ops.aten
+
+
+def _cpu_flash_flops(*args: object, **kwargs: object) -> int:
+    """torch's count for the GPU flash kernel, which takes (query, key, value, ...) as the CPU one does."""
+    return flop_registry[_aten._scaled_dot_product_flash_attention](*args, **kwargs)
+
+
+_cpu_flash_flops._get_raw = True  # type: ignore[attr-defined]  # called as registered formulas are
+
+
+def _grouped_mm_flops(a_shape: tuple, b_shape: tuple, *args: object, out_shape: tuple, **kwargs: object) -> int:
+    """A grouped product (a mixture of experts' experts): each output element is one dot product
+    over ``a``'s last dim, whichever group (expert) its row went to; with both operands 2-D the
+    groups split the contracted dim (``[m, k] x [k, n]``)."""
+    if len(a_shape) == 2 and len(b_shape) == 2:
+        return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+    return 2 * prod(out_shape) * a_shape[-1]
+
+
+#: FLOP formulas torch's counter lacks (``FlopCounterMode(custom_mapping=EXTRA_FLOPS)``).
+EXTRA_FLOPS = {_aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash_flops,
+                _aten._grouped_mm: _grouped_mm_flops}
+#: Attention kernels that keep only their output and log-sum-exp for backward.
+FUSED_ATTENTION = (_aten._scaled_dot_product_flash_attention_for_cpu, _aten._scaled_dot_product_flash_attention,
+                    _aten._scaled_dot_product_efficient_attention, _aten._scaled_dot_product_cudnn_attention)
+#: Operators that launch no kernel, besides views (``OpOverload.is_view``: view, t, transpose,
+#: expand, permute, slice, select, split, (un)squeeze, detach, alias, as_strided, lift_fresh):
+#: views whose schema declares no alias, allocations without a fill, metadata queries.
+_NO_KERNEL = {_aten._unsafe_view, _aten._reshape_alias, _aten.empty, _aten.empty_like, _aten.empty_strided,
+              _aten.new_empty, _aten.new_empty_strided, _aten.sym_size, _aten.sym_stride, _aten.sym_numel,
+              _aten.sym_storage_offset, torch.ops.prim.device, torch.ops.prim.layout}
+
+
+@contextmanager
+def saved_storages(on_saved: Callable[[int, int], None], excluded: Container[int] = ()) -> Iterator[None]:
+    """While open, ``on_saved(key, nbytes)`` each time autograd saves a tensor for backward, with
+    its storage's key (``untyped_storage()._cdata``) and bytes, except for the storages whose key is
+    in ``excluded`` (parameters, buffers); a caller counts a key once where it books it (a view and
+    its base share one storage). Real, fake, meta tensors and DTensors (this rank's part) alike:
+    shardkit's one count of activation bytes (the planner's analysis, pipeline unit costs, a
+    pipeline's timeline).
+
+    >>> seen = {}
+    >>> w = torch.ones(3, 3, requires_grad=True)
+    >>> with saved_storages(lambda key, n: seen.setdefault(key, n), {w.untyped_storage()._cdata}):
+    ...     y = (torch.ones(2, 3) @ w).tanh()
+    >>> sorted(seen.values())   # the input of the product (not the weight) and tanh's output
+    [24, 24]
+    """
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        local = getattr(tensor, "_local_tensor", tensor)
+        try:
+            storage = local.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # a tensor subclass without storage holds nothing of its own
+            return tensor
+        if storage._cdata not in excluded:
+            on_saved(storage._cdata, storage.nbytes())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield
+
+
+def _bytes(tensor: torch.Tensor) -> int:
+    """The bytes of ``tensor``'s distinct elements: a broadcast (stride 0) dimension is read once."""
+    return prod(n for n, stride in zip(tensor.shape, tensor.stride()) if stride) * tensor.element_size()
+
+
+def _tensors(value: object) -> list[torch.Tensor]:
+    return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
+
+
+def _call(func, args: tuple, kwargs: dict):
+    """``func(*args, **kwargs)``; torch's grouped product (a mixture of experts' experts) has CPU and
+    meta kernels for bfloat16 only, so it runs in bfloat16 here and its output returns in the
+    inputs' dtype: the shapes, and so the FLOPs and bytes, are the same."""
+    if func._overloadpacket is not _aten._grouped_mm or args[0].dtype == torch.bfloat16:
+        return func(*args, **kwargs)
+    dtype = args[0].dtype
+    low = [a.to(torch.bfloat16) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+    if isinstance(kwargs.get("bias"), torch.Tensor):
+        kwargs = {**kwargs, "bias": kwargs["bias"].to(torch.bfloat16)}
+    return func(*low, **kwargs).to(dtype)
+
+
+class OpCounter(TorchDispatchMode):
+    """Books each ATen operator that launches a kernel (not in :data:`_NO_KERNEL`, not a view) as
+    one call (``book(traffic)``), and, unless torch's FLOP counter prices it (matrix products,
+    convolutions, attention kernels), its traffic: the bytes of its tensor inputs and outputs.
+    Gathers read the rows they gather, not their whole table: an embedding lookup counts its
+    indices and its output twice (rows read, rows written), the loss's ``nll_loss`` its targets,
+    one log-probability per target, and its outputs.
+
+    torch counts FLOPs (:class:`~torch.utils.flop_counter.FlopCounterMode`) but neither kernel
+    launches nor bytes moved, hence this mode. ``paused`` is set while shardkit's stand-ins for
+    torch's collectives run (``measure``'s local shard): communication is priced apart."""
+
+    def __init__(self, book: Callable[[float], None]):
+        super().__init__()
+        self.book = book
+        self.paused = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = _call(func, args, kwargs or {})
+        packet = func._overloadpacket
+        if self.paused or func.is_view or packet in _NO_KERNEL:
+            return out
+        if packet in flop_registry or packet in EXTRA_FLOPS:
+            traffic = 0
+        elif packet is _aten.embedding:
+            traffic = _bytes(args[1]) + 2 * _bytes(out)
+        elif packet is _aten.nll_loss_forward:
+            traffic = _bytes(args[1]) + args[1].numel() * args[0].element_size() + sum(map(_bytes, out))
+        else:
+            traffic = sum(map(_bytes, _tensors((args, kwargs)) + _tensors(out)))
+        self.book(traffic)
+        return out
+
+    @contextmanager
+    def pause(self) -> Iterator[None]:
+        self.paused = True
+        try:
+            yield
+        finally:
+            self.paused = False
+
+
+__all__ = ["EXTRA_FLOPS", "FUSED_ATTENTION", "OpCounter", "saved_storages"]

@@ -1,0 +1,137 @@
+"""Memory per device of a plan: shardkit's one model of it (``sk.estimate``'s memory,
+``sk.estimate_memory``, ``shardkit explain``, ``shardkit plan`` and ``sk.autoshard``).
+
+Arithmetic on a model's measured costs (:class:`~shardkit.planner.costs.Costs`) for one point
+of the plan space (:class:`~shardkit.planner.costs.Setting`), on the most loaded device (a
+pipeline's first and last stages are both evaluated). Every term (docs/planner.md has the same
+list with the reasons):
+
+- ``parameters``, ``gradients``: the device's share of its stage's tensor-parallel-local
+  parameters, in the parameters' dtype: FSDP2 (``fsdp x sp`` shards) pads each tensor's
+  sharded dim to ``ceil(size / shards)``; a pipeline's last stage holds its own copy of an
+  embedding tied to the LM head. FSDP2 keeps sharded parameters and gradients in that dtype
+  under mixed precision.
+- ``optimizer``: the optimizer's states per parameter (AdamW: 2) in the parameters' dtype;
+  under ZeRO stage 1 (``Plan(zero=1)``) divided over the ``dp`` ranks, whose parameters and
+  gradients stay whole (stages 2 and 3 are FSDP, counted as such).
+- ``gathered``: FSDP's unsharded units in the compute dtype: the unit being computed and the
+  prefetched next one, plus one unit's unsharded gradients before the reduce-scatter; with
+  ``reshard_after_forward=False`` the whole stage stays gathered between forward and backward.
+- ``activations``: bytes saved for backward per token (measured) x tokens per micro-batch x
+  micro-batches in flight on the device (no pipeline: 1; GPipe: m; 1F1B: min(m, p);
+  interleaved: min(m, p)(1 + (p-1)/(p v))); Megatron sequence parallel divides the norm and
+  residual terms by ``tp``; context parallel (``sp``) divides the tokens; recompute
+  ``selective`` drops the attention core, ``full`` keeps each block's input only, plus one
+  block recomputed at a time and its gradients.
+- ``logits``: the transient of the loss's backward (the logits' gradient, as large as the
+  logits); under tensor parallel shardkit's column-parallel head gathers the whole vocabulary.
+- ``buffers``: communication buffers: a pipeline stage keeps a receive buffer for every
+  micro-batch's hidden states, and one for their gradients.
+- ``overhead``: the allocator's slack, ``ALLOCATOR_OVERHEAD`` of the above, and the device's
+  ``reserved`` bytes.
+"""
+
+from __future__ import annotations
+
+from .costs import OPTIMIZER_STATES, Costs, Numbers, Setting, sharded_elements
+from .hardware import Hardware
+
+#: Allocator slack over the tensors' own bytes (CUDA's caching allocator rounds and fragments;
+#: glibc's malloc keeps arenas): 5 %, within the 10 % the estimate is held to.
+ALLOCATOR_OVERHEAD = 0.05
+#: The components of memory per device, in the order they are shown.
+MEMORY_KEYS = ("parameters", "gradients", "optimizer", "gathered", "activations", "logits", "buffers", "overhead")
+
+
+def blocks_per_device(n: Numbers, s: Setting) -> int:
+    """Blocks one pipeline device holds: its stages' share, rounded up (all of them without a pipeline)."""
+    return -(-n.layers // (s.pp * s.virtual)) * s.virtual
+
+
+def tokens_per_microbatch(s: Setting, batch_size: int, seq_len: int) -> float:
+    """Tokens one device computes per micro-batch: the global batch over the data replicas, the
+    micro-batches, the accumulation steps and the ``sp`` chunks."""
+    return batch_size / (s.dp * s.fsdp) / s.microbatches / s.accumulation * seq_len / s.sp
+
+
+def _inflight(s: Setting, device: int) -> float:
+    """Micro-batches whose activations pipeline device ``device`` holds at its peak."""
+    if s.pp == 1:
+        return 1.0
+    m, p = s.microbatches, s.pp
+    if s.schedule == "1f1b":
+        return float(min(m, p - device))
+    if s.schedule == "interleaved-1f1b":
+        return min(m, p - device) * (1 + (p - 1) / (p * s.virtual))
+    return float(m)  # gpipe, sequential (m = 1), zero-bubble schedules: bounded by m
+
+
+def block_saved(n: Numbers, s: Setting) -> float:
+    """Bytes per token one block saves for backward with no recompute (Megatron SP: norm and
+    residual terms split over tp)."""
+    if s.sequence_parallel and s.tp > 1:
+        return n.block_saved - n.block_split_by_sp * (1 - 1 / s.tp)
+    return n.block_saved
+
+
+def memory_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer: str = "adamw") -> dict[str, int]:
+    """Bytes on the most loaded device by component (:data:`MEMORY_KEYS`), and ``total``.
+
+    >>> from shardkit.planner.costs import Costs, Setting
+    >>> from shardkit.planner.hardware import hardware
+    >>> m = memory_of(Costs.of("gpt-tiny", 32, 1, None), Setting(fsdp=4), 8, hardware("a100-80g"))
+    >>> m["optimizer"] == 2 * m["parameters"], m["total"] == sum(m[k] for k in MEMORY_KEYS)
+    (True, True)
+    """
+    n = costs.numbers
+    master = n.itemsize
+    compute = s.compute_dtype.itemsize if s.compute_dtype is not None else master
+    reduce = s.reduce_dtype.itemsize if s.reduce_dtype is not None else compute
+    scale = compute / master  # activations were measured in the parameters' dtype
+    shards = s.shards
+    blocks = blocks_per_device(n, s)
+    tokens = tokens_per_microbatch(s, batch_size, costs.seq_len)
+    saved = block_saved(n, s)
+    if s.recompute == "full":  # the block's input only
+        block_act = n.hidden * master / (s.tp if s.sequence_parallel else 1)
+    elif s.recompute == "selective":  # the core's own tensors go; q, k, v and its output stay (the
+        block_act = saved - n.block_core_recomputed  # projections keep them)
+    else:
+        block_act = saved
+    states = OPTIMIZER_STATES[optimizer]
+    best: dict[str, int] | None = None
+    # the first device holds the embedding and the most micro-batches; the last holds the head
+    for first, last in ((True, False), (False, True)) if s.pp > 1 else ((True, True),):
+        copy = n.head_borrowed if last and not first else ()  # a tied embedding's copy on the last stage
+        head = n.head_params + sum(size * rest for size, rest in copy)
+        params = blocks * n.block_params + (n.embedding_params if first else 0) + (head if last else 0)
+        stored = params * master
+        gathered = 0
+        if shards > 1:
+            pieces = (n.embedding_pieces if first else ()) + ((n.head_pieces + copy) if last else ())
+            stored = (blocks * sharded_elements(n.block_pieces, shards) + sharded_elements(pieces, shards)) * master
+            unit = max(n.block_params, n.embedding_params if first else 0, head if last else 0)
+            # a pipeline, or gradient accumulation, turns gradient sync off until the last micro-batch: the
+            # stage's gradients accumulate unsharded
+            accumulating = s.pp > 1 or s.accumulation > 1
+            gathered = (params if not s.reshard else 2 * unit) * compute + (params if accumulating else unit) * reduce
+        per_token = blocks * block_act + (n.embedding_act if first else 0) + (n.head_act if last else 0)
+        held = per_token * tokens * _inflight(s, 0 if first else s.pp - 1)
+        if s.recompute == "full":  # one block rebuilt at a time during backward, and its gradients
+            held += 2 * saved * tokens
+        # ZeRO-1: torch's ZeroRedundancyOptimizer gives each dp rank the state of 1/dp of the parameters
+        optimized = -(-params // s.dp) * master if s.zero == 1 else stored
+        memory = {"parameters": stored, "gradients": stored, "optimizer": states * optimized, "gathered": int(gathered),
+                  "activations": int(held * scale),
+                  "logits": int(n.vocab * compute * tokens) if last else 0,
+                  "buffers": int(2 * s.virtual * s.microbatches * tokens * n.hidden * compute) if s.pp > 1 else 0}
+        memory["overhead"] = int(ALLOCATOR_OVERHEAD * sum(memory.values())) + hw.reserved
+        memory["total"] = sum(memory.values())
+        if best is None or memory["total"] > best["total"]:
+            best = memory
+    assert best is not None
+    return best
+
+
+__all__ = ["ALLOCATOR_OVERHEAD", "MEMORY_KEYS", "block_saved", "blocks_per_device", "memory_of",
+           "tokens_per_microbatch"]

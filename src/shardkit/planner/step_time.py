@@ -1,0 +1,155 @@
+"""Step time of a plan: seconds per optimizer step by part, before any device is used.
+
+Arithmetic on a model's measured costs (:class:`~shardkit.planner.costs.Costs`) for one point
+of the plan space (:class:`~shardkit.planner.costs.Setting`) on a
+:class:`~shardkit.planner.hardware.Hardware` (docs/planner.md has the same list with the reasons),
+alpha-beta per collective on the link its group spans: within a node when the group's ranks
+are consecutive and fit in one, else across nodes:
+
+- ``compute``: per micro-batch, matmul FLOPs over ``peak FLOP/s x matmul_efficiency`` in the
+  compute dtype, plus the bytes the other operators read and write over ``memory_bandwidth``,
+  plus operator calls x ``op_overhead``; the backward costs twice the forward, recompute runs
+  the forward (``full``) or the attention core (``selective``: its share of the block's FLOPs,
+  bytes and calls) again;
+- ``optimizer``: the step reads each parameter, gradient and optimizer state and writes the
+  parameter and the states, over ``memory_bandwidth``;
+- ``bubble``: a pipeline's idle share, ``(p-1)/(m v)`` of the compute (zero-bubble schedules: a
+  third of it; ``sequential``: ``p-1`` stages idle); on ``shared_compute`` hardware (processes
+  sharing cores) none, and the compute is the average device's, since an idle process lends
+  its cores to the others;
+- ``tp``: per block two all-reduces forward and two backward of the block's hidden states
+  (Megatron SP: the same bytes as all-gathers and reduce-scatters), plus the head's gathered
+  logits, not overlapped;
+- ``dp`` / ``fsdp``: gradient all-reduce in DDP's 25 MiB buckets, or per FSDP unit an all-gather
+  forward, another backward (with resharding) and a reduce-scatter (HSDP adds an all-reduce of
+  the shard); ``overlap`` of it runs while the backward computes, except the last bucket / the
+  first unit's gather;
+- ``pp``: point-to-point of each micro-batch's hidden states, forward and backward; with an
+  embedding tied to the LM head, one all-reduce of its gradient between the first and the last
+  device a step (none under ``zbv``, which puts both ends on one device);
+- ``sp``: ring attention's key/value passes, ``overlap`` of them behind the attention core.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+from .costs import OPTIMIZER_STATES, Costs, Setting
+from .hardware import Hardware, Link, ring_terms
+from .memory import blocks_per_device, tokens_per_microbatch
+
+#: DDP's default bucket: gradients are all-reduced in pieces of this many bytes.
+DDP_BUCKET_BYTES = 25 * 2**20
+
+
+def time_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer: str = "adamw") -> dict[str, float]:
+    """Seconds per step by part: compute, bubble, and the communication not hidden, by axis."""
+    n = costs.numbers
+    dtype = s.compute_dtype if s.compute_dtype is not None else costs.local.dtype
+    flops_rate = hw.peak_flops(dtype) * hw.matmul_efficiency
+    itemsize = dtype.itemsize
+    p, v = s.pp, s.virtual
+    m = s.microbatches * s.accumulation  # forward-backward passes per step
+    blocks = blocks_per_device(n, s)
+    tokens = tokens_per_microbatch(s, batch_size, costs.seq_len)
+    # the backward costs about twice the forward; recompute runs (part of) the forward again
+    again = {"none": (0.0, 0.0, 0.0), "selective": (n.core_flops, n.core_traffic, n.core_ops),
+             "full": (n.block_flops, n.block_traffic, n.block_ops)}[s.recompute]
+    ends = (n.embedding_flops + n.head_flops, n.embedding_traffic + n.head_traffic, n.embedding_ops + n.head_ops)
+    if hw.shared_compute:  # devices share the cores: the step takes the average device's work, idle is lent
+        blocks = n.layers / p
+        ends = tuple(e / p for e in ends)
+    elif p > 1:  # the busiest device: the first or the last stage
+        ends = (max(n.embedding_flops, n.head_flops), max(n.embedding_traffic, n.head_traffic),
+                max(n.embedding_ops, n.head_ops))
+    flops = 3 * ends[0] + blocks * (3 * n.block_flops + again[0])
+    traffic = 3 * ends[1] + blocks * (3 * n.block_traffic + again[1])
+    ops = 3 * ends[2] + blocks * (3 * n.block_ops + again[2])
+    traffic *= itemsize / n.itemsize  # measured in the parameters' dtype, moved in the compute dtype
+    compute = m * (tokens * (flops / flops_rate + traffic / hw.memory_bandwidth) + ops * hw.op_overhead)
+    parts = {"compute": compute, "bubble": 0.0 if hw.shared_compute else _bubble(s) * compute}
+    hidden_bytes = tokens * n.hidden * itemsize
+    stage_params = blocks * n.block_params + max(n.embedding_params, n.head_params)
+    # the optimizer reads each parameter, gradient and state and writes the parameter and states
+    shards = s.shards
+    parts["optimizer"] = stage_params / shards * n.itemsize * (3 + 2 * OPTIMIZER_STATES[optimizer]) \
+        / hw.memory_bandwidth
+    shape = (s.order, s.dp, s.fsdp, s.tp, s.pp, s.sp)
+    # tensor parallel: 2 all-reduces forward + 2 backward per block (+2 when the forward runs again), not hidden
+    if s.tp > 1:
+        all_reduce = _collective("all_reduce", hidden_bytes, s.tp, _link(hw, shape, ("tp",), "all_reduce"))
+        head = _collective("all_gather", tokens * n.vocab * itemsize, s.tp, _link(hw, shape, ("tp",), "all_gather"))
+        per_block = (4 + (2 if s.recompute == "full" else 0)) * all_reduce
+        parts["tp"] = m * (blocks * per_block + head + 2 * all_reduce)
+    # data parallel: gradients (DDP, in buckets) or parameters and gradients (FSDP, per unit), behind compute
+    reduce = s.reduce_dtype.itemsize if s.reduce_dtype is not None else itemsize
+    if s.fsdp > 1:
+        units = blocks + 1
+        link = _link(hw, shape, ("fsdp", "sp"), "all_gather")
+        gather = _collective("all_gather", stage_params * itemsize, shards, link, calls=units)
+        comm = (2 if s.reshard else 1) * gather * (m if s.reshard and m > 1 else 1)
+        comm += _collective("reduce_scatter", stage_params * reduce, shards, link, calls=units)
+        if s.dp > 1:
+            comm += _collective("all_reduce", stage_params * reduce / shards, s.dp,
+                                _link(hw, shape, ("dp",), "all_reduce"), calls=units)
+        parts["fsdp"] = _exposed(comm, compute, hw) + gather / units  # the first unit's gather waits
+    elif s.dp > 1:
+        size = stage_params * reduce
+        buckets = max(1, math.ceil(size / DDP_BUCKET_BYTES))
+        comm = _collective("all_reduce", size, s.dp, _link(hw, shape, ("dp",), "all_reduce"), calls=buckets)
+        parts["dp"] = _exposed(comm - comm / buckets, compute * 2 / 3, hw) + comm / buckets  # the last bucket waits
+    # pipeline: each micro-batch's hidden states sent forward and their gradients back
+    if p > 1:
+        link = _link(hw, shape, ("pp",), "p2p")
+        parts["pp"] = 2 * (m * v + p - 1) * (link.latency + hidden_bytes / link.bandwidth)
+        if n.tied and s.schedule != "zbv":  # the embedding's and the LM head's gradients summed once a step
+            parts["pp"] += _collective("all_reduce", n.embedding_params / shards * reduce, 2,
+                                       _link(hw, shape, ("pp",), "all_reduce"))
+    # context parallel: keys and values go around the ring (forward, and keys, values and their
+    # gradients backward), behind the attention core
+    if s.sp > 1:
+        link = _link(hw, shape, ("sp",), "p2p")
+        ring = 3 * (s.sp - 1) * (link.latency + tokens * n.kv_bytes * itemsize / link.bandwidth)
+        core = 3 * tokens * n.core_flops / flops_rate
+        parts["sp"] = m * blocks * _exposed(ring, core, hw)
+    return parts
+
+
+def _exposed(comm: float, window: float, hw: Hardware) -> float:
+    """Communication time left after ``hw.overlap`` of it runs during ``window`` seconds of compute."""
+    return comm - min(comm * hw.overlap, window)
+
+
+def _bubble(s: Setting) -> float:
+    if s.pp == 1:
+        return 0.0
+    if s.schedule == "sequential":
+        return float(s.pp - 1)
+    fraction = (s.pp - 1) / (s.microbatches * s.virtual)
+    return fraction / 3 if s.schedule in ("zero-bubble", "zbv") else fraction
+
+
+@functools.lru_cache(maxsize=4096)
+def _link(hw: Hardware, shape: tuple, axes: tuple[str, ...], collective: str) -> Link:
+    """The link a group over ``axes`` uses: within a node when its ranks are consecutive and fit in one.
+
+    ``shape``: ``(mesh axis order, dp, fsdp, tp, pp, sp)``."""
+    order, sizes = shape[0], dict(zip(("dp", "fsdp", "tp", "pp", "sp"), shape[1:]))
+    order = [a for a in order if a in sizes]
+    present = [order.index(a) for a in axes if a in order]
+    innermost = max(present) if present else len(order) - 1
+    stride = math.prod(sizes[a] for a in order[innermost + 1:])
+    span = math.prod(sizes[a] for a in axes)
+    return hw.link(collective, across_nodes=stride * span > hw.devices_per_node)
+
+
+def _collective(name: str, size: float, n: int, link: Link, calls: int = 1) -> float:
+    """Ring ``name`` of ``size`` bytes in all over ``n`` devices, issued as ``calls`` collectives."""
+    if n <= 1:
+        return 0.0
+    steps, factor = ring_terms(name, n)
+    return link.seconds(size, factor=factor, steps=steps * calls)
+
+
+__all__ = ["DDP_BUCKET_BYTES", "time_of"]
