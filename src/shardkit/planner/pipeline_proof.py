@@ -203,7 +203,8 @@ def _difference(got: torch.Tensor, expected: torch.Tensor) -> str | None:
     if float(diff.max()) <= bound:
         return None
     first = [int(i) for i in (diff > bound).nonzero()[0]]
-    return f"by up to {float(diff.max()):.3g} (the largest value is {scale:.3g}; first at index {first})"
+    return (f"by up to {float(diff.max()):.3g} (the largest value is {scale:.3g}; the first difference at index "
+            f"{first} of shape {list(expected.shape)})")
 
 
 def _differs(mini: Miniature, what: str, use: str = "pp") -> str:
