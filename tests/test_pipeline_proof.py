@@ -22,7 +22,7 @@ from shardkit.runtime.generate import check_generation
 PP2 = Plan(mesh=Mesh(pp=2), pipeline=Pipeline(microbatches=2))
 
 
-@pytest.mark.parametrize("model_type", sorted(CONFIGS))
+@pytest.mark.parametrize("model_type", sorted(set(CONFIGS) - {"mixtral", "phi3"}))  # those two were on the list
 def test_model_types_outside_the_old_list_are_proven_and_validate(model_type):
     """glm4, nemotron, starcoder2, Gemma 3, Jamba, LFM2, GPT-OSS, Falcon-H1, ...: refused by a list of 14 model
     types before (Jamba, LFM2 and Falcon-H1, named final norms, were no causal LM at all)."""

@@ -127,7 +127,7 @@ def miniature_config(model: nn.Module, layers: int, widths: dict[str, int] = WID
         if isinstance(value, (list, tuple)) and len(value) == count and not name.endswith("token_id"):
             values[name] = list(value)[:layers]
         elif name.endswith("token_id") and _is_size(value) and value >= values["vocab_size"]:
-            values[name] = None  # a pad token outside the miniature's vocabulary (an embedding's padding_idx)
+            values[name] = values["vocab_size"] - 1  # inside the miniature's vocabulary (a pad is a padding_idx)
     values["num_hidden_layers"] = layers
     for name in ("dtype", "torch_dtype"):
         values.pop(name, None)
