@@ -142,3 +142,28 @@ def test_the_automatic_split_measures_mixtures_of_experts_on_meta(model_type):
     width = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
     assert experts.flops >= 2 * tokens * config.num_experts_per_tok * 2 * config.hidden_size * width
     assert all(c.act_bytes > 0 for c in costs.values() if "layers" in c.name)
+
+
+class _GroupedExperts(torch.nn.Module):
+    """Four experts of [8 -> 16], 4 tokens each, through torch's grouped matrix product."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(4, 8, 16))
+        self.register_buffer("offs", torch.tensor([4, 8, 12, 16], dtype=torch.int32))
+
+    def forward(self, x):
+        return torch.nn.functional.grouped_mm(x.reshape(-1, 8), self.w, offs=self.offs).reshape(*x.shape[:-1], 16)
+
+
+def test_a_float32_chain_with_grouped_products_is_ordered_and_measured_on_meta():
+    """Without transformers: the chain's order and its costs come from meta runs, which failed in torch's
+    grouped_mm meta kernel ("Expected inputs of BF16 type"); the product's FLOPs are 2 x 16 x 8 x 16."""
+    from shardkit.planner.stages import assign_stages
+
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Embedding(32, 8), _GroupedExperts(), torch.nn.Linear(16, 32))
+    assert [u.name for u in model_layout(model).units] == ["0", "1", "2"]
+    assignment = assign_stages(model, Pipeline(split="auto", schedule="gpipe"), Mesh(pp=2),
+                               example_inputs=(torch.zeros(2, 8, dtype=torch.long),))
+    assert [c.flops for c in assignment.costs] == [0, 2 * 16 * 8 * 16, 2 * 16 * 16 * 32]
