@@ -172,7 +172,7 @@ def check_job(args: argparse.Namespace) -> tuple[Plan, GenerateJob]:
     eos = None if args.no_eos else MODEL_EOS if args.eos_token_id is None else tuple(args.eos_token_id)
     stop_tokens(model, eos)  # the model's own eos, checked before any process starts
     try:
-        check_generation(model, len(ids), args.max_new_tokens)
+        check_generation(model, len(ids), args.max_new_tokens, plan)
     except UsageError as exc:
         raise UsageError(f"--max-new-tokens {args.max_new_tokens}: {exc}") from None
     return plan, GenerateJob(args.model, _text(args.checkpoint), _text(args.hf), ids, args.max_new_tokens,

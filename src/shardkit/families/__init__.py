@@ -18,7 +18,8 @@ from torch import nn
 from .base import Attention, AttentionFn, AttributeChange, Family, ModelLayout, Unit
 from .chain import ChainFamily
 from .gpt import GPTFamily
-from .hf import GPT2Family, HFCausalLMFamily, HFFamily
+from .hf import GPT2Family, HFFamily
+from .hf_pipeline import HFCausalLMFamily
 
 #: Families in the order they are tried; the last recognises every module.
 FAMILIES: tuple[Family, ...] = (GPTFamily(), GPT2Family(), HFCausalLMFamily(), HFFamily(), ChainFamily())

@@ -66,6 +66,25 @@ def _chain_units(model: nn.Module) -> list[Unit]:
     return units
 
 
+def _run_on_meta(model: nn.Module, inputs: tuple, calls: list) -> tuple[Any, tuple]:
+    """The model's output on meta stand-ins of ``inputs`` (its own dtypes, else bfloat16: some meta
+    kernels take only that, torch 2.13's ``_grouped_mm`` of mixtures of experts), and those inputs."""
+    error = None
+    for dtype in (None, torch.bfloat16):
+        calls.clear()
+        meta_inputs = tuple(torch.empty(x.shape, dtype=dtype if dtype is not None and x.is_floating_point()
+                                        else x.dtype, device="meta") if isinstance(x, torch.Tensor) else x
+                            for x in inputs)
+        try:
+            with swapped(model, meta_tensors(model, dtype)):
+                return model(*meta_inputs), meta_inputs
+        except Exception as exc:  # any failure: try the other dtype, then report the first
+            error = error or exc
+    raise PlanError(f"could not run {type(model).__name__}.forward on meta tensors of shapes "
+                    f"{[tuple(x.shape) for x in inputs if isinstance(x, torch.Tensor)]} to find its execution order "
+                    f"({error}); pass example_inputs= to assign_stages/model_layout")
+
+
 def _chain_order(model: nn.Module, units: list[Unit], inputs: tuple) -> tuple[Unit, ...]:
     """Run the forward on meta tensors; return the units in call order after checking it is a chain."""
     calls: list[tuple[int, tuple, dict, Any]] = []
@@ -77,14 +96,8 @@ def _chain_order(model: nn.Module, units: list[Unit], inputs: tuple) -> tuple[Un
             calls.append((index, args, kwargs, out))
 
         handles.append(module.register_forward_hook(post, with_kwargs=True))
-    meta_inputs = tuple(torch.empty_like(x, device="meta") if isinstance(x, torch.Tensor) else x for x in inputs)
     try:
-        with swapped(model, meta_tensors(model)):
-            output = model(*meta_inputs)
-    except Exception as exc:
-        raise PlanError(f"could not run {type(model).__name__}.forward on meta tensors of shapes "
-                        f"{[tuple(x.shape) for x in meta_inputs]} to find its execution order ({exc}); pass "
-                        f"example_inputs= to assign_stages/model_layout") from None
+        output, meta_inputs = _run_on_meta(model, inputs, calls)
     finally:
         for handle in handles:
             handle.remove()

@@ -1,6 +1,6 @@
-"""HuggingFace ``transformers`` models: any model (attention, heads, positions, ring attention),
-and decoder-only causal LMs laid out as ``model.{embed_tokens, layers, norm, rotary_emb}`` +
-``lm_head`` (Llama, Qwen2, Mistral, Phi-3, Gemma, ...), which pipelines can cut.
+"""HuggingFace ``transformers`` models: any model (attention, heads, positions, ring attention)
+and GPT-2's fused projections. Decoder-only causal LMs, which pipelines can cut, are
+:mod:`shardkit.families.hf_pipeline`'s.
 
 transformers is imported only when a model is run, never to recognise one: a model is a
 transformers model when its ``config`` has ``_attn_implementation``.
@@ -8,10 +8,8 @@ transformers model when its ``config`` has ``_attn_implementation``.
 
 from __future__ import annotations
 
-import functools
 import inspect
 import re
-from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -19,7 +17,7 @@ from torch import nn
 
 from ..plan import PlanError
 from ..plan.hf_plan import hf_tp_plan, plan_pattern
-from .base import Attention, AttentionFn, AttributeChange, Family, ModelLayout, Unit, WeightNames
+from .base import Attention, AttentionFn, AttributeChange, Family, WeightNames
 
 #: The name ring attention is registered under in transformers' ``AttentionInterface``.
 HF_ATTENTION = "shardkit_ring"
@@ -213,98 +211,6 @@ def _interface_attention(module: nn.Module, query: torch.Tensor, key: torch.Tens
     return attention(query, key, value, scale=scaling).transpose(1, 2).contiguous(), None
 
 
-class HFCausalLMFamily(HFFamily):
-    """A decoder-only causal LM: ``model.{embed_tokens, layers, norm, rotary_emb}`` and ``lm_head``."""
-
-    name = "hf-causal-lm"
-
-    def matches(self, model: nn.Module) -> bool:
-        inner = getattr(model, "model", None)
-        return is_hf_model(model) and isinstance(getattr(model, "lm_head", None), nn.Module) \
-            and isinstance(inner, nn.Module) and all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm",
-                                                                                "rotary_emb"))
-
-    def pipeline_layout(self, model: nn.Module, example_inputs: tuple | None = None) -> ModelLayout:
-        kind = getattr(model.config, "model_type", None)
-        if kind not in PIPELINE_MODEL_TYPES:
-            raise PlanError(f"{type(model).__name__} (model_type {kind!r}) cannot be cut into pipeline stages: "
-                            f"shardkit's stages re-run a causal LM's forward piece by piece, and that is checked "
-                            f"against one process only for model types {sorted(PIPELINE_MODEL_TYPES)} (another "
-                            f"model's forward may scale its embeddings or logits or build its masks differently, "
-                            f"which the stages would leave out); use a plan without 'pp' for this model")
-        units = [Unit("model.embed_tokens", ("model.embed_tokens",), block=False)]
-        units += [Unit(f"model.layers.{i}", (f"model.layers.{i}",)) for i in range(len(model.model.layers))]
-        units += [Unit("model.norm", ("model.norm",), block=False), Unit("lm_head", ("lm_head",), block=False)]
-        return ModelLayout(self, tuple(units), ("model.rotary_emb",), example_inputs or self.example_inputs(model))
-
-    def stage_forward(self, model: nn.Module, units: Sequence[Unit], x: torch.Tensor) -> torch.Tensor:
-        """The forward restricted to ``units``; rotary embeddings and the causal mask recomputed here."""
-        return self.stage_decode(model, units, x, None, 0)
-
-    def stage_decode(self, model: nn.Module, units: Sequence[Unit], x: torch.Tensor, cache: Any,
-                     past: int) -> torch.Tensor:
-        inner = model.model
-        hidden = x
-        if units[0].name == "model.embed_tokens":
-            hidden = inner.embed_tokens(x)
-            multiplier = getattr(inner, "embedding_multiplier", None)  # Granite's model forward scales them
-            if multiplier is not None:
-                hidden = hidden * multiplier
-        blocks = [u for u in units if u.block]
-        if blocks:
-            position_ids = torch.arange(past, past + hidden.shape[1], device=hidden.device).unsqueeze(0)
-            first = model.get_submodule(blocks[0].name)
-            layers = [int(u.name.rpartition(".")[2]) for u in blocks]
-            masks = _causal_masks(inner, hidden, position_ids, cache, layers)
-            position_embeddings = inner.rotary_emb(hidden, position_ids=position_ids)
-            extra = {} if cache is None else {
-                "cache" if "cache" in _parameter_names(type(first).forward) else "past_key_values": cache,
-                "use_cache": True}
-            for unit, layer in zip(blocks, layers):
-                hidden = model.get_submodule(unit.name)(hidden, attention_mask=masks[_attention_kind(inner, layer)],
-                                                        position_ids=position_ids,
-                                                        position_embeddings=position_embeddings, **extra)
-        for unit in units:
-            if unit.name == "model.norm":
-                hidden = inner.norm(hidden)
-            elif unit.name == "lm_head":
-                hidden = _scaled_logits(model, model.lm_head(hidden))
-        return hidden
-
-
-#: transformers model types whose forward the pipeline stages reproduce, each checked against one
-#: process (tests/test_pipeline_world.py, and by hand): the blocks between the embedding and the final
-#: norm, with the embedding and logit scalings of :func:`_scaled_logits` and Granite's multiplier.
-PIPELINE_MODEL_TYPES = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "phi3", "olmo",
-                                  "olmo2", "stablelm", "granite", "gemma", "gemma2", "cohere"})
-
-
-def _scaled_logits(model: nn.Module, logits: torch.Tensor) -> torch.Tensor:
-    """What a causal LM's forward does to ``lm_head``'s output: Granite divides by ``logits_scaling``,
-    Cohere multiplies by ``logit_scale``, Gemma 2 caps with ``final_logit_softcapping``."""
-    config = model.config
-    scaling = getattr(config, "logits_scaling", None)
-    if scaling is not None:
-        logits = logits / scaling
-    scale = getattr(model, "logit_scale", None)
-    if scale is not None:
-        logits = logits * scale
-    cap = getattr(config, "final_logit_softcapping", None)
-    if cap is not None:
-        logits = torch.tanh(logits / cap) * cap
-    return logits
-
-
-@functools.cache
-def _parameter_names(fn: Callable) -> frozenset[str]:
-    """The parameter names of ``fn``, read once (stage forwards ask for them at every call)."""
-    return frozenset(inspect.signature(fn).parameters)
-
-
-#: transformers' mask builder for each kind of attention layer (``config.layer_types``)
-_MASKS = {"full_attention": "create_causal_mask", "sliding_attention": "create_sliding_window_causal_mask"}
-
-
 def _attention_kind(inner: nn.Module, layer: int) -> str:
     """What a decoder layer attends to, as the model's own forward decides: ``config.layer_types``,
     else a sliding window wherever the config has one (Mistral), else the whole causal past."""
@@ -313,33 +219,6 @@ def _attention_kind(inner: nn.Module, layer: int) -> str:
     if kinds:
         return kinds[layer]
     return "sliding_attention" if getattr(config, "sliding_window", None) is not None else "full_attention"
-
-
-def _causal_masks(inner: nn.Module, hidden: torch.Tensor, position_ids: torch.Tensor, cache: Any,
-                  layers: list[int]) -> dict[str, Any]:
-    """The mask of each kind of attention among ``layers`` (``{kind: mask}``), built by transformers; with a
-    cache, the key length comes from the stage's first layer of that kind (the others' caches stay empty here)."""
-    from transformers import masking_utils
-
-    masks = {}
-    for layer in layers:
-        kind = _attention_kind(inner, layer)
-        if kind in masks:
-            continue
-        if kind not in _MASKS:
-            raise PlanError(f"decoder layer {layer} of {type(inner).__name__} has attention of kind {kind!r}, which "
-                            f"shardkit's pipeline stages cannot mask (known: {sorted(_MASKS)}); use a plan without "
-                            f"a pipeline ('pp') for this model")
-        build = getattr(masking_utils, _MASKS[kind])
-        params = _parameter_names(build)
-        kwargs = {"config": inner.config, "inputs_embeds": hidden, "attention_mask": None,
-                  "position_ids": position_ids, "cache" if "cache" in params else "past_key_values": cache}
-        if "cache_position" in params:
-            kwargs["cache_position"] = position_ids[0]
-        if cache is not None and "layer_idx" in params:
-            kwargs["layer_idx"] = layer
-        masks[kind] = build(**kwargs)
-    return masks
 
 
 class GPT2Family(HFFamily):
@@ -372,4 +251,4 @@ def _is_gpt2_attention(module: nn.Module) -> bool:
     return hasattr(module, "c_attn") and hasattr(module, "split_size") and hasattr(module, "embed_dim")
 
 
-__all__ = ["GPT2Family", "HFCausalLMFamily", "HFFamily", "HF_ATTENTION", "is_hf_model"]
+__all__ = ["GPT2Family", "HFFamily", "HF_ATTENTION", "is_hf_model"]

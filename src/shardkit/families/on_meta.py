@@ -19,14 +19,18 @@ import torch
 from torch import nn
 
 
-def meta_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+def meta_tensors(model: nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """Meta stand-ins for every parameter (requiring grad) and buffer of ``model``, by canonical
-    name (a tied parameter or a module used in two places: once, the aliases follow it)."""
+    name (a tied parameter or a module used in two places: once, the aliases follow it); floating
+    ones in ``dtype`` when given (some meta kernels take only bfloat16: torch 2.13's ``_grouped_mm``)."""
+    def kind(t: torch.Tensor) -> torch.dtype:
+        return dtype if dtype is not None and t.is_floating_point() else t.dtype
+
     out: dict[str, torch.Tensor] = {}
     for name, p in model.named_parameters():
-        out[name] = torch.empty(p.shape, dtype=p.dtype, device="meta", requires_grad=True)
+        out[name] = torch.empty(p.shape, dtype=kind(p), device="meta", requires_grad=True)
     for name, b in model.named_buffers():
-        out[name] = torch.empty(b.shape, dtype=b.dtype, device="meta")
+        out[name] = torch.empty(b.shape, dtype=kind(b), device="meta")
     return out
 
 

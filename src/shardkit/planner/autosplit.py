@@ -12,6 +12,7 @@ programming in O(stages * units^2): exact, no enumeration of combinations.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -147,31 +148,76 @@ def auto_split(costs: Sequence[UnitCost], stages: int, *, objective: str = "time
     )
 
 
-def _meta_like(t: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(t, device="meta").requires_grad_(t.requires_grad)
+def _meta_like(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    kind = dtype if dtype is not None and t.is_floating_point() else t.dtype
+    return torch.empty(t.shape, dtype=kind, device="meta").requires_grad_(t.requires_grad)
+
+
+#: The dtype meta stand-ins take when the model's own fails on the meta device: torch's meta kernel of
+#: ``_grouped_mm`` (transformers' mixture-of-experts layers on the meta device) accepts only bfloat16
+#: (torch 2.13), where its CPU and CUDA kernels also take float32.
+META_FALLBACK_DTYPE = torch.bfloat16
 
 
 def unit_costs(model: nn.Module, units: Sequence[tuple[str, Sequence[str]]], example_inputs: tuple) -> list[UnitCost]:
     """Measure every unit ``(name, module paths)`` for one forward of ``example_inputs`` on meta tensors.
 
+    A model that does not run on meta tensors of its own dtypes is measured with floating
+    tensors in :data:`META_FALLBACK_DTYPE`, activation bytes counted at the model's own width.
+
     >>> seq = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
     >>> [c.flops for c in unit_costs(seq, [("0", ["0"]), ("1", ["1"])], (torch.zeros(3, 4),))]
     [192, 96]
     """
+    try:
+        flops, acts = _measure(model, units, example_inputs, None)
+    except Exception as exc:  # a meta kernel that refuses the model's dtype: measure again in bfloat16
+        try:
+            flops, acts = _measure(model, units, example_inputs, META_FALLBACK_DTYPE)
+        except Exception:
+            raise PlanError(f"cannot measure the pipeline units of {type(model).__name__} for the automatic split: "
+                            f"its forward does not run on meta tensors ({type(exc).__name__}: {exc}); split it "
+                            f"with split_points, stage_modules or the even split instead") from None
+    out = []
+    for index, (name, paths) in enumerate(units):
+        seen: dict[int, int] = {}
+        for path in paths:
+            for p in model.get_submodule(path).parameters():
+                seen[id(p)] = p.numel() * p.element_size()
+        out.append(UnitCost(name, int(flops[index]), sum(seen.values()), int(acts[index])))
+    return out
+
+
+def _grouped_mm_flops(a_shape: Sequence[int], b_shape: Sequence[int], *args: object, out_shape: Sequence[int],
+                      **kwargs: object) -> int:
+    """FLOPs of ``aten._grouped_mm`` (experts' grouped matrix products), which torch 2.13's
+    ``FlopCounterMode`` does not count: each output element contracts one row of ``a``."""
+    if len(a_shape) == 2 and len(b_shape) == 2:  # groups along the contracted dim: [m, k] x [k, n]
+        return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+    return 2 * math.prod(out_shape) * a_shape[-1]
+
+
+def _measure(model: nn.Module, units: Sequence[tuple[str, Sequence[str]]], example_inputs: tuple,
+             dtype: torch.dtype | None) -> tuple[list[float], list[int]]:
+    """Forward FLOPs and saved activation bytes of every unit, with floating stand-ins in ``dtype``
+    (``None``: the model's own); bytes of ``dtype`` tensors are counted at the model's width."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    tensors = {n: _meta_like(p) for n, p in model.named_parameters()}
-    tensors.update({n: _meta_like(b) for n, b in model.named_buffers()})
+    own = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    tensors = {n: _meta_like(p, dtype) for n, p in model.named_parameters()}
+    tensors.update({n: _meta_like(b, dtype) for n, b in model.named_buffers()})
     param_ids = {id(t) for n, t in tensors.items() if t.requires_grad}
-    flops = [0] * len(units)
+    flops = [0.0] * len(units)
     acts = [0] * len(units)
     current: list[int] = []
-    counter = FlopCounterMode(display=False)
+    counter = FlopCounterMode(display=False, custom_mapping={torch.ops.aten._grouped_mm: _grouped_mm_flops})
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         is_param = id(t) in param_ids or (t._base is not None and id(t._base) in param_ids)
         if current and not is_param:
-            acts[current[-1]] += t.numel() * t.element_size()
+            size = torch.empty((), dtype=own).element_size() if dtype is not None and t.dtype == dtype \
+                else t.element_size()
+            acts[current[-1]] += t.numel() * size
         return t
 
     handles = []
@@ -188,21 +234,14 @@ def unit_costs(model: nn.Module, units: Sequence[tuple[str, Sequence[str]]], exa
                 current.pop()
 
             handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
-    meta_inputs = tuple(_meta_like(x) if isinstance(x, torch.Tensor) else x for x in example_inputs)
+    meta_inputs = tuple(_meta_like(x, dtype) if isinstance(x, torch.Tensor) else x for x in example_inputs)
     try:
         with counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), swapped(model, tensors):
             model(*meta_inputs)
     finally:
         for handle in handles:
             handle.remove()
-    out = []
-    for index, (name, paths) in enumerate(units):
-        seen: dict[int, int] = {}
-        for path in paths:
-            for p in model.get_submodule(path).parameters():
-                seen[id(p)] = p.numel() * p.element_size()
-        out.append(UnitCost(name, int(flops[index]), sum(seen.values()), int(acts[index])))
-    return out
+    return flops, acts
 
 
-__all__ = ["STATE_FACTOR", "DeviceModel", "SplitResult", "UnitCost", "auto_split", "stage_memory_fn", "unit_costs"]
+__all__ = ["META_FALLBACK_DTYPE", "STATE_FACTOR", "DeviceModel", "SplitResult", "UnitCost", "auto_split", "stage_memory_fn", "unit_costs"]

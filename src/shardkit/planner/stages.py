@@ -7,7 +7,9 @@ HuggingFace decoder-only causal LMs split by module lists as torchtitan does, si
 
 :func:`assign_stages` then places units in stages by split points, explicit module lists,
 ``sk.stage`` scopes, an even split of the blocks, or the automatic split, and checks that
-every parameter is in exactly one stage and stages are contiguous. A tied parameter whose
+every parameter is in exactly one stage and stages are contiguous. Where a family re-runs a
+library's forward piece by piece (transformers causal LMs), the stages are first proven to
+compute that forward on a miniature of the model (:mod:`shardkit.planner.pipeline_proof`). A tied parameter whose
 names fall in different stages (an embedding tied to the LM head) is recorded as a
 :class:`StageTie`: each of those stages holds a copy, which the pipeline runtime keeps equal
 (:mod:`shardkit.runtime.pipeline`).
@@ -25,6 +27,7 @@ from ..plan import Mesh, PlanError
 from ..plan.pipeline import Pipeline
 from ..plan.scopes import stage_of
 from .autosplit import DeviceModel, SplitResult, UnitCost, auto_split, unit_costs
+from .pipeline_proof import stage_problems
 
 
 # -- assignment -------------------------------------------------------------------------------------
@@ -274,6 +277,9 @@ def assign_stages(model: nn.Module, pipeline: Pipeline, mesh: Mesh | None = None
     """
     stages = _total_stages(pipeline, mesh)
     layout = model_layout(model, example_inputs)
+    problems = stage_problems(model, layout)  # the family's stages compute the model's forward, proven on a miniature
+    if problems:
+        raise PlanError(problems)
     devices = mesh.size_of("pp") if mesh is not None else max(1, stages // pipeline.virtual_stages)
     ranks = stage_ranks(stages, devices, pipeline.schedule)
     if stages > len(layout.units):

@@ -18,13 +18,11 @@ import torch.distributed as dist
 from torch import nn
 
 from ..plan import ReplicaGrouping, UsageError
+from . import tensor_header
 from .groups import ReplicaGroup, replica_group
 from .pieces import local_tensor
 
 REDUCE_OPS = {"sum": "SUM", "mean": "SUM", "max": "MAX", "min": "MIN", "product": "PRODUCT"}
-_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
-           torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)
-_MAX_DIMS = 16
 
 
 def _op(op: str) -> Any:
@@ -45,22 +43,15 @@ def check_same_layout(tensor: torch.Tensor, process_group: Any, labels: list[str
 
     ``labels`` name the members in group-rank order; ``what`` starts the message.
     """
-    if tensor.dim() > _MAX_DIMS:
-        raise UsageError(f"{what}: tensors with more than {_MAX_DIMS} dims are not supported, got {tensor.dim()}")
-    code = _DTYPES.index(tensor.dtype) if tensor.dtype in _DTYPES else -1
-    mine = torch.zeros(_MAX_DIMS + 2, dtype=torch.int64, device=tensor.device)
-    mine[0], mine[1] = tensor.dim(), code
-    mine[2:2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+    if tensor.dim() > tensor_header.MAX_DIMS:
+        raise UsageError(f"{what}: tensors with more than {tensor_header.MAX_DIMS} dims are not supported, got "
+                         f"{tensor.dim()}")
+    mine = tensor_header.encode(tensor)
     seen = [torch.empty_like(mine) for _ in labels]
     dist.all_gather(seen, mine, group=process_group)
     if all(torch.equal(s, seen[0]) for s in seen):
         return
-
-    def text(s: torch.Tensor) -> str:
-        dtype = _DTYPES[int(s[1])] if int(s[1]) >= 0 else "another dtype"
-        return f"{tuple(int(d) for d in s[2:2 + int(s[0])])} {dtype}"
-
-    got = ", ".join(f"{label}: {text(s)}" for label, s in zip(labels, seen))
+    got = ", ".join(f"{label}: {tensor_header.describe(s)}" for label, s in zip(labels, seen))
     raise UsageError(f"{what} the same shape and dtype, got {got}")
 
 

@@ -15,8 +15,10 @@ with the chosen token broadcast from the first ``tp`` rank so every rank feeds t
 to its next step.
 
 A pipeline (``pp``) runs its stages one after another for each step, the hidden states of the
-new positions sent to the next stage's rank, and each stage's cache holds its own layers; the
-last stage chooses the token and broadcasts it back over ``pp``.
+new positions sent to the next stage's rank (:mod:`shardkit.runtime.p2p`), and each stage's
+cache holds its own layers; the last stage chooses the token and broadcasts it back over
+``pp``. That the stages decode as the model's own forward does is proven on a miniature of
+the model before launch (:func:`check_generation` with the plan) and when the pipeline is built.
 
 A row stops at an end-of-sequence token as in transformers' ``generate`` (later positions get the
 pad token); every rank decides from the broadcast tokens, so all of them leave the loop at the same step.
@@ -33,9 +35,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..families import family_of
+from ..families import family_of, model_layout
 from ..families.hf import is_hf_model
 from ..plan import Plan, PlanError, UsageError
+from ..planner.pipeline_proof import decode_problems
 from .pipeline import PipelinedModule
 
 #: The only mesh axis generation may split (every other axis must have size 1).
@@ -79,10 +82,16 @@ def generation_problems(plan: Plan) -> list[str]:
     return problems
 
 
-def check_generation(model: nn.Module, prompt_len: int, max_new_tokens: int) -> None:
+def check_generation(model: nn.Module, prompt_len: int, max_new_tokens: int, plan: Plan | None = None) -> None:
     """Refuse, before launch (on meta is fine), a model :func:`generate` cannot decode or a length beyond its
-    positions: :class:`UsageError` naming what would be valid."""
+    positions: :class:`UsageError` naming what would be valid; with a ``plan`` that has a pipeline, a model
+    whose stages do not decode as its own forward does (proven on a miniature,
+    :func:`~shardkit.planner.pipeline_proof.decode_problems`): :class:`PlanError`."""
     _cache_kind(model)
+    if plan is not None and plan.pipeline is not None:
+        problems = decode_problems(model, model_layout(model))
+        if problems:
+            raise PlanError(problems)
     limit = family_of(model).max_positions(model)
     if limit is not None and prompt_len + max_new_tokens > limit:
         raise UsageError(f"a prompt of {prompt_len} tokens and max_new_tokens={max_new_tokens} need "
@@ -160,6 +169,8 @@ def generate(model: nn.Module, input_ids: torch.Tensor, *, max_new_tokens: int, 
                              f"vocabulary is {vocab}; valid ids: 0 to {vocab - 1}")
     stop = stop_tokens(model, eos_token_id)
     pipeline = model._sk_runtime if isinstance(model, PipelinedModule) else None
+    if pipeline is not None and pipeline.decode_problems:  # proven when the pipeline was built: every rank stops
+        raise PlanError(list(pipeline.decode_problems))
     group = _tp_group(plan)
     # the rank choosing each token: the first tp rank (of the last pipeline stage)
     leader = (group is None or dist.get_rank(group) == 0) and (pipeline is None or pipeline.has_last)
