@@ -2,7 +2,7 @@
 
 Costs (per pipeline unit, for one example micro-batch): forward FLOPs from torch's
 ``FlopCounterMode``, parameter bytes, and activation bytes (tensors autograd saves for the
-backward, counted with ``saved_tensors_hooks``, parameters excluded). All measured with meta
+backward, counted by :func:`~shardkit.planner.counters.saved_storages`, parameters excluded). All measured with meta
 tensors substituted (:func:`shardkit.families.on_meta.swapped`): no memory, no real compute.
 
 The split minimises the largest stage time (or, with ``objective="memory"``, the largest
@@ -12,7 +12,6 @@ programming in O(stages * units^2): exact, no enumeration of combinations.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -21,6 +20,7 @@ from torch import nn
 
 from ..families.on_meta import swapped
 from ..plan import PlanError
+from .counters import EXTRA_FLOPS, saved_storages
 
 #: Bytes of training state per parameter byte: the parameter, its gradient, two Adam moments.
 STATE_FACTOR = 4
@@ -188,15 +188,6 @@ def unit_costs(model: nn.Module, units: Sequence[tuple[str, Sequence[str]]], exa
     return out
 
 
-def _grouped_mm_flops(a_shape: Sequence[int], b_shape: Sequence[int], *args: object, out_shape: Sequence[int],
-                      **kwargs: object) -> int:
-    """FLOPs of ``aten._grouped_mm`` (experts' grouped matrix products), which torch 2.13's
-    ``FlopCounterMode`` does not count: each output element contracts one row of ``a``."""
-    if len(a_shape) == 2 and len(b_shape) == 2:  # groups along the contracted dim: [m, k] x [k, n]
-        return 2 * a_shape[0] * a_shape[1] * b_shape[1]
-    return 2 * math.prod(out_shape) * a_shape[-1]
-
-
 def _measure(model: nn.Module, units: Sequence[tuple[str, Sequence[str]]], example_inputs: tuple,
              dtype: torch.dtype | None) -> tuple[list[float], list[int]]:
     """Forward FLOPs and saved activation bytes of every unit, with floating stand-ins in ``dtype``
@@ -206,19 +197,19 @@ def _measure(model: nn.Module, units: Sequence[tuple[str, Sequence[str]]], examp
     own = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     tensors = {n: _meta_like(p, dtype) for n, p in model.named_parameters()}
     tensors.update({n: _meta_like(b, dtype) for n, b in model.named_buffers()})
-    param_ids = {id(t) for n, t in tensors.items() if t.requires_grad}
+    excluded = {t.untyped_storage()._cdata for t in tensors.values()}
     flops = [0.0] * len(units)
     acts = [0] * len(units)
     current: list[int] = []
-    counter = FlopCounterMode(display=False, custom_mapping={torch.ops.aten._grouped_mm: _grouped_mm_flops})
+    counter = FlopCounterMode(display=False, custom_mapping=EXTRA_FLOPS)
+    # stand-ins in ``dtype`` are counted at the model's own width
+    scale = own.itemsize / dtype.itemsize if dtype is not None else 1.0
+    booked: list[set[int]] = [set() for _ in units]
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        is_param = id(t) in param_ids or (t._base is not None and id(t._base) in param_ids)
-        if current and not is_param:
-            size = torch.empty((), dtype=own).element_size() if dtype is not None and t.dtype == dtype \
-                else t.element_size()
-            acts[current[-1]] += t.numel() * size
-        return t
+    def on_saved(key: int, nbytes: int) -> None:
+        if current and key not in booked[current[-1]]:
+            booked[current[-1]].add(key)
+            acts[current[-1]] += int(nbytes * scale)
 
     handles = []
     for index, (_, paths) in enumerate(units):
@@ -236,7 +227,7 @@ def _measure(model: nn.Module, units: Sequence[tuple[str, Sequence[str]]], examp
             handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
     meta_inputs = tuple(_meta_like(x, dtype) if isinstance(x, torch.Tensor) else x for x in example_inputs)
     try:
-        with counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), swapped(model, tensors):
+        with counter, saved_storages(on_saved, excluded), swapped(model, tensors):
             model(*meta_inputs)
     finally:
         for handle in handles:

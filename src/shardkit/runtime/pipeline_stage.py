@@ -13,7 +13,8 @@ the stage itself, recorded.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -21,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
+from ..planner.counters import saved_storages
 from ..planner.stages import StageAssignment
 from . import spans as timeline
 
@@ -89,22 +91,20 @@ def prune(model: nn.Module, keep: set[str], assignment: StageAssignment) -> None
                 parent._modules[leaf] = None
 
 
-def _count_saved(params: Callable[[], list[torch.Tensor]], record: Any) -> Any:
-    """saved_tensors_hooks adding the bytes of non-parameter tensors saved for backward to ``record.bytes``."""
+@contextmanager
+def _count_saved(params: Callable[[], list[torch.Tensor]], record: Any) -> Iterator[None]:
+    """Add the bytes of the storages autograd saves for backward, parameters' excluded, to
+    ``record.bytes`` (the planner's one count, :func:`~shardkit.planner.counters.saved_storages`)."""
+    excluded = {getattr(p, "_local_tensor", p).untyped_storage()._cdata for p in params()}
+    seen: set[int] = set()
 
-    def storage(t: torch.Tensor) -> int:
-        local = getattr(t, "_local_tensor", t)
-        try:
-            return local.untyped_storage().data_ptr()
-        except RuntimeError:  # a tensor subclass without storage: not a parameter's
-            return -1
+    def on_saved(key: int, nbytes: int) -> None:
+        if key not in seen:
+            seen.add(key)
+            record.bytes += nbytes
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if t.device.type != "meta" and storage(t) not in {storage(p) for p in params()}:
-            record.bytes += t.numel() * t.element_size()
-        return t
-
-    return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+    with saved_storages(on_saved, excluded):
+        yield
 
 
 __all__ = ["RecordedStage", "StageModule", "prune"]
