@@ -207,8 +207,11 @@ class Family:
     def check_context_parallel_inputs(self, model: nn.Module, kwargs: dict) -> None:
         """Refuse forward arguments that are wrong when the sequence is split (HF ``labels=``, padding),
         in place: a forward taking ``use_cache`` gets ``use_cache=False`` (a KV cache of one chunk's
-        keys serves no later step, and a model's cached path may differ from its plain one)."""
-        if "use_cache" in inspect.signature(model.forward).parameters:
+        keys serves no later step, and a model's cached path may differ from its plain one), as does a
+        forward taking any keyword whose config has ``use_cache`` (transformers passes it on)."""
+        parameters = inspect.signature(model.forward).parameters
+        takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+        if "use_cache" in parameters or (takes_any and hasattr(getattr(model, "config", None), "use_cache")):
             if kwargs.get("use_cache"):
                 raise PlanError(f"{type(model).__name__} was called with use_cache=True under context parallel; each "
                                 f"rank holds chunks of the sequence, so a KV cache would hold only those: call it "

@@ -27,7 +27,7 @@ from ..families.modules import is_linear
 from ..plan import Plan, PlanError
 from ..plan.layout import ParamLayout
 from .dataflow import Mixes, Split, follow_split, meta_tensors, run_on_meta, trace
-from .sequence_checks import CausalConv, context_parallel_checks
+from .sequence_checks import CausalConv, context_parallel_checks, sequence_parallel_checks
 from .tensor_parallel import (
     COLWISE,
     ROWWISE,
@@ -74,7 +74,7 @@ def analyse_model(plan: Plan, model: nn.Module, layouts: dict[str, ParamLayout],
     if axis_plans and not problems and flow.ran:
         problems += shard_problems(model, family, layouts, list(axis_plans.values()), example_inputs)
     convs, found = context_parallel_checks(model, family, mesh.size_of("sp"), example_inputs)
-    problems += found
+    problems += found + sequence_parallel_checks(model, family, list(axis_plans.values()), example_inputs)
     unused = tuple(flow.unused) if flow.ran else None
     blocks, attentions = recompute_targets(model, family) if plan.recompute != "none" else ((), ())
     return ModelFacts(family.name, axis_plans, unused, blocks, attentions, convs), problems

@@ -22,9 +22,13 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
 
 from ..families import Family
+from ..plan import PlanError
 from .sequence_mixing import CausalConv, Mixer, SequenceTrace, _Watch
+from .tensor_parallel import COLWISE, AxisPlan
 
 #: The most positions a traced sequence has (meta tensors cost nothing; the length only has to be distinctive).
 _LONGEST = 127
@@ -124,7 +128,7 @@ def trace_sequence(model: nn.Module, inputs: tuple, length: int, *, positions: s
     (their input is gathered, or they compute per position)."""
     twin = meta_copy(model)
     stack: list[str] = []
-    watch = _Watch(length, stack, {n: type(m).__name__ for n, m in twin.named_modules()})
+    watch = _Watch(length, stack, {n: type(m).__name__ for n, m in twin.named_modules()}, split_only=bool(sources))
     if attention is not None:
         attention.install_attention(twin, _StandIn(watch))
     kwargs: dict[str, torch.Tensor] = {}
@@ -142,6 +146,8 @@ def trace_sequence(model: nn.Module, inputs: tuple, length: int, *, positions: s
     try:
         with _module_stack(twin, stack), _meta_friendly(twin), watch:
             twin(*meta_inputs, **kwargs)
+    except PlanError:  # the family refuses an argument of the forward under context parallel: as it would at run time
+        raise
     except Exception as exc:  # the model's own error on meta tensors: reported by the caller
         return SequenceTrace(length, watch.mixers, watch.convs, f"{type(exc).__name__}: {str(exc).strip()[:300]}")
     finally:
@@ -166,9 +172,12 @@ def _region_hooks(model: nn.Module, watch: _Watch, sources: set[str], inside: se
 
 # -- context parallel ----------------------------------------------------------------------------------
 def _grouped(mixers: list[Mixer]) -> list[tuple[Mixer, list[str]]]:
-    """The first mixer of each (module class, op, reason), with every module it was seen in."""
+    """The first mixer of each module, grouped by (module class, op, reason) with every module it was seen in."""
     groups: dict[tuple[str, str, str], tuple[Mixer, list[str]]] = {}
+    firsts: dict[str, Mixer] = {}
     for mixer in mixers:
+        firsts.setdefault(mixer.module, mixer)
+    for mixer in firsts.values():
         first, modules = groups.setdefault((mixer.kind, mixer.op, mixer.why), (mixer, []))
         if mixer.module not in modules:
             modules.append(mixer.module)
@@ -206,7 +215,10 @@ def context_parallel_checks(model: nn.Module, family: Family, sp: int, example_i
         return (), [f"context parallel (sp={sp}) needs every op of {type(model).__name__} checked for mixing positions "
                     f"on meta tensors, but shardkit cannot make its inputs (no example input known, or too few "
                     f"positions); pass example_inputs= to sk.validate, or remove the 'sp' axis"]
-    found = trace_sequence(model, inputs, length, positions=family.position_argument(model), attention=family)
+    try:
+        found = trace_sequence(model, inputs, length, positions=family.position_argument(model), attention=family)
+    except PlanError as exc:
+        return (), [f"context parallel (sp={sp}): {problem}" for problem in exc.problems]
     if found.error is not None:
         return (), [f"context parallel (sp={sp}) needs every op of {type(model).__name__} checked for mixing positions, "
                     f"but its forward fails on meta tensors ({found.error}); pass example_inputs= it accepts, or "
@@ -220,4 +232,94 @@ def context_parallel_checks(model: nn.Module, family: Family, sp: int, example_i
     return tuple(found.convs), problems
 
 
-__all__ = ["CausalConv", "context_parallel_checks", "distinctive_length", "meta_copy", "trace_sequence"]
+# -- Megatron sequence parallel ----------------------------------------------------------------------
+def _dtensor_has_rule(op: str) -> bool:
+    """Whether torch's DTensor has a sharding rule for ``aten.<op>`` (any overload), so a DTensor sharded on
+    the sequence gets what the op needs (DTensor redistributes its input first)."""
+    from torch.distributed.tensor import DTensor
+
+    dispatcher = DTensor._op_dispatcher
+    propagator = dispatcher.sharding_propagator
+    tables = (propagator.op_strategy_funcs, propagator.op_to_rules,
+              getattr(propagator, "op_single_dim_strategy_funcs", {}))
+    return any(getattr(key, "overloadpacket", None) is getattr(torch.ops.aten, op, None)
+               for table in tables for key in table)
+
+
+class _Record(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def _backward_ops(call: tuple | None) -> list[str]:
+    """The aten ops autograd runs for the backward of one recorded ``(op, args, kwargs)`` call, replayed on
+    fresh meta leaves (the forward trace runs no backward)."""
+    if call is None:
+        return []
+    func, args, kwargs = call
+    leaves = []
+
+    def leaf(t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and t.is_floating_point():
+            leaves.append(torch.empty(t.shape, dtype=t.dtype, device="meta", requires_grad=True))
+            return leaves[-1]
+        return t
+
+    args, kwargs = tree_map(leaf, args), tree_map(leaf, kwargs)
+    try:
+        outs = [o for o in tree_flatten(func(*args, **kwargs))[0] if isinstance(o, torch.Tensor) and o.requires_grad]
+        recorder = _Record()
+        with recorder:
+            torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+    except Exception:  # not differentiable on meta: nothing to check
+        return []
+    return sorted(set(recorder.ops) - {"ones_like", "empty_like", "zeros_like", "detach", "new_empty_strided"})
+
+
+def sequence_parallel_checks(model: nn.Module, family: Family, plans: list[AxisPlan],
+                             example_inputs: tuple | None = None) -> list[str]:
+    """Ops on the residual stream that Megatron sequence parallel splits along the sequence (from
+    embeddings, norms and row-parallel layers to the column-parallel layers and heads that gather it)
+    that read other positions and that torch's DTensor cannot run on a sequence-sharded DTensor (no
+    sharding rule: they would fail in the workers), or convolutions over the sequence (DTensor's exchange
+    of neighbours' positions assumes centred padding). One line per problem."""
+    plans = [p for p in plans if p.sequence_parallel and p.size > 1]
+    length = distinctive_length(model, family.max_positions(model))
+    inputs = None if length is None or not plans else _sequence_inputs(family, model, example_inputs, length)
+    if inputs is None:
+        return []
+    sources, inside = set(), set()
+    for plan in plans:
+        sources |= {*plan.norms, *plan.embeddings, *(n for n, s in plan.splits.items() if s.kind != COLWISE)}
+        inside |= {*plan.splits, *plan.norms, *plan.embeddings, *plan.gathers, *plan.head_norms}
+    found = trace_sequence(model, inputs, length, sources=sources, inside=inside)
+    kinds = {n: type(m).__name__ for n, m in model.named_modules()}
+    mixers = found.mixers + [Mixer(c.module, kinds.get(c.module, ""), "convolution", "runs a causal convolution over "
+                                   "the sequence") for c in found.convs]
+    axes = ", ".join(f"{p.axis!r} (size {p.size})" for p in plans)
+    blocking = []
+    for m in mixers:
+        if m.why.startswith("combines the split"):
+            reason = "torch's DTensor refuses to combine a sequence-split tensor with a plain one: it fails in the workers"
+        elif m.op == "convolution":
+            reason = "torch's DTensor splits a convolution over the sequence only with centred padding"
+        elif not _dtensor_has_rule(m.op):
+            reason = "torch's DTensor has no sharding rule for it: it fails in the workers"
+        elif missing := [op for op in _backward_ops(m.call) if not _dtensor_has_rule(op)]:
+            reason = f"torch's DTensor has no sharding rule for its backward ({', '.join(missing)}): it fails there"
+        else:
+            continue  # DTensor gathers the sequence the op needs
+        blocking.append(Mixer(m.module, m.kind, m.op, f"{m.why} (aten.{m.op}): {reason}"))
+    return [f"sequence_parallel=True splits the residual stream along the sequence over {axes} between "
+            f"tensor-parallel layers, but where it is split {_where(m, mods, model)} {m.why}; valid: "
+            f"sequence_parallel=False for this model, or the op inside a tensor-parallel layer's region"
+            for m, mods in _grouped(blocking)]
+
+
+__all__ = ["CausalConv", "context_parallel_checks", "distinctive_length", "meta_copy", "sequence_parallel_checks",
+           "trace_sequence"]

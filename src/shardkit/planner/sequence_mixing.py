@@ -42,12 +42,13 @@ from torch.utils._pytree import tree_flatten
 @dataclass(frozen=True)
 class Mixer:
     """An op that mixes positions: the innermost module running it (``""``: the model's own
-    forward), that module's class, the aten op and what it does to the sequence."""
+    forward), that module's class, the aten op, what it does to the sequence, and the call itself."""
 
     module: str
     kind: str
     op: str
     why: str
+    call: tuple | None = field(default=None, compare=False, repr=False)  # (aten op, args, kwargs) as run
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,8 @@ _PER_ELEMENT = frozenset(
     "_to_copy clone copy copy_ detach alias lift_fresh lift_fresh_copy empty_like zeros_like ones_like full_like "
     "rand_like randn_like fill fill_ zero zero_ native_dropout bernoulli masked_fill where _conj resolve_conj "
     "resolve_neg view_as_real view_as_complex new_empty new_zeros new_ones new_full new_empty_strided "
-    "_local_scalar_dense embedding one_hot".split())
+    "_local_scalar_dense embedding one_hot bernoulli_ uniform_ normal_ exponential_ geometric_ cauchy_ "
+    "log_normal_ random_ polar complex real imag angle".split())
 #: Ops that only reshape, move or broadcast dims (row-major views keep the sequence dim whole: its size is prime).
 _SHAPES = frozenset("view _unsafe_view reshape _reshape_alias expand permute transpose transpose_ t unsqueeze "
                     "unsqueeze_ squeeze squeeze_ stack contiguous".split())
@@ -90,15 +92,18 @@ _PRODUCTS = {"mm": ("self", "mat2"), "bmm": ("self", "mat2"), "addmm": ("mat1", 
              "mv": ("self", "vec"), "dot": ("self", "tensor"), "vdot": ("self", "other")}
 #: What an op along the sequence does, for messages.
 _ALONG = {
-    "cumsum": "a cumulative sum over the sequence (a scan)", "cumprod": "a cumulative product over the sequence "
-    "(a scan)", "cummax": "a running maximum over the sequence (a scan)", "cummin": "a running minimum over the "
-    "sequence (a scan)", "logcumsumexp": "a cumulative log-sum-exp over the sequence (a scan)",
+    "cumsum": "computes a cumulative sum over the sequence (a scan)",
+    "cumprod": "computes a cumulative product over the sequence (a scan)",
+    "cummax": "computes a running maximum over the sequence (a scan)",
+    "cummin": "computes a running minimum over the sequence (a scan)",
+    "logcumsumexp": "computes a cumulative log-sum-exp over the sequence (a scan)",
     "sort": "sorts positions", "argsort": "sorts positions", "topk": "picks the top positions",
     "kthvalue": "ranks positions", "median": "ranks positions", "mode": "ranks positions",
-    "_softmax": "a softmax over positions (attention that shardkit does not run as ring attention)",
-    "_log_softmax": "a log-softmax over positions", "flip": "reverses the sequence", "roll": "rolls the sequence "
-    "(a shift)", "unfold": "takes sliding windows over the sequence", "select": "picks single positions "
-    "(x[:, i]: a loop over positions, as a recurrence or scan runs, or one position used for all)",
+    "_softmax": "takes a softmax over positions (attention that shardkit does not run as ring attention)",
+    "_log_softmax": "takes a log-softmax over positions", "flip": "reverses the sequence",
+    "roll": "rolls the sequence (a shift)", "unfold": "takes sliding windows over the sequence",
+    "select": "picks single positions (x[:, i]: a loop over positions, as a recurrence or a scan runs, or one "
+              "position used for all)",
     "unbind": "splits the sequence into single positions (a loop over positions: a recurrence or a scan)",
     "cat": "concatenates along the sequence (positions prepended or appended: a shift)",
     "repeat_interleave": "repeats positions",
@@ -148,11 +153,13 @@ def _is_float(t: torch.Tensor) -> bool:
 
 
 class _Watch(TorchDispatchMode):
-    """Follows the tensors computed from the sequence; see the module docstring."""
+    """Follows the tensors computed from the sequence; see the module docstring. ``split_only``: the
+    followed tensors are sequence-split DTensors (Megatron sequence parallel), which torch refuses to
+    combine with a plain tensor of more than one element."""
 
-    def __init__(self, length: int, stack: list[str], kinds: dict[str, str]):
+    def __init__(self, length: int, stack: list[str], kinds: dict[str, str], split_only: bool = False):
         super().__init__()
-        self.length = length
+        self.length, self.split_only = length, split_only
         self.stack, self.kinds = stack, kinds
         self.carrying: dict[int, tuple[torch.Tensor, bool]] = {}  # id -> (tensor kept alive, routing/routed)
         self.pending: dict[int, tuple[torch.Tensor, CausalConv, int, int]] = {}  # conv outputs awaiting their cut
@@ -173,9 +180,9 @@ class _Watch(TorchDispatchMode):
     def routing(self, tensor: Any) -> bool:
         return isinstance(tensor, torch.Tensor) and self.carrying.get(id(tensor), (None, False))[1]
 
-    def _mixes(self, op: str, why: str) -> None:
+    def _mixes(self, op: str, why: str, call: tuple | None = None) -> None:
         module = self.stack[-1] if self.stack else ""
-        self.mixers.append(Mixer(module, self.kinds.get(module, ""), op, why))
+        self.mixers.append(Mixer(module, self.kinds.get(module, ""), op, why, call))
 
     # -- dispatch --------------------------------------------------------------------------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -195,10 +202,14 @@ class _Watch(TorchDispatchMode):
         if not carried:
             return out
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        whole = next((t for t in inputs if id(t) not in self.carrying and t.numel() > 1), None)
+        if self.split_only and whole is not None:
+            self._mixes(name, f"combines the split sequence with a tensor that is not split (shape "
+                              f"{list(whole.shape)}: a parameter, or a tensor made from the inputs or sizes)")
         try:
             routed = self._follow(name, func, _bind(func, args, kwargs), carried, outs)
         except _Mixes as exc:
-            self._mixes(name, str(exc))
+            self._mixes(name, str(exc), (func, args, kwargs))
             routed = False
         if routed is None:  # a causal convolution waiting for its cut
             return out
@@ -292,7 +303,7 @@ class _Watch(TorchDispatchMode):
             return routed or (name in _GATHERS and bool(target & (dims or set())))
         if name in _CUTS:
             cut = seq & (dims or {0})
-            if cut and any(o.shape[d] != first.shape[d] for o in outs for d in cut if o.dim() == first.dim()):
+            if cut and not routed and any(o.shape[d] != first.shape[d] for o in outs for d in cut if o.dim() == first.dim()):
                 raise _Mixes("cuts the sequence into pieces")
             return routed
         if name == "cat":
@@ -311,6 +322,9 @@ class _Watch(TorchDispatchMode):
             if seq & (set(range(first.dim())) if dims is None else dims):
                 if counting and name in _COUNTS:
                     return True
+                if not _is_float(first) and name not in _ALONG:
+                    raise _Mixes(f"reduces the tokens' ids or positions over the sequence ({name}), which differ "
+                                 f"between the ranks' chunks (a length or scaling taken from the longest position?)")
                 raise _Mixes(_ALONG.get(name, f"reduces over the sequence ({name}: pooling or a statistic over "
                                                f"positions)"))
             return routed
