@@ -163,6 +163,14 @@ CAUSAL = {"causal_conv": lambda: TimeConv(3, 2), "causal_conv_dilated": lambda: 
           "causal_conv_dense": lambda: TimeConv(4, 3, depthwise=False)}
 
 
+def build_gpt_cumsum() -> GPT:
+    return build_gpt_with("cumsum")
+
+
+def build_gpt_token_shift() -> GPT:
+    return build_gpt_with("token_shift")
+
+
 def build_gpt_causal_conv() -> GPT:
     return build_gpt_with("causal_conv")
 
