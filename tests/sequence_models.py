@@ -120,6 +120,17 @@ class MeanPool(nn.Module):
         return x.mean(dim=1, keepdim=True).expand_as(x)
 
 
+class SlicedTable(nn.Module):
+    """A learned table of positions sliced by the sequence's length (``table[:T]``), not by the positions given."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(32, DIM) * 0.02)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.table[:x.shape[1]]
+
+
 class WithMixer(nn.Module):
     """``block(x + mixer(x))``: a GPT block with a mixer in front."""
 
@@ -134,7 +145,7 @@ class WithMixer(nn.Module):
 
 MIXERS = {"cumsum": CumulativeSum, "cummean": CumulativeMean, "gru": Recurrent, "centred_conv": lambda: TimeConv(3, 1),
           "conv2d": TimeConv2d, "token_shift": TokenShift, "roll": Rolled,
-          "fft": Spectral, "pool": Pooled, "topk": TopPositions, "loop": Loop, "mean": MeanPool}
+          "fft": Spectral, "pool": Pooled, "topk": TopPositions, "loop": Loop, "mean": MeanPool, "sliced_table": SlicedTable}
 
 
 #: GPT_RULES for a GPT whose first block is wrapped in :class:`WithMixer` (``layers.0.block.attn...``).

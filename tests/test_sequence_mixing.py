@@ -74,6 +74,7 @@ def _problems(plan: Plan, build, *args) -> list[str]:
     ("topk", "'layers.0.mixer' (TopPositions)", "aten.topk"),
     ("loop", "'layers.0.mixer' (Loop)", "aten.select"),
     ("mean", "'layers.0.mixer' (MeanPool)", "aten.mean"),
+    ("sliced_table", "'layers.0' (WithMixer)", "a table sliced or a range made by the sequence's length"),
 ])
 def test_context_parallel_refuses_each_op_mixing_positions_by_name(mixer, module, op):
     problems = _problems(SP2, build_gpt_with, mixer)
@@ -84,7 +85,7 @@ def test_context_parallel_refuses_each_op_mixing_positions_by_name(mixer, module
 
 def test_every_mixer_of_the_zoo_is_covered():
     assert set(MIXERS) == {"cumsum", "cummean", "gru", "centred_conv", "conv2d", "token_shift", "roll", "fft", "pool",
-                           "topk", "loop", "mean"}
+                           "topk", "loop", "mean", "sliced_table"}
 
 
 def test_jamba_mamba_layer_is_refused_under_sp_by_name():
@@ -144,6 +145,7 @@ def test_the_traced_length_is_a_prime_no_size_of_the_model_is_a_multiple_of(size
     ("pool", "'layers.0.mixer' (Pooled)", "no sharding rule for its backward (avg_pool2d_backward)"),
     ("centred_conv", "'layers.0.mixer.conv' (Conv1d)", "refuses to combine"),
     ("causal_conv", "'layers.0.mixer.conv' (Conv1d)", "refuses to combine"),
+    ("sliced_table", "'layers.0' (WithMixer)", "refuses to combine"),
 ])
 def test_megatron_sequence_parallel_refuses_what_dtensor_cannot_run(mixer, module, why):
     problems = _problems(MEGATRON, build_gpt_with, mixer)

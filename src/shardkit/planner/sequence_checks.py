@@ -27,7 +27,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from ..families import Family
 from ..plan import PlanError
-from .sequence_mixing import CausalConv, Mixer, SequenceTrace, _Watch
+from .sequence_mixing import CausalConv, Mixer, SequenceTrace, SequenceWatch
 from .tensor_parallel import COLWISE, AxisPlan
 
 #: The most positions a traced sequence has (meta tensors cost nothing; the length only has to be distinctive).
@@ -42,7 +42,7 @@ def distinctive_length(model: nn.Module, limit: int | None) -> int | None:
     """The longest prime ``<= limit`` (at most 127, at least 5) that no parameter, buffer or config size
     of ``model`` is a multiple of, so a dim of that size can only be the sequence; ``None`` if none.
 
-    >>> distinctive_length(nn.Linear(62, 31), 64)
+    >>> distinctive_length(nn.Linear(61, 122), 64)  # 61 divides 122: the next prime down
     59
     """
     sizes = {s for t in [*model.parameters(), *model.buffers()] for s in t.shape}
@@ -103,7 +103,7 @@ def _sequence_inputs(family: Family, model: nn.Module, example_inputs: tuple | N
 class _StandIn:
     """Stands in for ring attention while tracing: an output of the right shape that keeps positions apart."""
 
-    def __init__(self, watch: _Watch):
+    def __init__(self, watch: SequenceWatch):
         self.watch = watch
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
@@ -128,7 +128,7 @@ def trace_sequence(model: nn.Module, inputs: tuple, length: int, *, positions: s
     (their input is gathered, or they compute per position)."""
     twin = meta_copy(model)
     stack: list[str] = []
-    watch = _Watch(length, stack, {n: type(m).__name__ for n, m in twin.named_modules()}, split_only=bool(sources))
+    watch = SequenceWatch(length, stack, {n: type(m).__name__ for n, m in twin.named_modules()}, split_only=bool(sources))
     if attention is not None:
         attention.install_attention(twin, _StandIn(watch))
     kwargs: dict[str, torch.Tensor] = {}
@@ -156,7 +156,7 @@ def trace_sequence(model: nn.Module, inputs: tuple, length: int, *, positions: s
     return SequenceTrace(length, watch.mixers, watch.convs)
 
 
-def _region_hooks(model: nn.Module, watch: _Watch, sources: set[str], inside: set[str]) -> list:
+def _region_hooks(model: nn.Module, watch: SequenceWatch, sources: set[str], inside: set[str]) -> list:
     """Hooks marking ``sources``' outputs as the split sequence and pausing the watch inside ``inside``."""
     handles = []
     for name, module in model.named_modules():

@@ -7,13 +7,17 @@ convolution over time, a scan or cumulative sum, a recurrence, pooling, an FFT, 
 padding, slicing or rolling, a sort over positions, a softmax or matrix product over them)
 then computes from the rank's chunk alone: no error, wrong numbers from each chunk's start.
 
-:func:`trace_sequence` runs a model once on meta tensors with a *distinctive* sequence length
-(a prime that no size of the model is a multiple of, so a dim of that size, or a multiple of
-it once tokens are flattened together, is the sequence) and follows, at torch's dispatch level
-(aten ops with explicit dims), every tensor computed from the sequence. Each op on such a
-tensor either acts per position (elementwise ops, matrix products over features, norms over
-features, views, lookups) or is recorded as a :class:`Mixer` of the innermost module running.
-An op the rules do not know is a mixer too: shardkit cannot show it keeps positions apart.
+:class:`SequenceWatch` watches one forward on meta tensors run with a *distinctive* sequence
+length (a prime that no size of the model is a multiple of, so a dim of that size, or a
+multiple of it once tokens are flattened together, is the sequence;
+:func:`~shardkit.planner.sequence_checks.trace_sequence` runs it) and follows, at torch's
+dispatch level (aten ops with explicit dims), every tensor computed from the sequence. Each op
+on such a tensor either acts per position (elementwise ops, matrix products over features,
+norms over features, views, lookups) or is recorded as a :class:`Mixer` of the innermost
+module running. An op the rules do not know is a mixer too: shardkit cannot show it keeps
+positions apart. So is an op combining the sequence with a tensor as long as it that was not
+computed from the inputs or positions (a table sliced by the length: a chunk's length under
+context parallel).
 
 Integer tensors computed from activations' values (a router's top-k experts) are *routing*
 indices: gathering the sequence by them and scattering back (a mixture of experts' dispatch)
@@ -152,7 +156,7 @@ def _is_float(t: torch.Tensor) -> bool:
     return t.is_floating_point() or t.is_complex()
 
 
-class _Watch(TorchDispatchMode):
+class SequenceWatch(TorchDispatchMode):
     """Follows the tensors computed from the sequence; see the module docstring. ``split_only``: the
     followed tensors are sequence-split DTensors (Megatron sequence parallel), which torch refuses to
     combine with a plain tensor of more than one element."""
@@ -202,10 +206,17 @@ class _Watch(TorchDispatchMode):
         if not carried:
             return out
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-        whole = next((t for t in inputs if id(t) not in self.carrying and t.numel() > 1), None)
-        if self.split_only and whole is not None:
-            self._mixes(name, f"combines the split sequence with a tensor that is not split (shape "
-                              f"{list(whole.shape)}: a parameter, or a tensor made from the inputs or sizes)")
+        written = {id(t) for t in outs}  # a buffer written in place (index_add_) becomes part of the sequence
+        whole = [t for t in inputs if id(t) not in self.carrying and id(t) not in written]
+        if self.split_only and any(t.numel() > 1 for t in whole):
+            shape = next(list(t.shape) for t in whole if t.numel() > 1)
+            self._mixes(name, f"combines the split sequence with a tensor that is not split (shape {shape}: a "
+                              f"parameter, or a tensor made from the inputs or sizes)", (func, args, kwargs))
+        elif not self.split_only and any(self._sized(t) for t in whole):
+            shape = next(list(t.shape) for t in whole if self._sized(t))
+            self._mixes(name, f"combines the sequence with a tensor as long as it that is not computed from the "
+                              f"inputs or the positions (shape {shape}: a table sliced or a range made by the "
+                              f"sequence's length, which under context parallel is a chunk's)", (func, args, kwargs))
         try:
             routed = self._follow(name, func, _bind(func, args, kwargs), carried, outs)
         except _Mixes as exc:
@@ -388,4 +399,4 @@ class _Mixes(Exception):
     """An op reads other positions; the message says how."""
 
 
-__all__ = ["CausalConv", "Mixer", "SequenceTrace"]
+__all__ = ["CausalConv", "Mixer", "SequenceTrace", "SequenceWatch"]
