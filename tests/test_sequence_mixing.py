@@ -40,6 +40,7 @@ from shardkit.families import family_of
 from shardkit.models.gpt import build_tiny_gpt, gpt_loss
 from shardkit.models.hf import build_tiny_llama, hf_loss
 from shardkit.plan import Mesh, Plan, PlanError
+from shardkit.planner.explain import explain_plan
 from shardkit.planner.meta import meta_model
 from shardkit.planner.sequence_checks import distinctive_length
 from shardkit.planner.sequence_mixing import CausalConv
@@ -101,13 +102,19 @@ def test_jamba_is_accepted_without_sp():
 
 def test_causal_convolutions_are_accepted_and_planned():
     report = sk.validate(SP2, meta_model(build_lfm2))
-    assert report.facts.causal_convs == (CausalConv("model.layers.0.conv", 3, 1, 2),
-                                         CausalConv("model.layers.2.conv", 3, 1, 2))
+    assert report.facts.causal_convs == (CausalConv("model.layers.0.conv", 3, 1, 2, "model.layers.0.conv.conv.weight"),
+                                         CausalConv("model.layers.2.conv", 3, 1, 2, "model.layers.2.conv.conv.weight"))
     for name, (kernel, dilation) in {"causal_conv": (3, 1), "causal_conv_dilated": (3, 2),
                                      "causal_conv_dense": (4, 1)}.items():
         report = sk.validate(SP2, meta_model(build_gpt_with, name))
-        assert report.facts.causal_convs == (CausalConv("layers.0.mixer.conv", kernel, dilation,
-                                                        dilation * (kernel - 1)),), name
+        assert report.facts.causal_convs == (CausalConv("layers.0.mixer.conv", kernel, dilation, dilation * (kernel - 1),
+                                                        "layers.0.mixer.conv.weight"),), name
+
+
+def test_explain_shows_the_causal_convolutions_context_parallel_makes_whole():
+    text = explain_plan(SP2, meta_model(build_lfm2), width=300)
+    row = next(line for line in text.splitlines() if line.startswith("model.layers.{0,2}.conv.conv.weight"))
+    assert "causal conv: 2 positions from the previous sp chunk" in row
 
 
 @pytest.mark.parametrize("build", [build_tiny_gpt, build_tiny_llama, build_llama_tied, build_qwen2, build_qwen3,
@@ -265,7 +272,8 @@ def test_causal_convolutions_under_context_parallel_equal_one_process_at_every_p
     (build_lfm2, SP2, hf_loss),
     (build_lfm2, Plan(mesh=Mesh(sp=2, fsdp=2)), hf_loss),
     (build_gpt_causal_conv, Plan(mesh=Mesh(dp=2, sp=2)), gpt_loss),
-], ids=["lfm2-sp2", "lfm2-sp2-fsdp2", "gpt-causal-conv-dp2-sp2"])
+    (build_lfm2, Plan(mesh=Mesh(sp=2), recompute="full"), hf_loss),  # the halo exchanged again when recomputed
+], ids=["lfm2-sp2", "lfm2-sp2-fsdp2", "gpt-causal-conv-dp2-sp2", "lfm2-sp2-recompute"])
 def test_verify_causal_convolutions_under_context_parallel(world, build, plan, loss_fn):
     result = verify(build, plan, _tokens(32, batch=4), loss_fn=loss_fn, steps=2, world=world(plan.mesh.size))
     assert result.ok, str(result)

@@ -128,7 +128,8 @@ def trace_sequence(model: nn.Module, inputs: tuple, length: int, *, positions: s
     (their input is gathered, or they compute per position)."""
     twin = meta_copy(model)
     stack: list[str] = []
-    watch = SequenceWatch(length, stack, {n: type(m).__name__ for n, m in twin.named_modules()}, split_only=bool(sources))
+    watch = SequenceWatch(length, stack, {n: type(m).__name__ for n, m in twin.named_modules()},
+                          split_only=bool(sources), params={id(p): n for n, p in twin.named_parameters()})
     if attention is not None:
         attention.install_attention(twin, _StandIn(watch))
     kwargs: dict[str, torch.Tensor] = {}

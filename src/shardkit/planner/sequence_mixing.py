@@ -59,12 +59,14 @@ class Mixer:
 class CausalConv:
     """A causal 1-D convolution over the sequence run by ``module``: each output reads the
     ``padding`` (= ``dilation x (kernel - 1)``) positions before it; ``F.conv1d(x, weight,
-    padding=padding, dilation=dilation)`` with the outputs past the input's length cut off."""
+    padding=padding, dilation=dilation)`` with the outputs past the input's length cut off; ``weight``
+    names the parameter it convolves with."""
 
     module: str
     kernel: int
     dilation: int
     padding: int
+    weight: str = ""  # the parameter the convolution's weight is (a view of), when it is one
 
 
 @dataclass
@@ -161,10 +163,11 @@ class SequenceWatch(TorchDispatchMode):
     followed tensors are sequence-split DTensors (Megatron sequence parallel), which torch refuses to
     combine with a plain tensor of more than one element."""
 
-    def __init__(self, length: int, stack: list[str], kinds: dict[str, str], split_only: bool = False):
+    def __init__(self, length: int, stack: list[str], kinds: dict[str, str], split_only: bool = False,
+                 params: dict[int, str] | None = None):
         super().__init__()
         self.length, self.split_only = length, split_only
-        self.stack, self.kinds = stack, kinds
+        self.stack, self.kinds, self.params = stack, kinds, params or {}
         self.carrying: dict[int, tuple[torch.Tensor, bool]] = {}  # id -> (tensor kept alive, routing/routed)
         self.pending: dict[int, tuple[torch.Tensor, CausalConv, int, int]] = {}  # conv outputs awaiting their cut
         self.mixers: list[Mixer] = []
@@ -382,7 +385,11 @@ class SequenceWatch(TorchDispatchMode):
         stride, padding, dilation = (list(bound[key]) for key in ("stride", "padding", "dilation"))
         if len(kernel) == 1 and not bound.get("transposed") and stride == [1] and \
                 padding[0] == dilation[0] * (kernel[0] - 1):
-            conv = CausalConv(self.stack[-1] if self.stack else "", kernel[0], dilation[0], padding[0])
+            base = weight
+            while base._base is not None:
+                base = base._base
+            conv = CausalConv(self.stack[-1] if self.stack else "", kernel[0], dilation[0], padding[0],
+                              self.params.get(id(base), ""))
             self.pending[id(outs[0])] = (outs[0], conv, 2, x.shape[2])
             return None
         raise _Mixes(f"is a convolution over the sequence (conv{len(kernel)}d, kernel {kernel}, padding {padding}, "
