@@ -82,14 +82,14 @@ class SequenceTrace:
 # -- op rules -------------------------------------------------------------------------------------------
 #: Ops computing each output element from the same element of their inputs, or only from shapes.
 _PER_ELEMENT = frozenset(
-    "_to_copy clone copy copy_ detach alias lift_fresh lift_fresh_copy empty_like zeros_like ones_like full_like "
-    "rand_like randn_like fill fill_ zero zero_ native_dropout bernoulli masked_fill where _conj resolve_conj "
+    "_to_copy clone copy detach alias lift_fresh lift_fresh_copy empty_like zeros_like ones_like full_like "
+    "rand_like randn_like fill zero native_dropout bernoulli masked_fill where _conj resolve_conj "
     "resolve_neg view_as_real view_as_complex new_empty new_zeros new_ones new_full new_empty_strided "
-    "_local_scalar_dense embedding one_hot bernoulli_ uniform_ normal_ exponential_ geometric_ cauchy_ "
-    "log_normal_ random_ polar complex real imag angle".split())
+    "_local_scalar_dense embedding one_hot bernoulli uniform normal exponential geometric cauchy "
+    "log_normal random polar complex real imag angle".split())
 #: Ops that only reshape, move or broadcast dims (row-major views keep the sequence dim whole: its size is prime).
-_SHAPES = frozenset("view _unsafe_view reshape _reshape_alias expand permute transpose transpose_ t unsqueeze "
-                    "unsqueeze_ squeeze squeeze_ stack contiguous".split())
+_SHAPES = frozenset("view _unsafe_view reshape _reshape_alias expand permute transpose t unsqueeze squeeze stack "
+                    "contiguous".split())
 #: Ops reading whole windows of their spatial dims (the last ``n`` of a ``[batch, channels, *spatial]`` input).
 _WINDOWS = ("pool", "upsample", "im2col", "col2im", "pixel_shuffle", "pixel_unshuffle")
 #: Matrix products: (first operand, second operand); the first contracts its last dim, the second its dim -2.
@@ -125,8 +125,7 @@ _COUNTS = frozenset("sum any all amax amin max min count_nonzero sort argsort to
                     "_unique2 unique_consecutive nonzero".split())
 #: Ops gathering along a dim by an index tensor, and ones writing along a dim at an index tensor.
 _GATHERS = frozenset("index_select gather take_along_dim".split())
-_SCATTERS = frozenset("index_add index_add_ index_copy index_copy_ index_fill index_fill_ index_reduce "
-                      "index_reduce_ scatter scatter_ scatter_add scatter_add_ scatter_reduce scatter_reduce_".split())
+_SCATTERS = frozenset("index_add index_copy index_fill index_reduce scatter scatter_add scatter_reduce".split())
 _CUTS = frozenset("split split_with_sizes unsafe_split unsafe_split_with_sizes tensor_split chunk narrow".split())
 _SCALED_DOT = ("_scaled_dot_product", "scaled_dot_product", "_flash_attention", "_efficient_attention")
 #: Norms: where their normalised dims are, from the arguments.
@@ -201,6 +200,7 @@ class SequenceWatch(TorchDispatchMode):
             return out
         inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         name = func.overloadpacket.__name__
+        name = name[:-1] if name.endswith("_") and not name.endswith("__") else name  # in place: as its op
         for tensor in inputs:
             if id(tensor) in self.pending:
                 self._cut_conv(name, func, args, kwargs, out, tensor)
@@ -209,6 +209,8 @@ class SequenceWatch(TorchDispatchMode):
         if not carried:
             return out
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        if not outs:  # asserts, comparisons of whole tensors: they steer the code, they compute nothing
+            return out
         written = {id(t) for t in outs}  # a buffer written in place (index_add_) becomes part of the sequence
         whole = [t for t in inputs if id(t) not in self.carrying and id(t) not in written]
         if self.split_only and any(t.numel() > 1 for t in whole):
@@ -299,7 +301,7 @@ class SequenceWatch(TorchDispatchMode):
             return routed
         if name == "index":
             return self._index(first, bound.get("indices") or [], seq, routed)
-        if name in ("index_put", "index_put_", "_index_put_impl_"):
+        if name in ("index_put", "_index_put_impl"):
             return self._index(first, bound.get("indices") or [], self._sized(first), routed, writes=True)
         if name == "slice":
             dim = int(bound["dim"]) % first.dim()
