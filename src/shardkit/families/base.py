@@ -204,8 +204,19 @@ class Family:
         """Make every attention of ``model`` call ``attention`` (context parallel's ring attention)."""
         raise PlanError(self.context_parallel_problems(model))
 
-    def check_context_parallel_inputs(self, kwargs: dict) -> None:
-        """Refuse forward arguments that are wrong when the sequence is split (HF ``labels=``, padding)."""
+    def check_context_parallel_inputs(self, model: nn.Module, kwargs: dict) -> None:
+        """Refuse forward arguments that are wrong when the sequence is split (HF ``labels=``, padding),
+        in place: a forward taking ``use_cache`` gets ``use_cache=False`` (a KV cache of one chunk's
+        keys serves no later step, and a model's cached path may differ from its plain one), as does a
+        forward taking any keyword whose config has ``use_cache`` (transformers passes it on)."""
+        parameters = inspect.signature(model.forward).parameters
+        takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+        if "use_cache" in parameters or (takes_any and hasattr(getattr(model, "config", None), "use_cache")):
+            if kwargs.get("use_cache"):
+                raise PlanError(f"{type(model).__name__} was called with use_cache=True under context parallel; each "
+                                f"rank holds chunks of the sequence, so a KV cache would hold only those: call it "
+                                f"with use_cache=False (the default under context parallel)")
+            kwargs["use_cache"] = False
 
 
 __all__ = ["Attention", "AttentionFn", "AttributeChange", "Family", "ModelLayout", "Unit", "WeightNames"]

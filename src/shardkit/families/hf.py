@@ -174,7 +174,8 @@ class HFFamily(Family):
         for _, module in self._attention_modules(model):
             setattr(module, _ATTENTION_ATTR, attention)
 
-    def check_context_parallel_inputs(self, kwargs: dict) -> None:
+    def check_context_parallel_inputs(self, model: nn.Module, kwargs: dict) -> None:
+        super().check_context_parallel_inputs(model, kwargs)
         if kwargs.get("labels") is not None:
             raise PlanError("under context parallel pass targets to your loss instead of labels= to the model: "
                             "HuggingFace shifts labels by one token inside each rank's sequence chunk, which is "

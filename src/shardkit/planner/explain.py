@@ -160,6 +160,8 @@ def _notes(model: Any, facts: ModelFacts | None) -> dict[str, str]:
                 text.append("splits input")
             for pname in split.placements:
                 found.setdefault(f"{name}.{pname}" if name else pname, []).extend(text)
+    for conv in (facts.causal_convs if facts is not None else ()):  # context parallel: runtime/halo.py
+        found.setdefault(conv.weight, []).append(f"causal conv: {conv.padding} positions from the previous sp chunk")
     if isinstance(model, nn.Module):
         for alias, first in aliases(model).items():
             if alias != first:

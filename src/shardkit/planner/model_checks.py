@@ -27,6 +27,7 @@ from ..families.modules import is_linear
 from ..plan import Plan, PlanError
 from ..plan.layout import ParamLayout
 from .dataflow import Mixes, Split, follow_split, meta_tensors, run_on_meta, trace
+from .sequence_checks import CausalConv, context_parallel_checks, sequence_parallel_checks
 from .tensor_parallel import (
     COLWISE,
     ROWWISE,
@@ -41,13 +42,15 @@ class ModelFacts:
     """What the checks learned that the runtime applies: the family, the tensor-parallel plan of
     every model axis, the parameters no forward uses (``None`` when the forward could not be
     run on meta: no example input known), and what activation recompute applies to: the
-    repeated blocks and the attention modules inside them (:func:`recompute_targets`)."""
+    repeated blocks and the attention modules inside them (:func:`recompute_targets`), and the causal
+    convolutions context parallel gives their neighbours' positions (``causal_convs``)."""
 
     family: str
     tensor_parallel: dict[str, AxisPlan] = field(default_factory=dict)
     unused_parameters: tuple[str, ...] | None = None
     blocks: tuple[str, ...] = ()
     attentions: tuple[str, ...] = ()
+    causal_convs: tuple[CausalConv, ...] = ()
 
 
 def analyse_model(plan: Plan, model: nn.Module, layouts: dict[str, ParamLayout],
@@ -70,11 +73,11 @@ def analyse_model(plan: Plan, model: nn.Module, layouts: dict[str, ParamLayout],
         problems += mixing_problems(model, inputs, list(axis_plans.values()))
     if axis_plans and not problems and flow.ran:
         problems += shard_problems(model, family, layouts, list(axis_plans.values()), example_inputs)
-    if mesh.size_of("sp") > 1:
-        problems += family.context_parallel_problems(model)
+    convs, found = context_parallel_checks(model, family, mesh.size_of("sp"), example_inputs)
+    problems += found + sequence_parallel_checks(model, family, list(axis_plans.values()), example_inputs)
     unused = tuple(flow.unused) if flow.ran else None
     blocks, attentions = recompute_targets(model, family) if plan.recompute != "none" else ((), ())
-    return ModelFacts(family.name, axis_plans, unused, blocks, attentions), problems
+    return ModelFacts(family.name, axis_plans, unused, blocks, attentions, convs), problems
 
 
 # -- activation recompute ------------------------------------------------------------------------------

@@ -78,7 +78,7 @@ def parallelize(module: nn.Module, plan: Plan, ctx: Context, layouts: dict[str, 
     if plan.mesh.size_of("sp") > 1:
         from .context_parallel import enable_context_parallel
 
-        enable_context_parallel(module, meshes.axis("sp"))
+        enable_context_parallel(module, meshes.axis("sp"), facts.causal_convs)
     if plan.recompute != "none":  # after tensor and context parallel, before FSDP2 wraps the blocks (torchtitan's order)
         apply_recompute(module, plan.recompute, facts.blocks, facts.attentions)
     data = meshes.data()
