@@ -11,12 +11,14 @@ torch.Size([2, 3])
 
 from __future__ import annotations
 
+import types
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 
 def meta_tensors(model: nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
@@ -55,12 +57,26 @@ def swapped(model: nn.Module, tensors: dict[str, torch.Tensor]) -> Iterator[None
             slots[key] = value
 
 
+@contextmanager
+def plain_batch_norms(model: nn.Module) -> Iterator[None]:
+    """While open, every ``SyncBatchNorm`` of ``model`` runs as a plain ``_BatchNorm``: torch's refuses
+    any tensor but a GPU one (meta too) once a process group is open, as it is in ``sk.shard``."""
+    syncs = [m for m in model.modules() if isinstance(m, nn.SyncBatchNorm)]
+    for module in syncs:
+        module.forward = types.MethodType(_BatchNorm.forward, module)
+    try:
+        yield
+    finally:
+        for module in syncs:
+            del module.forward
+
+
 def run_on_meta(model: nn.Module, tensors: dict[str, torch.Tensor], inputs: tuple) -> Any:
     """``model(*inputs)`` with ``tensors`` in place of its parameters and buffers, inputs on meta
     (every alias of a tied parameter or a shared module sees its canonical name's tensor)."""
     meta_inputs = tuple(torch.empty_like(x, device="meta") if isinstance(x, torch.Tensor) else x for x in inputs)
-    with swapped(model, tensors):
+    with swapped(model, tensors), plain_batch_norms(model):
         return model(*meta_inputs)
 
 
-__all__ = ["meta_tensors", "run_on_meta", "swapped"]
+__all__ = ["meta_tensors", "plain_batch_norms", "run_on_meta", "swapped"]

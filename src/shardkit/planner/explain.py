@@ -36,6 +36,7 @@ from ..plan import Mesh, Plan, PlanWarning
 from ..plan.layout import ParamLayout, axes_of
 from ..plan.mesh import axis_role
 from ..plan.text import format_bytes
+from .batch_stats import batch_stats_lines
 from .hardware import Hardware
 from .model_checks import ModelFacts
 from .tensor_parallel import COLWISE, ROWWISE, aliases
@@ -84,6 +85,9 @@ def explain_plan(plan: Plan, model: Any, world_size: int | None = None, *, width
     console.print(_param_table(rows), "")
     for line in _totals(mesh, rows):
         console.print(line)
+    if isinstance(model, nn.Module):
+        for line in batch_stats_lines(plan.resolved(mesh.size), model):
+            console.print(line)
     for index, pattern in unused:
         console.print(f"unused rule #{index} {pattern!r} matches no parameter (a typo or a renamed module?)")
     if plan.pipeline is not None and isinstance(model, nn.Module):

@@ -19,6 +19,7 @@ from torch import nn
 from ..plan import Mesh, Plan, PlanError, PlanWarning, UsageError, param_shapes, resolve_layouts
 from ..plan.layout import LayoutResolution, axes_of
 from ..plan.mesh import is_model_axis
+from .batch_stats import batch_stats_problems
 from .model_checks import ModelFacts, analyse_model, recompute_problems
 from .stages import assign_stages
 from .tensor_parallel import aliases
@@ -68,6 +69,7 @@ def validate(plan: Plan, model: Any, world_size: int | None = None, *,
     facts = None
     if isinstance(model, nn.Module):
         problems += recompute_problems(model, plan.recompute)
+        problems += batch_stats_problems(plan, model, example_inputs)
         if plan.pipeline is not None:
             try:
                 assign_stages(model, plan.pipeline, mesh, example_inputs)

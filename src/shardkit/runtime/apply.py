@@ -25,6 +25,7 @@ from ..plan import Plan, PlanWarning, UsageError
 from ..planner.initialisation import uninitialised
 from ..planner.validate import validate
 from .accumulation import gradient_sync_deferred, micro_batches
+from .batch_stats import refuse_micro_batches
 from .context import Context, current_context
 from .materialize import WeightSource, open_weights
 from .parallelize import parallelize, with_mixin
@@ -51,6 +52,7 @@ class ShardedModule:
         last backward (:mod:`shardkit.runtime.accumulation`). Gradients and loss equal one step
         on the whole batch (for a ``loss_fn`` that averages over the batch).
         """
+        refuse_micro_batches(self, accumulate)
         *first, last = micro_batches(inputs, targets, accumulate)
         losses = []
         if first:

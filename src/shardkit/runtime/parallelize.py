@@ -28,9 +28,11 @@ from torch.distributed.tensor import DTensor, Shard
 from ..plan import Plan
 from ..plan.layout import ParamLayout
 from ..planner.model_checks import ModelFacts
+from .batch_stats import synchronise_batch_norms
 from .context import Context
 from .materialize import WeightSource, load_weights, materialize
 from .meshes import DataMesh, meshes_for
+from .outputs import install_plain_outputs
 from .precision import Precision
 from .recompute import apply_recompute
 from .tensor_parallel import apply_tensor_parallel
@@ -81,7 +83,10 @@ def parallelize(module: nn.Module, plan: Plan, ctx: Context, layouts: dict[str, 
         enable_context_parallel(module, meshes.axis("sp"), facts.causal_convs)
     if plan.recompute != "none":  # after tensor and context parallel, before FSDP2 wraps the blocks (torchtitan's order)
         apply_recompute(module, plan.recompute, facts.blocks, facts.attentions)
+    install_plain_outputs(module)  # before data parallel, whose hooks then see the plain outputs
     data = meshes.data()
+    # batch norms see the whole batch: statistics all-reduced over the ranks it is split over
+    synchronise_batch_norms(module, None if data is None else data.mesh)
     ddp = data is not None and _uses_ddp(module, plan, data, facts)
     if on_meta and (data is None or ddp):
         materialize(module, ctx.device, seed=seed, source=source)

@@ -36,6 +36,7 @@ from ..plan.layout import ParamLayout
 from ..planner.model_checks import ModelFacts
 from ..planner.pipeline_proof import decode_problems
 from ..planner.stages import StageAssignment, assign_stages
+from .batch_stats import refuse_micro_batches
 from .context import Context
 from .materialize import WeightSource
 from .parallelize import parallelize, with_mixin
@@ -122,6 +123,7 @@ class PipelinedModule:
         as ``k`` equal parts, one after another (each split into the pipeline's microbatches),
         with data-parallel gradients reduced once, in the last backward: the same gradients.
         """
+        refuse_micro_batches(self, self._sk_runtime.microbatches * accumulate)
         return self._sk_runtime.step(inputs, targets, loss_fn, accumulate)
 
 

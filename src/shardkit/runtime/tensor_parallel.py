@@ -229,18 +229,6 @@ def _retie(model: nn.Module, ties: tuple[tuple[str, ...], ...]) -> None:
             module._parameters[pname] = first
 
 
-def _plain_outputs(module: nn.Module, inputs: Any, output: Any) -> Any:
-    """Sequence-parallel models return ordinary tensors: DTensor outputs gathered and made local."""
-    if isinstance(output, DTensor):
-        return output.full_tensor()
-    if isinstance(output, tuple):
-        return type(output)(_plain_outputs(module, inputs, o) for o in output)
-    if isinstance(output, dict):
-        for key, value in output.items():
-            output[key] = _plain_outputs(module, inputs, value)
-    return output
-
-
 def prepare_shard(model: nn.Module, plan: AxisPlan) -> Permutations:
     """What comes before torch's styles, the same on every rank: the family's attribute changes
     (local head counts, GPT-2's ``split_size``) and packed weights permuted rank-major. Refuses
@@ -268,8 +256,6 @@ def apply_tensor_parallel(model: nn.Module, plan: AxisPlan, mesh: DeviceMesh) ->
         if split.copy_output and name in modules:
             modules[name].register_forward_hook(_own_output)  # after the style's hook: a copy of its view
     _retie(model, tuple(t for t in plan.ties if all(_has_parameter(model, n) for n in t)))
-    if plan.sequence_parallel:
-        model.register_forward_hook(_plain_outputs)
     return permutations
 
 

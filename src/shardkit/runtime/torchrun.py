@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from ..plan import Plan
 from .context import Context, device_for, run_job
+from .results import dumps, loads
 
 MIN_GROUP_TIMEOUT_S = 60.0  # a joined world's collectives time out no sooner (see _process_group_timeout)
 
@@ -92,10 +93,10 @@ def run_in_torchrun(fn: Callable[..., Any], plan: Plan | None, args: tuple, kwar
     device = device_for(dist.get_backend(), local_rank)
     ctx = Context(rank, world_size, local_rank, device, None if plan is None else plan.resolved(world_size))
     with _stacks_when_stopped(timeout):  # stuck anywhere, in a collective or not: its stack, then exit 1
-        value = run_job(ctx, fn, args, kwargs)
+        value = dumps(run_job(ctx, fn, args, kwargs))  # plain, finished tensors on the CPU
         gathered: list[Any] = [None] * world_size
         dist.all_gather_object(gathered, value)
-    return gathered
+    return [loads(data) for data in gathered]
 
 
 __all__ = ["in_torchrun", "run_in_torchrun"]

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
-import io
 import logging
 import math
 import numbers
@@ -44,6 +43,7 @@ from ..plan import Plan
 from ..plan.errors import ShardkitError, UsageError
 from .context import Context, default_backend, device_for, run_job
 from .processes import end_with_parent, exit_reason, last_line, lost_connection
+from .results import dumps, loads
 from .torchrun import in_torchrun, run_in_torchrun
 
 DEFAULT_TIMEOUT_S = 30 * 60.0  # a job still running after this is stopped, with every unfinished rank's stack
@@ -85,16 +85,6 @@ class WorldTimeout(WorldError):
                    f"timeout= (seconds) or timeout=None for no limit. Where each unfinished rank was")
         details = "\n".join(f"rank {rank}:\n{textwrap.indent(stack, '  ')}" for rank, stack in sorted(stacks.items()))
         super().__init__(min(stacks), details, summary)
-
-
-def _dumps(value: Any) -> bytes:
-    buffer = io.BytesIO()
-    torch.save(value, buffer)
-    return buffer.getvalue()
-
-
-def _loads(data: bytes) -> Any:
-    return torch.load(io.BytesIO(data), weights_only=False)
 
 
 def _check_timeout(timeout: Any, caller: str) -> None:
@@ -161,7 +151,7 @@ def _worker(rank: int, world_size: int, port: int, backend: str, threads: int, p
         try:
             fn, args, kwargs, plan = pickle.loads(payload)
             ctx = Context(rank, world_size, rank, device, plan)
-            results.put((job_id, rank, True, _dumps(run_job(ctx, fn, args, kwargs))))
+            results.put((job_id, rank, True, dumps(run_job(ctx, fn, args, kwargs))))
         except BaseException:  # report everything, including KeyboardInterrupt, then keep serving
             results.put((job_id, rank, False, traceback.format_exc()))
     dist.barrier()  # leave together: see _close_joined_world
@@ -261,7 +251,7 @@ class LocalWorld:
                 continue
             if not ok:
                 raise self._stopped(self._failure(rank, data))
-            values[rank] = _loads(data)
+            values[rank] = loads(data)
         return [values[r] for r in range(self.size)]
 
     def _dead_ranks(self, wait: float = 0.0) -> list[int]:
