@@ -9,8 +9,8 @@ batch is split over (the data mesh FSDP2/DDP reduce gradients over, one all-redu
 
 - in forward, each channel's sum and the count of values, then the sum of squared deviations
   from the global mean (two passes, as exact as one process's);
-- in backward, the gradients of both sums (summed over the ranks),
-  so every input's gradient is the one-process gradient of the whole batch;
+- in backward, the gradients of both sums (funcol's all-reduce is differentiable: each rank's
+  loss depends on every rank's inputs), so every input's gradient is one process's;
 - the running mean and the running variance (unbiased: the global count ``n``, ``n / (n - 1)``),
   so every rank keeps one process's running statistics.
 
@@ -23,35 +23,18 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
+from torch.distributed import _functional_collectives as funcol
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..plan import UsageError
 from ..planner.batch_stats import synchronisable
 
 
-class _Summed(torch.autograd.Function):
-    """A sum over the ranks of ``group``; its gradient is the sum of every rank's gradient (each rank's
-    loss depends on every rank's input). torch's ``torch.distributed.nn.all_reduce`` did this but is
-    deprecated, and funcol's ``all_reduce`` has no gradient."""
-
-    @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group = group
-        tensor = tensor.clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(tensor, group=group)
-        return tensor
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _Summed.apply(grad.contiguous(), ctx.group), None
-
-
 def _reduced(tensor: torch.Tensor, groups: list[Any]) -> torch.Tensor:
     """The sum of ``tensor`` over every rank of ``groups`` (one mesh dim each), differentiable."""
     for group in groups:
-        tensor = _Summed.apply(tensor, group)
+        tensor = funcol.all_reduce(tensor, "sum", group)  # its gradient: every rank's gradient summed
     return tensor
 
 

@@ -8,6 +8,12 @@ comparison sharp: rounding differences do not compound over the steps (AdamW tur
 different sign of a near-zero gradient into a full step of ``lr``), so an error shows at the
 step where it happens, in bf16 as clearly as in fp32. This is how silent engine bugs (for
 example FSDP2 summing gradients on gloo where it should average) are caught.
+
+Buffers are compared too, per rank (a running statistic or a step counter the forward updates
+must equal one process's on every rank), each step recomputed from the sharded run's buffers
+as from its weights. Dropout is off on both sides (:class:`~shardkit.runtime.dropout_off.DropoutOff`):
+a sharded run cannot draw one process's random masks, so with dropout the two would differ by
+the randomness, not by the sharding; the result says so in ``notes``.
 """
 
 from __future__ import annotations
@@ -24,9 +30,11 @@ from ..families import family_of
 from ..plan import Plan, PlanError, UsageError
 from ..planner.tensor_parallel import aliases
 from .context import Context
+from .dropout_off import DropoutOff
 from .materialize import materialize
 from .optimizer import optimizer as optimizer_for
 from .precision import DTYPES, Precision, mixed_precision_backward
+from .results import finished
 from .verify_inputs import (
     batch_pair,
     check_lr,
@@ -80,6 +88,8 @@ class StepDiff:
     weight: float
     worst_grad: str
     worst_weight: str
+    buffer: float = 0.0
+    worst_buffer: str = "-"
 
 
 @dataclass(frozen=True)
@@ -88,7 +98,8 @@ class VerifyResult:
 
     ``losses`` are the single process's; ``float32_gap`` (mixed precision only) is the largest
     difference of the sharded run's first gradients from float32 ones: what the policy costs,
-    and the proof that it was applied.
+    and the proof that it was applied. ``notes``: how the comparison was made where it differs
+    from training (dropout switched off on both sides).
     """
 
     ok: bool
@@ -97,14 +108,16 @@ class VerifyResult:
     losses: list[float] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     float32_gap: float | None = None
+    notes: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
         head = f"verify {'OK' if self.ok else 'FAILED'} (tolerances: {self.tolerances})"
         rows = [f"  step {s.step}: loss {s.loss:.2e}  grad {s.grad:.2e} ({s.worst_grad})  "
-                f"weight {s.weight:.2e} ({s.worst_weight})" for s in self.steps]
+                f"weight {s.weight:.2e} ({s.worst_weight})"
+                + (f"  buffer {s.buffer:.2e} ({s.worst_buffer})" if s.worst_buffer != "-" else "") for s in self.steps]
         if self.float32_gap is not None:
             rows.append(f"  mixed precision: first gradients differ from float32 by up to {self.float32_gap:.2e}")
-        return "\n".join([head, *rows, *[f"  ! {p}" for p in self.problems]])
+        return "\n".join([head, *rows, *[f"  note: {n}" for n in self.notes], *[f"  ! {p}" for p in self.problems]])
 
 
 def _make_optimizer(name: str, model: nn.Module, lr: float) -> torch.optim.Optimizer:
@@ -138,11 +151,14 @@ class _SingleProcess:
         self.aliases = aliases(self.model)
         self.batch, self.loss_fn, self.lr, self.precision = batch, loss_fn, lr, precision
         self.optimizer = _make_optimizer(optimizer, self.model, lr)
+        self.dropouts = 0  # dropout calls switched off in the last backward
 
     def backward(self, precision: Precision | None = None) -> tuple[float, dict[str, torch.Tensor]]:
-        """(loss, gradients) at the current weights, in ``precision`` (default: the plan's)."""
+        """(loss, gradients) at the current weights, in ``precision`` (default: the plan's), dropout off."""
         self.optimizer.zero_grad()
-        loss = mixed_precision_backward(self.model, *self.batch, self.loss_fn, precision or self.precision)
+        with DropoutOff() as off:
+            loss = mixed_precision_backward(self.model, *self.batch, self.loss_fn, precision or self.precision)
+        self.dropouts = off.calls
         return loss.item(), {n: torch.zeros_like(p) if p.grad is None else p.grad.clone()
                              for n, p in self.params.items()}
 
@@ -150,6 +166,16 @@ class _SingleProcess:
         with torch.no_grad():
             for name, value in weights.items():
                 self.params[name].copy_(value)
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        return {n: b.detach().clone() for n, b in self.model.named_buffers()}
+
+    def load_buffers(self, buffers: dict[str, torch.Tensor]) -> None:
+        own = dict(self.model.named_buffers())
+        with torch.no_grad():
+            for name, value in buffers.items():
+                if name in own and own[name].shape == value.shape:
+                    own[name].copy_(value)
 
     def update(self, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """One optimizer step from the current weights with ``grads``; returns the new weights."""
@@ -169,10 +195,12 @@ def _sharded_job(ctx: Context, build_model, batch, loss_fn, steps, optimizer, lr
     records = []
     for _ in range(steps):
         opt.zero_grad()
-        loss = model.step(inputs, targets, loss_fn)
+        with DropoutOff():
+            loss = model.step(inputs, targets, loss_fn)
         grads = full_grads(model)
         opt.step()
-        records.append({"loss": loss.item(), "grads": grads, "weights": full_state_dict(model)})
+        buffers = {n: finished(b).clone() for n, b in model.named_buffers()}
+        records.append({"loss": loss.item(), "grads": grads, "weights": full_state_dict(model), "buffers": buffers})
     return records
 
 
@@ -202,11 +230,11 @@ def _match_names(per_rank: list[list[dict]], aliases: dict[str, str]) -> tuple[d
 
 
 def _gather(per_rank: list[list[dict]], step: int, key: str) -> dict[str, torch.Tensor]:
-    """``{sharded name: tensor}`` of ``key`` ("grads" or "weights") at ``step``, merged over the ranks."""
+    """``{sharded name: tensor}`` of ``key`` ("grads", "weights", "buffers") at ``step``, merged over the ranks."""
     merged: dict[str, torch.Tensor] = {}
     for records in per_rank:
         if step < len(records):
-            merged.update(records[step][key])
+            merged.update(records[step].get(key, {}))
     return merged
 
 
@@ -252,7 +280,33 @@ def _compare_step(step: int, reference: _SingleProcess, first: tuple[float, dict
     problems = [f"step {step}: {', '.join(bad)} out of tolerance"] if bad else []
     if not compared:
         problems.append(f"step {step}: no parameter was compared (the sharded run reported none that the model has)")
-    return StepDiff(step, loss, g, w, worst_grad, worst_weight), problems
+    b, worst_buffer, buffer_problems = _compare_buffers(step, reference.buffers(), per_rank, tol)
+    return StepDiff(step, loss, g, w, worst_grad, worst_weight, b, worst_buffer), problems + buffer_problems
+
+
+def _compare_buffers(step: int, expected: dict[str, torch.Tensor], per_rank: list[list[dict]],
+                     tol: dict[str, float]) -> tuple[float, str, list[str]]:
+    """Every rank's buffers after ``step`` against one process's (``expected``), within the gradients' bounds
+    (``grad + grad_rel * max|expected|``): (max |diff|, where, problems naming each buffer and rank)."""
+    worst, where, problems = 0.0, "-", []
+    for rank, records in enumerate(per_rank):
+        for name, value in (records[step].get("buffers", {}) if step < len(records) else {}).items():
+            if name not in expected:
+                problems.append(f"step {step}: buffer {name!r} (rank {rank}) is not a buffer of build_model()'s model")
+                continue
+            reference = expected[name].float()
+            if value.shape != reference.shape:
+                problems.append(f"step {step}: buffer {name!r} (rank {rank}) has shape {list(value.shape)}, one "
+                                f"process's {list(reference.shape)}")
+                continue
+            diff = (value.float() - reference).abs().max().item() if value.numel() else 0.0
+            bound = tol["grad"] + tol["grad_rel"] * (reference.abs().max().item() if value.numel() else 0.0)
+            if not diff <= bound:  # NaN fails too
+                problems.append(f"step {step}: buffer {name!r} (rank {rank}) differs from one process's by "
+                                f"{diff:.3g} (tolerance {bound:.3g})")
+            if diff > worst or diff != diff or where == "-":
+                worst, where = diff, f"{name}, rank {rank}"
+    return worst, where, problems
 
 
 def _compare(reference: _SingleProcess, first: tuple[float, dict[str, torch.Tensor]], per_rank: list[list[dict]],
@@ -267,6 +321,7 @@ def _compare(reference: _SingleProcess, first: tuple[float, dict[str, torch.Tens
     for step in range(steps):
         if step:
             reference.load(_by_reference(_gather(per_rank, step - 1, "weights"), names))
+            reference.load_buffers(_gather(per_rank, step - 1, "buffers"))
             first = reference.backward()
         diff, step_problems = _compare_step(step, reference, first, per_rank, names, tol)
         diffs.append(diff)
@@ -320,8 +375,9 @@ def verify(build_model: Callable[[], nn.Module], plan: Plan, batch: tuple[Any, A
     from ..planner.validate import validate
 
     model = meta_model(build_model)
-    # a model of no known family is run on a sample of the batch, not on a guessed input (its stages' order)
-    example = (inputs[:1],) if family_of(model).name == "chain" else None
+    # a model of no known family is run on two samples of the batch, not on a guessed input (its stages' order;
+    # a batch norm in training needs more than one value per channel)
+    example = (inputs[:2],) if family_of(model).name == "chain" else None
     validate(plan, model, world_size=world_size, example_inputs=example)
     check_token_ids(model, inputs)
     problems = plan.resolved(world_size).batch_problems(len(inputs), int(inputs.shape[1]) if inputs.dim() >= 2 else None)
@@ -330,11 +386,17 @@ def verify(build_model: Callable[[], nn.Module], plan: Plan, batch: tuple[Any, A
     # The single process runs step 0 before any process starts, so a wrong loss_fn is reported here.
     reference = _SingleProcess(build_model, (inputs, targets), checked_loss(loss_fn), optimizer, lr,
                                Precision.of(plan.fsdp))
+    start = reference.buffers()
     float32_grads = reference.backward(Precision())[1] if plan.fsdp.mixed_precision else None
+    reference.load_buffers(start)  # that forward updated running statistics: step 0 starts from the same ones
     first = reference.backward()
     per_rank = launch(_sharded_job, plan, build_model, (inputs, targets), loss_fn, steps, optimizer, lr, example,
                       world=world, world_size=world_size)
     result = _compare(reference, first, per_rank, steps, tol)
+    if reference.dropouts:
+        result.notes.append(f"dropout off on both sides ({reference.dropouts} dropout call(s) with p > 0 per step): a "
+                            f"sharded run cannot draw one process's random masks, so the computation is compared "
+                            f"without them")
     if float32_grads is not None:
         result = _check_precision_applied(result, plan, float32_grads, per_rank, reference.aliases)
     return result
