@@ -244,3 +244,43 @@ def test_a_wrong_gradient_under_bf16_fails(world):
     result = sk.verify(build_tiny_gpt, plan, tokens(8, 32), loss_fn=gradient_scaled_on_rank_one, steps=1,
                        world=world(2))
     assert not result.ok and result.problems[0].startswith("step 0: gradient of ")  # the loss alone looks right
+
+
+# -- buffers and dropout ---------------------------------------------------------------------------
+class SampleCounter(torch.nn.Module):
+    """Counts the samples its forward sees in a buffer: under dp=2 each rank sees half of them."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = torch.nn.Linear(4, 2)
+        self.register_buffer("seen", torch.zeros(()))
+
+    def forward(self, x):
+        self.seen += x.shape[0]
+        return self.linear(x)
+
+
+def build_dropout_mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Dropout(0.5), torch.nn.Linear(32, 4))
+
+
+def test_a_buffer_that_differs_from_one_process_fails_naming_it(world):
+    # Before: parameters only; the counter, 64 short on every rank, passed.
+    batch = (torch.randn(128, 4, generator=torch.Generator().manual_seed(0)), torch.zeros(128, 2))
+    result = sk.verify(SampleCounter, DP2, batch, loss_fn=F.mse_loss, steps=1, world=world(2))
+    assert not result.ok
+    assert result.problems == [f"step 0: buffer 'seen' (rank {rank}) differs from one process's by 64 (tolerance 0.0128)"
+                               for rank in (0, 1)]
+
+
+def test_a_model_with_dropout_is_verified_with_dropout_off_on_both_sides(world):
+    # Before: "step 0: loss, gradient of 3.weight out of tolerance" (each rank drew its own masks).
+    g = torch.Generator().manual_seed(2)
+    plan = sk.Plan(mesh=sk.Mesh(fsdp=2))
+    result = sk.verify(build_dropout_mlp, plan, (torch.randn(16, 8, generator=g), torch.randn(16, 4, generator=g)),
+                       loss_fn=F.mse_loss, steps=2, world=world(2))
+    assert result.ok, result
+    assert result.notes and result.notes[0].startswith("dropout off on both sides (1 dropout call(s) with p > 0")
+    assert "note: dropout off on both sides" in str(result)

@@ -356,7 +356,10 @@ def verify(build_model: Callable[[], nn.Module], plan: Plan, batch: tuple[Any, A
     Tolerances: fp32 :data:`TOLERANCES` (loss 1e-5; gradients 1e-5 + 1e-4 x max|grad| per
     parameter; weights 0.01 x lr); with mixed precision :func:`mixed_precision_tolerances`
     (bf16: loss 3.1%; gradients 1e-5 + 7.8% x max|grad|; weights 0.01 x lr), and a check that
-    the policy was applied. ``tolerances={"grad": ...}`` overrides any of them.
+    the policy was applied. ``tolerances={"grad": ...}`` overrides any of them. Every rank's buffers
+    are compared after each step within the gradients' bounds, each named where it differs.
+    Dropout is off on both sides (a sharded run cannot draw one process's masks); ``result.notes``
+    says so when the model has any.
 
     >>> result = verify(build_tiny_gpt, Plan(mesh=Mesh(fsdp=2)), (x, y), loss_fn=gpt_loss)  # doctest: +SKIP
     >>> result.ok  # doctest: +SKIP
