@@ -60,9 +60,12 @@ class Watchman:
     """The process that ends every descendant of a world's workers: when :meth:`end` is called,
     or when the process that made it dies (even by SIGKILL).
 
-    >>> watchman = Watchman(new_token())      # doctest: +SKIP
+    >>> watchman = Watchman(new_token())
+    >>> worker = subprocess.Popen(["sleep", "60"], start_new_session=True)
     >>> watchman.watch(worker.pid)            # each worker, once started
     >>> watchman.end()                        # the world is over: nothing of it is left running
+    >>> worker.wait()
+    -9
     """
 
     def __init__(self, token: str):
@@ -166,16 +169,20 @@ def sweep(workers: dict[int, int], token: str) -> None:
 
 
 def _watch(token: str) -> None:
-    """The watchman's life: record worker pids read from stdin until ``end`` or end-of-file, then sweep."""
+    """The watchman's life: record worker pids read from stdin until ``end``, end-of-file or
+    SIGTERM, then sweep."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit())
     workers: dict[int, int] = {}
-    for line in sys.stdin:
-        if line.strip() == "end":
-            break
-        pid = int(line)
-        stat = _stat(pid)
-        workers[pid] = -1 if stat is None else stat[3]  # -1: no /proc, or already gone
-    sweep(workers, token)
+    try:
+        for line in sys.stdin:
+            if line.strip() == "end":
+                break
+            pid = int(line)
+            stat = _stat(pid)
+            workers[pid] = -1 if stat is None else stat[3]  # -1: no /proc, or already gone
+    finally:
+        sweep(workers, token)
 
 
 if __name__ == "__main__":
