@@ -72,10 +72,10 @@ def test_a_job_may_start_dataloader_workers_and_subprocesses_and_they_end_with_t
     sleep = _sleep_marker()
     pids: list[int] = []
     try:
-        per_rank = launch(start_descendants, None, str(tmp_path), sleep, "return", None, world_size=2, timeout=120)
+        # one rank: its DataLoader's workers are spawned (a rank's default), each importing torch
+        [started] = launch(start_descendants, None, str(tmp_path), sleep, "return", None, world_size=1, timeout=120)
         pids = _recorded(tmp_path)
-        assert [len(p) for p in per_rank] == [PROCESSES_PER_RANK] * 2 and sorted(sum(per_rank, [])) == sorted(pids)
-        assert len(set(pids)) == 2 * PROCESSES_PER_RANK  # two distinct DataLoader workers per rank
+        assert started == pids and len(set(pids)) == PROCESSES_PER_RANK  # two distinct DataLoader workers
         assert _left_running(pids, sleep, within=5) == []
     finally:
         _kill_leftovers(pids, sleep)
