@@ -83,7 +83,7 @@ def test_a_job_may_start_dataloader_workers_and_subprocesses_and_they_end_with_t
 
 @pytest.mark.parametrize(("then", "error", "words"), [
     ("raise", WorldError, "the rank fails with its processes running"),
-    ("hang", WorldTimeout, "did not finish within its timeout of 8 s"),
+    ("hang", WorldTimeout, "did not finish within its timeout of 12 s"),
     ("kill", WorldError, "was killed by SIGKILL"),
 ])
 def test_what_a_rank_started_ends_when_the_rank_raises_hangs_or_is_killed(then, error, words, tmp_path):
@@ -92,7 +92,7 @@ def test_what_a_rank_started_ends_when_the_rank_raises_hangs_or_is_killed(then, 
         world = LocalWorld(2)
         world.run(pid, timeout=120)  # started: the timeout below counts from the job's start only
         with pytest.raises(error, match=words):
-            world.run(start_descendants, str(tmp_path), sleep, then, timeout=8)
+            world.run(start_descendants, str(tmp_path), sleep, then, timeout=12)
         pids = _recorded(tmp_path)
         assert not world.alive and len(pids) == 2 * PROCESSES_PER_RANK
         assert _left_running(pids, sleep, within=5) == []
