@@ -8,7 +8,7 @@ costs seconds), and on any failure stop every process and raise the failing rank
 Faults (see docs/faults.md): every job has a timeout (:data:`DEFAULT_TIMEOUT_S` unless told
 otherwise) after which the stack of every unfinished rank is shown and the world stopped; a
 rank that dies is named rather than the peer that lost its connection to it; workers end with
-their parent, however it ends.
+their parent, however it ends, and whatever a worker starts ends with the world (descendants.py).
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ import torch.multiprocessing as mp
 from ..plan import Plan
 from ..plan.errors import ShardkitError, UsageError
 from .context import Context, default_backend, device_for, run_job
+from .descendants import Watchman, lead_descendants, new_token
 from .processes import end_with_parent, exit_reason, last_line, lost_connection
 from .results import dumps, loads
 from .torchrun import in_torchrun, run_in_torchrun
@@ -128,8 +129,9 @@ def _unpicklable_part(fn: Callable[..., Any], args: tuple, kwargs: dict, plan: P
 
 
 def _worker(rank: int, world_size: int, port: int, backend: str, threads: int, parent: tuple[int, bool],
-            stack_file: str, jobs, results) -> None:
+            stack_file: str, jobs, results, token: str) -> None:
     end_with_parent(*parent)
+    lead_descendants(token)  # what this worker starts ends with the world: see descendants.py
     # faulthandler keeps the file open; the parent reads it when a job times out
     faulthandler.register(STACK_SIGNAL, file=open(stack_file, "w"), all_threads=True)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -166,7 +168,8 @@ def _worker(rank: int, world_size: int, port: int, backend: str, threads: int, p
 class LocalWorld:
     """A persistent world of ``size`` local processes (gloo on CPU, NCCL with enough GPUs).
 
-    The processes end with the one that started them, however it ends (even SIGKILL).
+    The processes end with the one that started them, however it ends (even SIGKILL), and so
+    does every process they start (a DataLoader's workers, a subprocess).
 
     >>> def hello(ctx):
     ...     return ctx.rank
@@ -195,14 +198,17 @@ class LocalWorld:
         for r in range(self.size):
             self._stack_file(r).touch()
         parent = (os.getpid(), threading.current_thread() is threading.main_thread())
+        token = new_token()
+        self._watchman = Watchman(token)
         self._procs = [
             ctx.Process(target=_worker, args=(r, self.size, self._store.port, self.backend, self.threads, parent,
-                                              str(self._stack_file(r)), self._jobs[r], self._results),
+                                              str(self._stack_file(r)), self._jobs[r], self._results, token),
                         daemon=True, name=f"shardkit-rank{r}")
             for r in range(self.size)
         ]
         for p in self._procs:
             p.start()
+            self._watchman.watch(p.pid)
 
     def _stack_file(self, rank: int) -> Path:
         return self._stack_dir / f"rank{rank}.txt"
@@ -314,8 +320,11 @@ class LocalWorld:
         return error
 
     def close(self, force: bool = False) -> None:
-        """Stop the processes (politely unless ``force``; killed after a grace period)."""
-        if not force:
+        """Stop the processes (politely unless ``force``; killed after a grace period), and every
+        process they started."""
+        if force:  # at once, while each worker's tree is whole
+            self._watchman.end()
+        else:
             for q in self._jobs:
                 q.put(None)
         deadline = time.monotonic() + (0 if force else STOP_GRACE_S)
@@ -325,6 +334,7 @@ class LocalWorld:
             if p.is_alive():
                 p.kill()
                 p.join(5)
+        self._watchman.end()  # what the workers left behind
         self._procs = []
         self._remove_stack_dir()  # also done if the world is never closed, at collection or exit
 
