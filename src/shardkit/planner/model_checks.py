@@ -227,9 +227,7 @@ def _module_stack(model: nn.Module, stack: list[str]) -> Iterator[None]:
 
 def shard_problems(model: nn.Module, family: Family, layouts: dict[str, ParamLayout], plans: list[AxisPlan],
                    example_inputs: tuple | None = None) -> list[str]:
-    """Run one tensor-parallel shard of ``model`` on meta tensors at its local shapes
-    (:func:`~shardkit.planner.one_rank.one_rank`, whole weights inside split modules as DTensor's
-    global shapes are).
+    """Run one tensor-parallel shard of ``model`` on meta tensors at its local shapes.
 
     Code that reshapes with a global size (OPT's ``view(bsz, -1, self.num_heads, head_dim)``)
     either fails here or, worse, silently folds the split into another dim on the real run; the
