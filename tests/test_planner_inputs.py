@@ -178,8 +178,9 @@ def test_the_experts_are_counted_in_the_analysis(qwen3_moe):
     router = 2 * hidden * experts
     per_expert = 2 * hidden * 2 * inner + 2 * inner * hidden
     assert a.block.flops_per_token["mlp"] == router + top * per_expert
-    with pytest.raises(sk.PlanError, match="moe_tp_experts"):
-        a.tp_rules()  # asked for, the rules that cannot be read are named
+    # transformers' plan is read (it was refused for its experts' module style, moe_tp_experts): the
+    # stacked expert weights split on their own dims
+    assert a.tp_rules().lookup("model.layers.0.mlp.experts.down_proj")[1] == (None, None, "tp")
 
 
 # -- shardkit plan --rules -------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from model_zoo import (
+    MIXTRAL_ATTENTION_RULES,
     build_bert,
     build_gemma,
     build_gpt2,
@@ -316,12 +317,44 @@ def test_bad_arguments_are_named():
         sk.infer_tp_rules(nn.Linear(2, 2), example_inputs=(torch.zeros(1, 3),))
 
 
-def test_a_mixture_of_experts_is_refused_naming_the_experts_and_what_to_do():
-    """Routing is data-dependent: the trace fails on meta; the refusal names the expert weights
-    (not the kernel's dtype complaint) and the rules that work (checked in test_validated_models)."""
-    with pytest.raises(sk.PlanError, match=r"MixtralForCausalLM routes tokens to experts "
-                                           r"\(model\.layers\.0\.mlp\.experts\.gate_up_proj.*replicate the experts"):
-        sk.infer_tp_rules(meta_model(build_mixtral))
+def test_a_mixture_of_experts_has_its_attention_split_and_its_experts_replicated():
+    """The trace failed in torch's meta kernel of grouped_mm ("Expected inputs of BF16 type") and was
+    refused; now the experts run on meta (families/on_meta.py) and the rules are those the refusal
+    advised writing by hand (MIXTRAL_ATTENTION_RULES, checked in test_validated_models), with the
+    embedding and head split over the vocabulary."""
+    rules = sk.infer_tp_rules(meta_model(build_mixtral))
+    model = meta_model(build_mixtral)
+    for name, _ in model.named_parameters():
+        inferred = rules.lookup(name)[1]
+        by_hand = sk.LayoutMap(MIXTRAL_ATTENTION_RULES).lookup(name)[1]
+        assert inferred == by_hand or name in ("model.embed_tokens.weight", "lm_head.weight"), name
+    assert rules.lookup("model.layers.0.mlp.experts.gate_up_proj")[1] is None
+    assert rules.lookup("lm_head.weight")[1] == ("tp", None)
+
+
+def test_a_module_whose_input_cannot_be_known_is_asked_for_it():
+    """A guessed input ([1, in_features] of the first Linear it found) failed inside the model with
+    its own error; shardkit now asks for example_inputs before running anything."""
+    conv_first = nn.Sequential(nn.Conv1d(3, 8, 3), nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    with pytest.raises(sk.UsageError, match=r"first layer with parameters is a Conv1d.*pass example_inputs="):
+        sk.infer_tp_rules(conv_first)
+
+    class TwoInputs(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8)
+
+        def forward(self, x, mask):
+            return self.down(self.up(x) * mask)
+
+    with pytest.raises(sk.UsageError, match=r"TwoInputs.forward takes 2 required arguments \(x, mask\).*"
+                                            r"pass example_inputs="):
+        sk.infer_tp_rules(TwoInputs())
+    given = (torch.zeros(2, 5, 3), torch.zeros(2, 1, 16))
+    with pytest.raises(sk.PlanError, match=r"example inputs of shapes \[\[2, 5, 3\], \[2, 1, 16\]\]"):
+        sk.infer_tp_rules(TwoInputs(), example_inputs=given)  # the model's own error, with what was given
+    rules = sk.infer_tp_rules(TwoInputs(), example_inputs=(torch.zeros(2, 8), torch.zeros(2, 1)))
+    assert rules.lookup("down.weight")[1] == (None, "tp")
 
 
 # -- the command line -------------------------------------------------------------------------------

@@ -268,9 +268,10 @@ def plan_from_args(args: argparse.Namespace, entry: ModelEntry) -> tuple[Plan, i
 
 
 def inferred_rules(name: str, entry: ModelEntry, mesh: Mesh) -> LayoutMap | None:
-    """With a ``tp`` axis and no built-in or transformers rules: the rules inferred from the model's
-    dataflow (:func:`shardkit.planner.tp_infer.infer_tp_rules`), said on stderr with every rule."""
-    if "tp" not in mesh:
+    """With a ``tp`` axis larger than 1 and no built-in or transformers rules: the rules inferred from
+    the model's dataflow (:func:`shardkit.planner.tp_infer.infer_tp_rules`), said on stderr with every
+    rule. A ``tp`` axis of size 1 splits nothing and needs no rules."""
+    if mesh.size_of("tp") == 1:
         return None
     try:
         rules = infer_tp_rules(meta_model_from_flag(name, entry))

@@ -22,7 +22,7 @@ from torch import nn
 from ..plan import PlanError
 from .base import Family, ModelLayout, Unit
 from .modules import guess_input
-from .on_meta import meta_tensors, swapped
+from .on_meta import meta_kernels, meta_tensors, swapped
 
 
 class ChainFamily(Family):
@@ -66,23 +66,17 @@ def _chain_units(model: nn.Module) -> list[Unit]:
     return units
 
 
-def _run_on_meta(model: nn.Module, inputs: tuple, calls: list) -> tuple[Any, tuple]:
-    """The model's output on meta stand-ins of ``inputs`` (its own dtypes, else bfloat16: some meta
-    kernels take only that, torch 2.13's ``_grouped_mm`` of mixtures of experts), and those inputs."""
-    error = None
-    for dtype in (None, torch.bfloat16):
-        calls.clear()
-        meta_inputs = tuple(torch.empty(x.shape, dtype=dtype if dtype is not None and x.is_floating_point()
-                                        else x.dtype, device="meta") if isinstance(x, torch.Tensor) else x
-                            for x in inputs)
-        try:
-            with swapped(model, meta_tensors(model, dtype)):
-                return model(*meta_inputs), meta_inputs
-        except Exception as exc:  # any failure: try the other dtype, then report the first
-            error = error or exc
-    raise PlanError(f"could not run {type(model).__name__}.forward on meta tensors of shapes "
-                    f"{[tuple(x.shape) for x in inputs if isinstance(x, torch.Tensor)]} to find its execution order "
-                    f"({error}); pass example_inputs= to assign_stages/model_layout")
+def _run_on_meta(model: nn.Module, inputs: tuple) -> tuple[Any, tuple]:
+    """The model's output on meta stand-ins of ``inputs`` (its own dtypes; a float32 mixture of experts
+    runs under :func:`~shardkit.families.on_meta.meta_kernels`), and those inputs."""
+    meta_inputs = tuple(torch.empty_like(x, device="meta") if isinstance(x, torch.Tensor) else x for x in inputs)
+    try:
+        with swapped(model, meta_tensors(model)), meta_kernels():
+            return model(*meta_inputs), meta_inputs
+    except Exception as exc:  # the model's own error, reported with what was run
+        raise PlanError(f"could not run {type(model).__name__}.forward on meta tensors of shapes "
+                        f"{[tuple(x.shape) for x in inputs if isinstance(x, torch.Tensor)]} to find its execution "
+                        f"order ({exc}); pass example_inputs= to assign_stages/model_layout") from None
 
 
 def _chain_order(model: nn.Module, units: list[Unit], inputs: tuple) -> tuple[Unit, ...]:
@@ -97,7 +91,7 @@ def _chain_order(model: nn.Module, units: list[Unit], inputs: tuple) -> tuple[Un
 
         handles.append(module.register_forward_hook(post, with_kwargs=True))
     try:
-        output, meta_inputs = _run_on_meta(model, inputs, calls)
+        output, meta_inputs = _run_on_meta(model, inputs)
     finally:
         for handle in handles:
             handle.remove()

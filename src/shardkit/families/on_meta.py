@@ -1,7 +1,13 @@
-"""Running a model on stand-in tensors (meta, or copies in another dtype) for its parameters and buffers.
+"""Running a model on stand-in tensors (meta, or fake) for its parameters and buffers.
 
 Shapes, dtypes and autograd work on meta tensors; no memory is allocated and nothing is
 computed. Used to find a chain's execution order, to trace dataflow and to measure costs.
+
+Some torch meta kernels take fewer dtypes than the CPU and CUDA kernels do: torch 2.13's
+``_grouped_mm`` (transformers' mixture-of-experts layers) takes only bfloat16 on meta, where a
+float32 model runs on CPU. :func:`meta_call` is the one place that works around it (the product
+runs in bfloat16 and its output returns in the inputs' dtype: same shapes), used by
+:func:`run_on_meta`, :func:`meta_kernels` and shardkit's own dispatch modes.
 
 >>> import torch.nn as nn
 >>> net = nn.Sequential(nn.Linear(4, 3), nn.ReLU())
@@ -12,19 +18,62 @@ torch.Size([2, 3])
 from __future__ import annotations
 
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils._python_dispatch import TorchDispatchMode
+
+#: Operators whose meta kernel takes only bfloat16 (torch 2.13), where CPU and CUDA take float32 too.
+BFLOAT16_ONLY_ON_META = (torch.ops.aten._grouped_mm,)
+
+
+def meta_call(func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """``func(*args, **kwargs)`` for an ATen operator; one in :data:`BFLOAT16_ONLY_ON_META` with
+    floating inputs of another dtype runs in bfloat16, its output cast back to their dtype.
+
+    torch has no switch for this: its meta kernel of ``_grouped_mm`` checks the dtype, so a
+    float32 mixture of experts fails on meta ("Expected inputs of BF16 type") while it runs on CPU.
+
+    >>> a, b = torch.empty(8, 16, device="meta"), torch.empty(2, 16, 8, device="meta")
+    >>> offsets = torch.empty(2, dtype=torch.int32, device="meta")
+    >>> meta_call(torch.ops.aten._grouped_mm.default, (a, b), {"offs": offsets}).dtype
+    torch.float32
+    """
+    packet = getattr(func, "_overloadpacket", func)
+    first = args[0] if args else None
+    if packet not in BFLOAT16_ONLY_ON_META or not isinstance(first, torch.Tensor) or first.dtype == torch.bfloat16:
+        return func(*args, **kwargs)
+
+    def low(value: Any) -> Any:
+        return value.to(torch.bfloat16) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
+
+    out = func(*map(low, args), **{k: low(v) for k, v in kwargs.items()})
+    return out.to(first.dtype)
+
+
+class _MetaKernels(TorchDispatchMode):
+    """Routes every ATen operator through :func:`meta_call`."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        return meta_call(func, args, kwargs or {})
+
+
+@contextmanager
+def meta_kernels() -> Iterator[None]:
+    """While open, operators whose meta kernel takes fewer dtypes than the model's run as
+    :func:`meta_call` says (a float32 mixture of experts runs on meta)."""
+    with _MetaKernels():
+        yield
 
 
 def meta_tensors(model: nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """Meta stand-ins for every parameter (requiring grad) and buffer of ``model``, by canonical
     name (a tied parameter or a module used in two places: once, the aliases follow it); floating
-    ones in ``dtype`` when given (some meta kernels take only bfloat16: torch 2.13's ``_grouped_mm``)."""
+    ones in ``dtype`` when given."""
     def kind(t: torch.Tensor) -> torch.dtype:
         return dtype if dtype is not None and t.is_floating_point() else t.dtype
 
@@ -73,10 +122,12 @@ def plain_batch_norms(model: nn.Module) -> Iterator[None]:
 
 def run_on_meta(model: nn.Module, tensors: dict[str, torch.Tensor], inputs: tuple) -> Any:
     """``model(*inputs)`` with ``tensors`` in place of its parameters and buffers, inputs on meta
-    (every alias of a tied parameter or a shared module sees its canonical name's tensor)."""
+    (every alias of a tied parameter or a shared module sees its canonical name's tensor), under
+    :func:`meta_kernels`."""
     meta_inputs = tuple(torch.empty_like(x, device="meta") if isinstance(x, torch.Tensor) else x for x in inputs)
-    with swapped(model, tensors), plain_batch_norms(model):
+    with swapped(model, tensors), plain_batch_norms(model), meta_kernels():
         return model(*meta_inputs)
 
 
-__all__ = ["meta_tensors", "plain_batch_norms", "run_on_meta", "swapped"]
+__all__ = ["BFLOAT16_ONLY_ON_META", "meta_call", "meta_kernels", "meta_tensors", "plain_batch_norms", "run_on_meta",
+           "swapped"]

@@ -51,9 +51,10 @@ class ModelEntry:
         """The built-in rules, or ``None`` (nothing split by layout) when ``mesh`` has none of their axes:
         ``--mesh fsdp=2`` then means plain FSDP rather than an error about a missing ``tp`` axis. A model
         given by its builder path has the rules of transformers' own tensor-parallel plan when it is a
-        transformers model that has one (:meth:`LayoutMap.from_hf`), else none."""
+        transformers model that has one (:meth:`LayoutMap.from_hf`), else none; read only when ``tp``
+        splits something (a ``tp`` axis of size 1 needs no rules)."""
         rules = self.rules
-        if rules is None and "tp" in mesh:
+        if rules is None and mesh.size_of("tp") != 1:
             model = self.on_meta()
             rules = LayoutMap.from_hf(model) if hf_tp_plan(model) else None
         return rules if rules is not None and rules.axes() & set(mesh.names) else None

@@ -17,8 +17,15 @@ embedding_colwise                                       ``(None, axis)``
 sequence_parallel, replicate, replicated_with_grad_allreduce, local  ``None``
 ======================================================  =============================  ===========
 
-(GPT-2's ``Conv1D`` stores weights ``[in, out]``: its dims are swapped.) Styles with no
-equivalent (experts, MLA projections, ...) are refused with the entry named.
+(GPT-2's ``Conv1D`` stores weights ``[in, out]``: its dims are swapped.) An entry naming a
+parameter itself (a mixture of experts' ``mlp.experts.gate_up_proj``, stacked ``[experts, out,
+in]``) splits its ``out`` dim (column styles) or its ``in`` dim (row styles). A parameter takes
+the entry naming it, else its module's: a module style with no equivalent whose parameters all
+have entries of their own (Qwen3-MoE's ``moe_tp_experts`` on ``mlp.experts``: how the experts'
+outputs are combined, which :func:`shardkit.validate` decides from the layouts) adds no rule. A
+parameter whose entry has a style with no equivalent is refused, naming the parameter, the entry
+and the axis. A mesh whose ``tp`` axis has size 1 splits nothing and needs no rules: the command
+line reads the plan only when ``tp`` > 1.
 """
 
 from __future__ import annotations
@@ -89,43 +96,57 @@ def rules_from_hf(model: Any, axis: str = "tp") -> list[tuple[str, Any]]:
         raise PlanError(f"{type(model).__name__} has no tensor-parallel plan in transformers (config."
                         f"base_model_tp_plan / _tp_plan are empty): write layout rules for it, see "
                         f"docs/your-model.md")
-    names = [n for n, _ in model.named_parameters()]
+    shapes = {n: tuple(getattr(p, "shape", ())) for n, p in model.named_parameters()}
+    patterns = {key: plan_pattern(key) for key in plan}
+    # which entry gives each parameter its layout: an entry naming the parameter itself, else its module's
+    owner: dict[str, str] = {}
+    for key in plan:
+        for name in shapes:
+            if re.fullmatch(patterns[key], name):
+                owner[name] = key
+    for key in plan:
+        for name in shapes:
+            if name not in owner and re.fullmatch(patterns[key] + r"\.[^.]+", name):
+                owner[name] = key
     rules: dict[str, Any] = {}
     problems = []
-    for key, style in plan.items():
-        layouts = _layouts(style, axis)
-        if layouts is None:
-            problems.append(f"transformers plan entry {key!r}: style {style!r} has no shardkit equivalent; write a "
-                            f"rule for {key!r} yourself (or replicate it: layout None)")
+    for name, key in owner.items():
+        style = plan[key]
+        itself = re.fullmatch(patterns[key], name) is not None
+        kind = "weight" if itself else name.rpartition(".")[2]
+        if not _known(style):
+            problems.append(f"parameter {name!r}: transformers plan entry {key!r} has style {style!r}, which has no "
+                            f"shardkit equivalent over axis {axis!r}; write a rule for it yourself (or replicate "
+                            f"it: layout None), or use a mesh with {axis}=1, which needs no rules")
             continue
-        pattern = plan_pattern(key)
-        for name in names:
-            if re.fullmatch(pattern, name):  # the key names a parameter itself
-                rules[pattern] = layouts["weight"]
-                continue
-            match = re.fullmatch(pattern + r"\.([^.]+)", name)
-            if match is None:
-                continue
-            kind = match.group(1)
-            layout = layouts.get(kind)
-            if layout is not None and len(layout) == 2 and _stored_transposed(model, name.rpartition(".")[0]):
-                layout = layout[::-1]
-            rules[f"{pattern}\\.{re.escape(kind)}"] = layout
+        layout = _layout(style, kind, len(shapes[name]), axis)
+        if layout is not None and len(layout) == 2 and _stored_transposed(model, name.rpartition(".")[0]):
+            layout = layout[::-1]
+        rules[patterns[key] if itself else f"{patterns[key]}\\.{re.escape(kind)}"] = layout
     if problems:
         raise PlanError(problems)
     return [*sorted(rules.items()), (".*", None)]
 
 
-def _layouts(style: str, axis: str) -> dict[str, Any] | None:
-    if style in COLWISE_STYLES:
-        return {"weight": (axis, None), "bias": (axis,)}
-    if style in ROWWISE_STYLES:
-        return {"weight": (None, axis), "bias": None}
+def _known(style: str) -> bool:
+    return style in (*COLWISE_STYLES, *ROWWISE_STYLES, *REPLICATED_STYLES, *EMBEDDING_STYLES)
+
+
+def _layout(style: str, kind: str, ndim: int, axis: str) -> Any:
+    """The layout ``style`` gives a parameter of ``ndim`` dims (``kind``: ``weight``, ``bias`` or
+    another name). Weights store ``[..., out, in]`` (a Linear's ``[out, in]``; experts stacked as
+    ``[experts, out, in]``): column-parallel splits ``out``, row-parallel ``in``; a column-parallel
+    bias ``[..., out]`` is split with its output, a row-parallel one is added whole."""
+    def split(dim: int) -> tuple[str | None, ...]:
+        return tuple(axis if d == dim % ndim else None for d in range(ndim))
+
+    if style in REPLICATED_STYLES or ndim == 0 or kind not in ("weight", "bias"):
+        return None
     if style in EMBEDDING_STYLES:
-        return {"weight": (axis, None) if EMBEDDING_STYLES[style] == 0 else (None, axis)}
-    if style in REPLICATED_STYLES:
-        return {"weight": None, "bias": None}
-    return None
+        return split(EMBEDDING_STYLES[style]) if kind == "weight" else None
+    if style in COLWISE_STYLES:
+        return split(-1) if kind == "bias" or ndim == 1 else split(-2)
+    return None if kind == "bias" else split(-1)  # row-parallel
 
 
 __all__ = ["hf_tp_plan", "plan_pattern", "rules_from_hf"]

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..families.on_meta import swapped
+from ..families.on_meta import meta_kernels, swapped
 from ..plan import PlanError
 from .counters import EXTRA_FLOPS, saved_storages
 
@@ -148,36 +148,26 @@ def auto_split(costs: Sequence[UnitCost], stages: int, *, objective: str = "time
     )
 
 
-def _meta_like(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    kind = dtype if dtype is not None and t.is_floating_point() else t.dtype
-    return torch.empty(t.shape, dtype=kind, device="meta").requires_grad_(t.requires_grad)
-
-
-#: The dtype meta stand-ins take when the model's own fails on the meta device: torch's meta kernel of
-#: ``_grouped_mm`` (transformers' mixture-of-experts layers on the meta device) accepts only bfloat16
-#: (torch 2.13), where its CPU and CUDA kernels also take float32.
-META_FALLBACK_DTYPE = torch.bfloat16
+def _meta_like(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty(t.shape, dtype=t.dtype, device="meta").requires_grad_(t.requires_grad)
 
 
 def unit_costs(model: nn.Module, units: Sequence[tuple[str, Sequence[str]]], example_inputs: tuple) -> list[UnitCost]:
     """Measure every unit ``(name, module paths)`` for one forward of ``example_inputs`` on meta tensors.
 
-    A model that does not run on meta tensors of its own dtypes is measured with floating
-    tensors in :data:`META_FALLBACK_DTYPE`, activation bytes counted at the model's own width.
+    Operators whose meta kernel takes fewer dtypes than the model's (a float32 mixture of
+    experts) run as :func:`shardkit.families.on_meta.meta_call` says.
 
     >>> seq = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
     >>> [c.flops for c in unit_costs(seq, [("0", ["0"]), ("1", ["1"])], (torch.zeros(3, 4),))]
     [192, 96]
     """
     try:
-        flops, acts = _measure(model, units, example_inputs, None)
-    except Exception as exc:  # a meta kernel that refuses the model's dtype: measure again in bfloat16
-        try:
-            flops, acts = _measure(model, units, example_inputs, META_FALLBACK_DTYPE)
-        except Exception:
-            raise PlanError(f"cannot measure the pipeline units of {type(model).__name__} for the automatic split: "
-                            f"its forward does not run on meta tensors ({type(exc).__name__}: {exc}); split it "
-                            f"with split_points, stage_modules or the even split instead") from None
+        flops, acts = _measure(model, units, example_inputs)
+    except Exception as exc:  # the model's own error on meta tensors
+        raise PlanError(f"cannot measure the pipeline units of {type(model).__name__} for the automatic split: "
+                        f"its forward does not run on meta tensors ({type(exc).__name__}: {exc}); split it "
+                        f"with split_points, stage_modules or the even split instead") from None
     out = []
     for index, (name, paths) in enumerate(units):
         seen: dict[int, int] = {}
@@ -188,28 +178,24 @@ def unit_costs(model: nn.Module, units: Sequence[tuple[str, Sequence[str]]], exa
     return out
 
 
-def _measure(model: nn.Module, units: Sequence[tuple[str, Sequence[str]]], example_inputs: tuple,
-             dtype: torch.dtype | None) -> tuple[list[float], list[int]]:
-    """Forward FLOPs and saved activation bytes of every unit, with floating stand-ins in ``dtype``
-    (``None``: the model's own); bytes of ``dtype`` tensors are counted at the model's width."""
+def _measure(model: nn.Module, units: Sequence[tuple[str, Sequence[str]]], example_inputs: tuple
+             ) -> tuple[list[float], list[int]]:
+    """Forward FLOPs and saved activation bytes of every unit, on meta stand-ins."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    own = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    tensors = {n: _meta_like(p, dtype) for n, p in model.named_parameters()}
-    tensors.update({n: _meta_like(b, dtype) for n, b in model.named_buffers()})
+    tensors = {n: _meta_like(p) for n, p in model.named_parameters()}
+    tensors.update({n: _meta_like(b) for n, b in model.named_buffers()})
     excluded = {t.untyped_storage()._cdata for t in tensors.values()}
     flops = [0.0] * len(units)
     acts = [0] * len(units)
     current: list[int] = []
     counter = FlopCounterMode(display=False, custom_mapping=EXTRA_FLOPS)
-    # stand-ins in ``dtype`` are counted at the model's own width
-    scale = own.itemsize / dtype.itemsize if dtype is not None else 1.0
     booked: list[set[int]] = [set() for _ in units]
 
     def on_saved(key: int, nbytes: int) -> None:
         if current and key not in booked[current[-1]]:
             booked[current[-1]].add(key)
-            acts[current[-1]] += int(nbytes * scale)
+            acts[current[-1]] += nbytes
 
     handles = []
     for index, (_, paths) in enumerate(units):
@@ -225,9 +211,9 @@ def _measure(model: nn.Module, units: Sequence[tuple[str, Sequence[str]]], examp
                 current.pop()
 
             handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
-    meta_inputs = tuple(_meta_like(x, dtype) if isinstance(x, torch.Tensor) else x for x in example_inputs)
+    meta_inputs = tuple(_meta_like(x) if isinstance(x, torch.Tensor) else x for x in example_inputs)
     try:
-        with counter, saved_storages(on_saved, excluded), swapped(model, tensors):
+        with counter, saved_storages(on_saved, excluded), swapped(model, tensors), meta_kernels():
             model(*meta_inputs)
     finally:
         for handle in handles:
@@ -235,4 +221,4 @@ def _measure(model: nn.Module, units: Sequence[tuple[str, Sequence[str]]], examp
     return flops, acts
 
 
-__all__ = ["META_FALLBACK_DTYPE", "STATE_FACTOR", "DeviceModel", "SplitResult", "UnitCost", "auto_split", "stage_memory_fn", "unit_costs"]
+__all__ = ["STATE_FACTOR", "DeviceModel", "SplitResult", "UnitCost", "auto_split", "stage_memory_fn", "unit_costs"]

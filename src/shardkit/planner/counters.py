@@ -15,6 +15,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
+from ..families.on_meta import meta_call
+
 _aten = torch.ops.aten
 
 
@@ -89,19 +91,6 @@ def _tensors(value: object) -> list[torch.Tensor]:
     return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
-def _call(func, args: tuple, kwargs: dict):
-    """``func(*args, **kwargs)``; torch's grouped product (a mixture of experts' experts) has CPU and
-    meta kernels for bfloat16 only, so it runs in bfloat16 here and its output returns in the
-    inputs' dtype: the shapes, and so the FLOPs and bytes, are the same."""
-    if func._overloadpacket is not _aten._grouped_mm or args[0].dtype == torch.bfloat16:
-        return func(*args, **kwargs)
-    dtype = args[0].dtype
-    low = [a.to(torch.bfloat16) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
-    if isinstance(kwargs.get("bias"), torch.Tensor):
-        kwargs = {**kwargs, "bias": kwargs["bias"].to(torch.bfloat16)}
-    return func(*low, **kwargs).to(dtype)
-
-
 class OpCounter(TorchDispatchMode):
     """Books each ATen operator that launches a kernel (not in :data:`_NO_KERNEL`, not a view) as
     one call (``book(traffic)``), and, unless torch's FLOP counter prices it (matrix products,
@@ -120,7 +109,7 @@ class OpCounter(TorchDispatchMode):
         self.paused = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = _call(func, args, kwargs or {})
+        out = meta_call(func, args, kwargs or {})
         packet = func._overloadpacket
         if self.paused or func.is_view or packet in _NO_KERNEL:
             return out

@@ -18,10 +18,11 @@ probabilities, while CPU and GPU run a flash kernel that saves only the output a
 Fake CPU tensors dispatch as CPU tensors do, with shapes only. torch's counter has no formula for
 the CPU flash kernel, so it is given the one torch uses for the GPU flash kernel.
 
-A tensor-parallel rank is measured at its local shapes: split parameters get local stand-ins, the
-family's attribute changes are applied (local head counts), and where torch's styles gather an
-output (a column-parallel layer with no row-parallel partner) or split an input locally, a hook
-makes the same shapes, so a rank's FLOPs and saved bytes are what it computes and keeps.
+A tensor-parallel rank is measured at its local shapes (:mod:`shardkit.planner.one_rank`, the one
+simulation of what a rank sees): split parameters get local stand-ins, the family's attribute
+changes are applied (local head counts), and where torch's styles gather an output (a
+column-parallel layer with no row-parallel partner) or split an input locally, a hook makes the
+same shapes, so a rank's FLOPs and saved bytes are what it computes and keeps.
 """
 
 from __future__ import annotations
@@ -37,10 +38,11 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from ..families import Family
-from ..families.modules import is_conv1d, is_linear, is_norm
+from ..families.modules import is_linear, is_norm
 from ..families.on_meta import swapped
 from .counters import EXTRA_FLOPS, FUSED_ATTENTION, OpCounter, saved_storages
-from .tensor_parallel import COLWISE, DTENSOR, EMBED_COLWISE, ROWWISE, AxisPlan, aliases
+from .one_rank import one_rank, sliced_parameters
+from .tensor_parallel import AxisPlan, aliases
 
 COMPONENTS = ("attention_core", "attention", "mlp", "norm", "embedding", "logits", "other")
 
@@ -216,61 +218,6 @@ class _Recorder:
                 handle.remove()
 
 
-@contextmanager
-def _local_shard(model: nn.Module, plan: AxisPlan | None, counter: OpCounter) -> Iterator[None]:
-    """Make a model running on local stand-ins behave, at its boundaries, as one rank does under
-    torch's styles: attribute changes set (local head counts, GPT-2 ``Conv1D.nf``), gathered
-    outputs back to full width, locally split inputs cut to this rank's width.
-
-    The validator's one-shard run (:func:`shardkit.planner.model_checks.shard_problems`) keeps
-    full weights inside split modules, since it looks for reshapes, not costs; here the weights
-    themselves are local, so each split module computes exactly this rank's share. The stand-ins
-    run with ``counter`` paused: they are no operators of the model's own."""
-    if plan is None:
-        yield
-        return
-
-    def gathered(out: torch.Tensor, n: int) -> torch.Tensor:
-        with counter.pause():
-            return out.repeat(*([1] * (out.dim() - 1)), n)
-
-    def split_input(args: tuple, n: int) -> tuple:
-        with counter.pause():
-            return (args[0].narrow(-1, 0, args[0].shape[-1] // n).contiguous(), *args[1:])
-
-    modules = dict(model.named_modules())
-    saved = []
-    handles = []
-    changes = [(modules[c.module], c.attribute, c.local) for c in plan.changes]
-    for split in plan.splits.values():
-        module, size = modules[split.name], plan.size
-        if split.kind == COLWISE and is_conv1d(module):
-            changes.append((module, "nf", module.nf // size))
-        if (split.kind == COLWISE and split.gather_output) or split.kind == EMBED_COLWISE:
-            handles.append(module.register_forward_hook(lambda _m, _a, out, n=size: gathered(out, n)))
-        elif split.kind == ROWWISE and split.replicated_input:
-            handles.append(module.register_forward_pre_hook(lambda _m, args, n=size: split_input(args, n)))
-    for module, attribute, value in changes:
-        saved.append((module, attribute, getattr(module, attribute)))
-        setattr(module, attribute, value)
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
-        for module, attribute, value in saved:
-            setattr(module, attribute, value)
-
-
-def _local_dims(model: nn.Module, plan: AxisPlan | None) -> dict[str, int]:
-    """``{canonical parameter name: dim split}`` of the parameters this rank holds a slice of."""
-    if plan is None:
-        return {}
-    canonical = aliases(model)
-    return {canonical[f"{split.name}.{p}" if split.name else p]: dim for split in plan.splits.values()
-            if split.kind != DTENSOR for p, dim in split.placements.items() if dim is not None}
-
-
 def measure(model: nn.Module, family: Family, blocks: list[str], seq_len: int, dtype: torch.dtype,
             plan: AxisPlan | None = None, fsdp_dims: Mapping[str, int] | None = None) -> Measurement:
     """Run ``model`` once on token ids ``[1, seq_len]`` (fake CPU tensors, train mode) and, when its
@@ -287,7 +234,7 @@ def measure(model: nn.Module, family: Family, blocks: list[str], seq_len: int, d
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     canonical = aliases(model)
-    split_dims = _local_dims(model, plan)
+    split_dims = sliced_parameters(model, plan)
     size = plan.size if plan is not None else 1
     vocab = family.vocab_size(model)
     modes = [m.training for m in model.modules()]
@@ -313,7 +260,8 @@ def measure(model: nn.Module, family: Family, blocks: list[str], seq_len: int, d
         ops = OpCounter(recorder.book_op)
         ids = torch.zeros(1, seq_len, dtype=torch.long)
         stack.enter_context(swapped(model, tensors))
-        stack.enter_context(_local_shard(model, plan, ops))
+        stack.enter_context(one_rank(model, [plan] if plan is not None else [], local_weights=True,
+                                     bridge=ops.pause))
         stack.enter_context(recorder.hooks())
         stack.enter_context(counter)
         stack.enter_context(ops)

@@ -27,10 +27,9 @@ from ..families.modules import is_linear
 from ..plan import Plan, PlanError
 from ..plan.layout import ParamLayout
 from .dataflow import Mixes, Split, follow_split, meta_tensors, run_on_meta, trace
+from .one_rank import one_rank
 from .sequence_checks import CausalConv, context_parallel_checks, sequence_parallel_checks
 from .tensor_parallel import (
-    COLWISE,
-    ROWWISE,
     AxisPlan,
     axis_problems,
     plan_axis,
@@ -213,28 +212,9 @@ def _coprime_length(limit: int, product: int) -> int:
 
 
 @contextmanager
-def _as_one_shard(model: nn.Module, plans: list[AxisPlan], stack: list[str]) -> Iterator[None]:
-    """Set the attribute changes and hook what torch's styles do at the boundaries of split modules.
-
-    Inside a split module torch computes on DTensors, whose shapes are global (GPT-2's Conv1D
-    reshapes with its global width), so the module keeps its full weights here; what the rest
-    of the model sees is local: a column-parallel output that stays split is this rank's
-    slice, and a row-parallel layer fed by one takes that slice in."""
-    modules = dict(model.named_modules())
-    saved = []
+def _module_stack(model: nn.Module, stack: list[str]) -> Iterator[None]:
+    """While open, ``stack`` holds the names of the modules running (innermost last)."""
     handles = []
-    for plan in plans:
-        for change in plan.changes:
-            module = modules[change.module]
-            saved.append((module, change.attribute, getattr(module, change.attribute)))
-            setattr(module, change.attribute, change.local)
-        for name, split in plan.splits.items():
-            if split.kind == COLWISE and not split.gather_output:
-                handles.append(modules[name].register_forward_hook(
-                    lambda _m, _a, out, n=plan.size: out.narrow(-1, 0, out.shape[-1] // n)))
-            elif split.kind == ROWWISE and not split.replicated_input:
-                handles.append(modules[name].register_forward_pre_hook(
-                    lambda _m, args, n=plan.size: (args[0].repeat(*([1] * (args[0].dim() - 1)), n), *args[1:])))
     for name, module in model.named_modules():
         handles.append(module.register_forward_pre_hook(lambda _m, _a, n=name: stack.append(n)))
         handles.append(module.register_forward_hook(lambda _m, _a, _o: stack.pop() and None))
@@ -243,8 +223,6 @@ def _as_one_shard(model: nn.Module, plans: list[AxisPlan], stack: list[str]) -> 
     finally:
         for handle in handles:
             handle.remove()
-        for module, attribute, value in saved:
-            setattr(module, attribute, value)
 
 
 def shard_problems(model: nn.Module, family: Family, layouts: dict[str, ParamLayout], plans: list[AxisPlan],
@@ -265,7 +243,7 @@ def shard_problems(model: nn.Module, family: Family, layouts: dict[str, ParamLay
     stack: list[str] = []
     axes = ", ".join(f"{p.axis}={p.size}" for p in plans)
     try:
-        with _as_one_shard(model, plans, stack):
+        with one_rank(model, plans, local_weights=False), _module_stack(model, stack):
             run_on_meta(model, tensors, inputs)
     except Exception as exc:
         where = stack[-1] if stack else ""

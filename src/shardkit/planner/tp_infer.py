@@ -37,6 +37,7 @@ model, and DTensor's sharding propagation needs a placement to start from), so t
 
 from __future__ import annotations
 
+import inspect
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -48,8 +49,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from ..families import family_of
-from ..families.modules import is_linear, linear_dims
+from ..families import CHAIN, Family, family_of
+from ..families.modules import guess_input, is_linear, linear_dims
 from ..families.on_meta import meta_tensors, run_on_meta
 from ..plan import LayoutMap, PlanError, UsageError
 from ..plan.layout import Layout
@@ -361,19 +362,46 @@ def _rules(names: list[str], layouts: dict[str, Layout]) -> list[tuple[str, Layo
     return [*sorted(rules.items()), (".*", None)]
 
 
-def _expert_weights(model: nn.Module) -> list[str]:
-    """Names of ``model``'s mixture-of-experts weights: 3-D parameters under a module whose name
-    says experts (transformers' ``mlp.experts.gate_up_proj``, one matrix per expert)."""
-    return [name for name, param in model.named_parameters() if param.dim() == 3 and "expert" in name.lower()]
+def _inputs_guessed(model: nn.Module, family: Family, seq_len: int) -> tuple:
+    """The input ``model``'s family gives; for a model no family knows (a plain ``nn.Module``), the
+    guess of :func:`~shardkit.families.modules.guess_input`, taken only when its forward takes one
+    argument and its first layer with parameters is the one the guess is made for (an Embedding:
+    token ids; a Linear: features). Else :class:`UsageError` asking for ``example_inputs``."""
+    what = type(model).__name__
+    ask = "pass example_inputs=(one input batch,)"
+    if family is not CHAIN:
+        inputs = family.example_inputs(model, seq_len=seq_len)
+        if inputs is None:
+            raise UsageError(f"infer_tp_rules: shardkit does not know what {what} takes as input (family "
+                             f"{family.name!r}); {ask}")
+        return inputs
+    try:
+        signature = inspect.signature(model.forward)
+    except (TypeError, ValueError):  # a forward torch cannot describe: the guess is not checked against it
+        signature = None
+    required = [] if signature is None else [
+        n for n, p in signature.parameters.items() if p.default is p.empty and p.kind in
+        (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    first = next((m for m in model.modules() if next(m.parameters(recurse=False), None) is not None), None)
+    if signature is not None and len(required) != 1:
+        raise UsageError(f"infer_tp_rules: {what}.forward takes {len(required)} required arguments "
+                         f"({', '.join(required) or 'none'}), so shardkit cannot tell what to pass it; {ask}")
+    if not isinstance(first, (nn.Embedding, nn.Linear)):
+        found = "no parameters" if first is None else f"a {type(first).__name__}"
+        raise UsageError(f"infer_tp_rules: {what} is not a language model over token ids, and its first layer with "
+                         f"parameters is {found}: shardkit guesses an input only for a model starting with an "
+                         f"nn.Embedding (token ids) or an nn.Linear (features); {ask}")
+    return guess_input(model, seq_len)
 
 
 def infer_tp_rules(model: nn.Module, axis: str = "tp", example_inputs: tuple | None = None) -> LayoutMap:
     """Tensor-parallel layout rules over ``axis`` inferred from ``model``'s dataflow on the meta
     device: column/row pairs, packed projections, the vocabulary split of the input embedding
     and LM head; see :mod:`shardkit.planner.tp_infer`. ``example_inputs``: one input the model
-    takes, when its family does not say (token ids, or a feature vector for a model starting
-    with a Linear, are guessed). Raises :class:`~shardkit.plan.PlanError` naming why when no
-    column/row pair is found.
+    takes, when its family does not say: token ids, or a feature vector for a model whose forward
+    takes one argument and starts with a Linear, are guessed; any other model is refused with
+    :class:`~shardkit.plan.UsageError` asking for them. Raises :class:`~shardkit.plan.PlanError`
+    naming why when no column/row pair is found.
 
     >>> import shardkit as sk
     >>> net = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8))
@@ -387,31 +415,21 @@ def infer_tp_rules(model: nn.Module, axis: str = "tp", example_inputs: tuple | N
     if not isinstance(axis, str) or not axis:
         raise UsageError(f"infer_tp_rules(axis=...): axis must be a mesh axis name such as 'tp', got {axis!r}")
     family = family_of(model)
-    if example_inputs is None:
-        length = min(SEQ_LEN, family.max_positions(model) or SEQ_LEN)
-        example_inputs = family.example_inputs(model, seq_len=length)
-    inputs = example_inputs
     what = type(model).__name__
-    if inputs is None:
-        raise UsageError(f"infer_tp_rules: shardkit does not know what {what} takes as input (family "
-                         f"{family.name!r}); pass example_inputs=(one input batch,)")
+    guessed = example_inputs is None
+    inputs = _inputs_guessed(model, family, min(SEQ_LEN, family.max_positions(model) or SEQ_LEN)) if guessed \
+        else example_inputs
     if not isinstance(inputs, tuple):
         raise UsageError(f"infer_tp_rules(example_inputs=...): must be a tuple of the forward's positional "
                          f"arguments, got {type(inputs).__name__}")
     try:
         feeds = trace_feeds(model, inputs, family.vocab_size(model) if family.takes_token_ids(model) else None)
     except Exception as exc:  # the model's own error, named with what was run
-        experts = _expert_weights(model)
-        if experts:
-            raise PlanError(f"infer_tp_rules: {what} routes tokens to experts ({', '.join(experts[:2])}: one "
-                            f"weight per expert), a choice that depends on the data and cannot be traced on the "
-                            f"meta device ({type(exc).__name__}: {str(exc).splitlines()[0]}); shardkit has no "
-                            f"tensor-parallel layout for expert weights: write rules for the attention "
-                            f"yourself and replicate the experts (layout None), or shard the model with fsdp "
-                            f"instead") from None
-        raise PlanError(f"infer_tp_rules: the forward of {what} fails on meta tensors with example inputs of "
-                        f"shapes {[list(x.shape) for x in inputs if isinstance(x, torch.Tensor)]}: "
-                        f"{type(exc).__name__}: {exc}") from None
+        shapes = [list(x.shape) for x in inputs if isinstance(x, torch.Tensor)]
+        raise PlanError(f"infer_tp_rules: the forward of {what} fails on meta tensors with "
+                        f"{'inputs shardkit guessed' if guessed else 'example inputs'} of shapes {shapes}: "
+                        f"{type(exc).__name__}: {exc}" + ("; pass example_inputs=(one input batch,)" if guessed
+                                                          else "")) from None
     columns, why = pair_layers(model, feeds)
     if not columns:
         seen = "; ".join(f"{n!r}: {w}" for n, w in list(why.items())[:6]) or "the forward runs no nn.Linear or Conv1D"

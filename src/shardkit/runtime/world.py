@@ -312,8 +312,29 @@ class LocalWorld:
             previous, sizes = sizes, [f.stat().st_size for f in files]
             if all(sizes) and sizes == previous:
                 break
-        silent = f"(no stack: the process wrote none within {STACK_WAIT_S:g} s; it may still have been starting)"
-        return {rank: f.read_text().rstrip() or silent for rank, f in zip(ranks, files)}
+        return {rank: f.read_text().rstrip() or self._no_stack(rank) for rank, f in zip(ranks, files)}
+
+    def _no_stack(self, rank: int) -> str:
+        """What is known of a rank that wrote no stack when asked: the signal ended it (it had not yet
+        installed the handler: still starting), it had ended, it is stopped (a stopped process runs
+        no signal handler), or it is waiting in the kernel; from its exit code and Linux's
+        ``/proc/<pid>/stat``."""
+        proc = self._procs[rank]
+        if proc.exitcode == -STACK_SIGNAL:
+            return (f"(no stack: the process was still starting: it had not yet installed the handler that writes "
+                    f"its stack, so {STACK_SIGNAL.name}, which asks for it, ended it)")
+        if not proc.is_alive():
+            return f"(no stack: the process {exit_reason(proc.exitcode)} before it could write one)"
+        try:
+            state = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            state = "?"
+        known = {"T": "is stopped (SIGSTOP, SIGTSTP, SIGTTIN or SIGTTOU), and a stopped process runs no signal handler",
+                 "t": "is stopped by a debugger (traced), and a stopped process runs no signal handler",
+                 "D": "is waiting in the kernel (uninterruptible sleep: disk or network I/O), where it handles no signal",
+                 "Z": "had ended (a zombie)"}
+        what = known.get(state, f"wrote none within {STACK_WAIT_S:g} s of being asked (state {state})")
+        return f"(no stack: the process {what}; the world was stopped)"
 
     def _stopped(self, error: WorldError) -> WorldError:
         self.close(force=True)
