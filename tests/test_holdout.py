@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from shardkit.cli.job import load_job
 
 from shardkit.cli import main
-from shardkit.cli.job import load_job
 from shardkit.io.batch_stream import BatchStream
 from shardkit.io.data import TextShards
 from shardkit.io.shard_writer import write_shards
