@@ -315,3 +315,37 @@ def test_the_first_logged_step_counts_only_its_own_communication(tmp_path):
     sent = [line["comm_bytes"]["rank0"] for line in lines]
     # the gradients' all-reduce each step; DDP's second step also re-sends its bucket layout (a few hundred bytes)
     assert sent[0] == sent[2] and 0 <= sent[1] - sent[0] < 0.01 * sent[0], sent
+
+
+def test_the_docs_python_example_trains_with_sk_train(world, monkeypatch, capsys):
+    """docs/train.md's ``sk.train`` example, as written (on the shared world): every rank trains every step,
+    and its losses are those ``shardkit train`` reports for the same job."""
+    import shardkit.runtime.world as world_module
+
+    match = re.search(r"<!-- sk\.train -->\n```python\n(.*?)```", DOC.read_text(), re.S)
+    assert match, "docs/train.md lost its sk.train example"
+    monkeypatch.setattr(world_module, "LocalWorld", lambda size: _Lent(world(size)))
+    scope: dict = {}
+    exec(compile(match.group(1), "docs/train.md", "exec"), scope)
+    result = scope["result"]
+    assert len(result.stats) == 2 and len(result.losses) == 3 and result.tokens == 3 * 4 * 16
+    assert capsys.readouterr().out.startswith("shardkit train: gpt-tiny on Mesh(fsdp=2) (2 processes), 3 steps")
+    monkeypatch.setattr(train_cli, "LocalWorld", lambda size: _Lent(world(size)))
+    seen = []
+    monkeypatch.setattr(train_cli, "print_summary", lambda stats, *a, **k: seen.append(stats))
+    assert main(["train", "--model", "gpt-tiny", "--mesh", "fsdp=2", "--steps", "3", "--batch-size", "4",
+                 "--seq-len", "16", "--data-mb", "0.05", "--lr", "0.01"]) == 0
+    assert seen[0][0].losses == result.losses
+
+
+class _Lent:
+    """A shared world lent to a run that would start its own."""
+
+    def __init__(self, world):
+        self.world = world
+
+    def __enter__(self):
+        return self.world
+
+    def __exit__(self, *exc):
+        return None
