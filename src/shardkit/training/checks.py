@@ -63,7 +63,8 @@ def check_job(config: TrainConfig, plan: Plan, world_size: int) -> CheckedJob:
     try:
         validate(plan, model, world_size=world_size)
     except PlanError as exc:
-        raise with_rules_hint(exc, config.plan if isinstance(config.plan, PlanFlags) else None, config.model) from None
+        flags = PlanFlags() if config.plan is None else config.plan if isinstance(config.plan, PlanFlags) else None
+        raise with_rules_hint(exc, flags, config.model) from None
     if config.init_from is not None:
         open_weights(config.init_from, model)  # every name and shape, before any process starts
     elif config.build == "meta":
