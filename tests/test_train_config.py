@@ -18,7 +18,7 @@ import shardkit.cli.train as train_cli
 from shardkit.cli import build_parser, main
 from shardkit.models.gpt import GPT_RULES
 from shardkit.observe.metrics import METRICS_FILE
-from shardkit.plan import Mesh, Plan
+from shardkit.plan import Mesh, Plan, UsageError
 from shardkit.training.checks import check_job
 from shardkit.training.config import TrainConfig
 from shardkit.training.fields import FIELDS, JobError, load_job
@@ -349,3 +349,18 @@ class _Lent:
 
     def __exit__(self, *exc):
         return None
+
+
+def test_a_job_file_read_from_python_names_fields_by_their_python_names(tmp_path):
+    """TrainConfig.from_file: the file's fields, overridden by keyword; errors name each value where it was
+    written: the file's field, else the TrainConfig field (no flags in Python)."""
+    (tmp_path / "job.yaml").write_text("model: gpt-tiny\nsteps: 100\nplan: {mesh: {fsdp: 2}}\n"
+                                       "schedule: {warmup_steps: 20, min_lr: 0.0}\n")
+    config = TrainConfig.from_file(tmp_path / "job.yaml", steps=6, seq_len=16, batch_size=4)
+    assert (config.model, config.steps, config.plan.mesh, config.given("lr")) == ("gpt-tiny", 6, Mesh(fsdp=2), False)
+    with pytest.raises(JobError) as caught:
+        check_job(config, *job_plan(config))
+    assert str(caught.value) == (f"{tmp_path / 'job.yaml'}: schedule.warmup_steps=20 is not below steps=6, so the "
+                                 f"decay would never start; valid: 0..5")
+    with pytest.raises(UsageError, match="TrainConfig has no field stpes; valid: model, plan"):
+        TrainConfig.from_file(tmp_path / "job.yaml", stpes=6)
