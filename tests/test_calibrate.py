@@ -18,7 +18,8 @@ import shardkit.cli.calibrate as calibrate_cli
 import shardkit.observe.calibrate as calibrate_module
 import shardkit.observe.probes as probes
 from shardkit.cli import build_parser, main
-from shardkit.cli.options import model_from_flag, plan_from_args
+from shardkit.cli.options import model_from_flag
+from shardkit.cli.plan_flags import plan_from_args
 from shardkit.observe.calibrate import measure
 from shardkit.observe.fits import Fit, fit_alpha_beta, fit_residual
 from shardkit.observe.probes import Overlap

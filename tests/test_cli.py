@@ -13,9 +13,11 @@ from pathlib import Path
 import pytest
 
 import shardkit.cli.train as train_cli
+import shardkit.runtime.world as world_module
 from shardkit.cli import build_parser, main
 from shardkit.models.gpt import GPT_RULES
 from shardkit.runtime.world import WorldError
+from shardkit.training.checks import check_job
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -89,8 +91,8 @@ def test_defaults_apply_only_to_absent_flags():
     assert (default.mesh, default.seq_len, default.lr, default.timeout) == (None, None, 3e-3, 1800.0)
     given = build_parser().parse_args(["train", "--lr", "1e-2", "--seq-len", "16", "--timeout", "90"])
     assert (given.lr, given.seq_len, given.timeout) == (0.01, 16, 90.0)
-    assert train_cli.check_job(given, *train_cli.build_plan(given)).seq_len == 16
-    assert train_cli.check_job(default, *train_cli.build_plan(default)).seq_len == 128  # gpt-small's positions
+    assert check_job(train_cli.build_config(given), *train_cli.build_plan(given)).seq_len == 16
+    assert check_job(train_cli.build_config(default), *train_cli.build_plan(default)).seq_len == 128  # gpt-small's
 
 
 class _NoWorld:
@@ -113,7 +115,7 @@ def test_timeout_reaches_launch_and_a_failed_job_exits_1(monkeypatch, capsys, ar
         raise WorldError(-1, f"job did not finish within {timeout} s")
 
     monkeypatch.setattr(train_cli, "LocalWorld", _NoWorld)
-    monkeypatch.setattr(train_cli, "launch", failing_launch)
+    monkeypatch.setattr(world_module, "launch", failing_launch)
     code, _, err = _exit(["train", "--mesh", "fsdp=2", "--seq-len", "16", "--data-mb", "0.25", *argv], capsys)
     assert (code, seen["timeout"]) == (1, timeout)
     assert f"did not finish within {timeout} s" in err

@@ -15,13 +15,13 @@ import pytest
 import torch
 
 from shardkit.cli import main
-from shardkit.cli.job import load_job
 from shardkit.io.batch_stream import BatchStream
 from shardkit.io.data import TextShards
 from shardkit.io.shard_writer import write_shards
 from shardkit.io.sharded_data import ShardedDataset
 from shardkit.observe.metrics import METRICS_FILE
 from shardkit.plan import UsageError
+from shardkit.training.fields import load_job
 
 SOURCES = Path(__file__).parents[1] / "src" / "shardkit"
 

@@ -10,7 +10,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE = ROOT / "src" / "shardkit"
 #: The flow, lowest first: a package may import its own modules and packages of earlier layers only.
-LAYERS = (("plan",), ("families",), ("models",), ("planner", "io"), ("runtime",), ("observe", "checkpoint"), ("cli",))
+LAYERS = (("plan",), ("families",), ("models",), ("planner", "io"), ("runtime",), ("observe", "checkpoint"),
+          ("training",), ("cli",))
+#: The most lines a module may have: a longer one does more than one job.
+MAX_MODULE_LINES = 450
 #: Entry points above every layer (the lazy facade imports nothing at import time; ``python -m shardkit``).
 ENTRY_POINTS = {"shardkit", "shardkit.__main__"}
 
@@ -122,3 +125,9 @@ def test_architecture_doc_states_the_real_dependencies():
         actual.setdefault(_package(module), set()).update(_package(t) for t in imported)
     actual = {package: deps - {package} for package, deps in actual.items()}
     assert _documented_dependencies() == actual
+
+
+def test_no_module_is_longer_than_the_limit():
+    long = {str(path.relative_to(SOURCE.parent)): n for path in MODULES.values()
+            if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not long, f"modules over {MAX_MODULE_LINES} lines (split them by job): {long}"

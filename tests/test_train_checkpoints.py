@@ -131,6 +131,43 @@ def test_init_from_a_hf_folder_starts_from_its_weights_and_converts_back(train, 
     assert main(["checkpoint", "convert", str(tmp_path / "ck"), "--to", "hf", str(tmp_path / "out")]) == 2
 
 
+def test_init_from_a_folder_alone_builds_its_model_and_starts_from_its_weights(train, saved):
+    """No --model: the folder's config.json is the model (before: gpt-small, refused for 71 missing tensors)."""
+    batch = next(BatchStream.of(None, 32, 0, max_bytes=int(0.05 * 2**20)).batches(4, 1))
+    with torch.no_grad():
+        expected = model_entry("gpt2-tiny").loss_fn(_perturbed_gpt2()(batch.inputs), batch.targets).item()
+    code, losses, out = train(*SMALL, "--mesh", "fsdp=2", "--steps", "1", "--init-from", str(saved / "hf"))
+    assert code == 0 and abs(losses[0] - expected) <= 1e-5, (losses[0], expected, out)
+    assert f"shardkit train: {saved / 'hf'} on Mesh(fsdp=2)" in out
+
+
+def test_a_model_folder_is_built_from_its_config(saved, tmp_path, capsys, no_processes):
+    """--model DIR (and a job file's model: or init_from: alone) builds the model of the folder's config.json;
+    a folder without one is refused naming it."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from shardkit.cli import build_parser
+    from shardkit.training.checks import check_job
+    from shardkit.training.model import model_from_flag
+
+    folder = saved / "hf"
+    config = GPT2Config.from_pretrained(folder)
+    with torch.device("meta"):
+        reference = {n: p.shape for n, p in GPT2LMHeadModel(config).named_parameters()}
+    built = model_from_flag(str(folder)).on_meta()
+    assert {n: p.shape for n, p in built.named_parameters()} == reference
+    (tmp_path / "job.yaml").write_text(f"init_from: {folder}\nplan: {{mesh: {{fsdp: 2}}}}\n")
+    for argv in (["--model", str(folder), "--mesh", "fsdp=2"], ["--config", str(tmp_path / "job.yaml")]):
+        args = build_parser().parse_args(["train", *argv])
+        job = check_job(train_cli.build_config(args), *train_cli.build_plan(args))
+        assert job.config.model == str(folder) and job.seq_len == config.n_positions
+    (tmp_path / "empty").mkdir()
+    assert main(["train", "--model", str(tmp_path / "empty"), "--mesh", "fsdp=2"]) == 2
+    assert f"folder '{tmp_path / 'empty'}' has no config.json to build the model from" in capsys.readouterr().err
+    assert main(["train", "--init-from", str(tmp_path / "empty"), "--mesh", "fsdp=2"]) == 2
+    assert "has no config.json to build the model from" in capsys.readouterr().err
+
+
 def _uninitialised_model():
     from torch import nn
 

@@ -11,11 +11,12 @@ import torch
 import shardkit.cli.train as train_cli
 import shardkit.observe.memory as memory
 from shardkit.cli import build_parser, main
-from shardkit.cli.job import JobError
 from shardkit.models.gpt import GPT_RULES
 from shardkit.observe.memory import PeakMemory, state_bytes
 from shardkit.observe.report import loss_trend
 from shardkit.plan import LayoutMap, Mesh, Plan
+from shardkit.training.checks import check_job
+from shardkit.training.fields import JobError
 
 
 def _files(tmp_path):
@@ -123,7 +124,7 @@ def test_a_builder_path_must_read_bytes_and_say_its_positions(capsys, no_process
 def test_a_builder_path_takes_its_sizes_from_the_model_or_the_flags():
     def job(*argv: str):
         args = _args("--mesh", "fsdp=2", *argv)
-        return train_cli.check_job(args, *train_cli.build_plan(args))
+        return check_job(train_cli.build_config(args), *train_cli.build_plan(args))
 
     assert job("--model", "shardkit.models.gpt:build_small_gpt").seq_len == 128  # the reference GPT's config.seq_len
     assert job("--model", "cli_models:build_tiny_lm").seq_len == 32              # its position embedding

@@ -16,13 +16,15 @@ import pytest
 
 import shardkit.cli.train as train_cli
 from shardkit.cli import build_parser, main
-from shardkit.cli.job import FIELDS, JobError, load_job
-from shardkit.cli.train_step import lr_factor
-from shardkit.io.batch_stream import BatchStream
 from shardkit.models.gpt import GPT_RULES
 from shardkit.observe.metrics import METRICS_FILE
-from shardkit.plan import Mesh, Plan
-from shardkit.runtime.world import launch
+from shardkit.plan import Mesh, Plan, UsageError
+from shardkit.training.checks import check_job
+from shardkit.training.config import TrainConfig
+from shardkit.training.fields import FIELDS, JobError, load_job
+from shardkit.training.plans import job_plan
+from shardkit.training.run import train as sk_train
+from shardkit.training.step import lr_factor
 
 DOC = Path(__file__).parents[1] / "docs" / "train.md"
 SOURCES = Path(__file__).parents[1] / "src" / "shardkit"
@@ -41,7 +43,7 @@ def test_the_docs_complete_file_loads_every_field(tmp_path):
     every = {dest for dest, _ in FIELDS.values()}
     assert set(job) == every - {"init_from", "momentum", "eval_holdout"}   # eval.holdout: the other way to eval.data
     assert job["plan"] == Plan(mesh=Mesh(fsdp=2))
-    assert (job["lr"], job["betas"], job["grad_accum"], job["resume"]) == (3e-3, (0.9, 0.95), 2, train_cli.RESUME_FROM_DIR)
+    assert (job["lr"], job["betas"], job["grad_accum"], job["resume"]) == (3e-3, (0.9, 0.95), 2, True)
     assert job["data"] == tmp_path / "data" / "train"      # relative to the file's folder
     assert job["eval_data"] == tmp_path / "data" / "val"
 
@@ -152,17 +154,19 @@ def test_flags_given_win_over_the_file_and_defaults_do_not(tmp_path):
                                        "batch: {global: 4}\n")
 
     def merged(*flags: str):
-        args = build_parser().parse_args(["train", "--config", str(tmp_path / "job.yaml"), *flags])
-        plan, _ = train_cli.build_plan(args)
-        return args, plan
+        config = train_cli.build_config(build_parser().parse_args(["train", "--config", str(tmp_path / "job.yaml"),
+                                                                   *flags]))
+        plan, _ = job_plan(config)
+        return config, plan
 
-    args, plan = merged()
-    assert (args.steps, args.lr, args.batch_size, args.seed, plan.mesh) == (100, 0.01, 4, 0, Mesh(dp=2))
-    args, plan = merged("--steps", "60", "--lr", "0.5", "--mesh", "fsdp=2")   # 60 is --steps' default
-    assert (args.steps, args.lr, args.batch_size, plan.mesh) == (60, 0.5, 4, Mesh(fsdp=2))
-    assert type(args.steps) is int and type(args.seed) is int
-    job = train_cli.check_job(args, plan, 2)
-    assert (job.model, job.steps, job.lr, job.batch_size, job.seq_len) == ("gpt-tiny", 60, 0.5, 4, 32)
+    config, plan = merged()
+    assert (config.steps, config.lr, config.batch_size, config.seed, plan.mesh) == (100, 0.01, 4, 0, Mesh(dp=2))
+    config, plan = merged("--steps", "60", "--lr", "0.5", "--mesh", "fsdp=2")   # 60 is --steps' default
+    assert (config.steps, config.lr, config.batch_size, plan.mesh) == (60, 0.5, 4, Mesh(fsdp=2))
+    assert type(config.steps) is int and type(config.seed) is int
+    job = check_job(config, plan, 2)
+    assert (job.config.model, job.config.steps, job.config.lr, job.config.batch_size, job.seq_len) == \
+        ("gpt-tiny", 60, 0.5, 4, 32)
 
 
 def test_a_transformers_config_file_is_a_model(tmp_path):
@@ -172,8 +176,8 @@ def test_a_transformers_config_file_is_a_model(tmp_path):
     (tmp_path / "job.yaml").write_text("model: config.json\nplan: {mesh: {fsdp: 2}}\n")
     args = build_parser().parse_args(["train", "--config", str(tmp_path / "job.yaml"), "--mesh", "fsdp=2,tp=2"])
     plan, world_size = train_cli.build_plan(args)
-    job = train_cli.check_job(args, plan, world_size)
-    assert job.model == str(tmp_path / "config.json") and job.seq_len == tiny_llama_config().max_position_embeddings
+    job = check_job(train_cli.build_config(args), plan, world_size)
+    assert job.config.model == str(tmp_path / "config.json") and job.seq_len == tiny_llama_config().max_position_embeddings
     assert plan.rules is not None and "tp" in plan.rules.axes()   # transformers' own tensor-parallel plan
 
 
@@ -205,15 +209,14 @@ def _text_folders(tmp_path: Path) -> tuple[Path, Path]:
     return train, held_out
 
 
-def _losses(world, plan: Plan, job: train_cli.TrainJob) -> list[float]:
-    stats = launch(train_cli.train_job, plan, job, world=world)
-    return stats[0][0].losses
+def _losses(world, plan: Plan, job: TrainConfig) -> list[float]:
+    return sk_train(replace(job, plan=plan), world=world).losses
 
 
 def test_accumulation_clipping_and_schedule_equal_one_process(tmp_path, world):
     train, _ = _text_folders(tmp_path)
-    job = train_cli.TrainJob("gpt-tiny", BatchStream.of(train, 16, 0), steps=4, batch_size=4, seq_len=16, lr=3e-3,
-                             seed=0, warmup_steps=1, min_lr=3e-4, weight_decay=0.1, clip_grad_norm=0.5)
+    job = TrainConfig("gpt-tiny", data=train, steps=4, batch_size=4, seq_len=16, lr=3e-3, seed=0, warmup_steps=1,
+                      min_lr=3e-4, weight_decay=0.1, clip_grad_norm=0.5)
     one = _losses(world(1), Plan(mesh=Mesh(fsdp=1)), job)
     two = _losses(world(2), Plan(mesh=Mesh(fsdp=2)), replace(job, grad_accum=2))
     unclipped = _losses(world(1), Plan(mesh=Mesh(fsdp=1)), replace(job, clip_grad_norm=None))
@@ -312,3 +315,52 @@ def test_the_first_logged_step_counts_only_its_own_communication(tmp_path):
     sent = [line["comm_bytes"]["rank0"] for line in lines]
     # the gradients' all-reduce each step; DDP's second step also re-sends its bucket layout (a few hundred bytes)
     assert sent[0] == sent[2] and 0 <= sent[1] - sent[0] < 0.01 * sent[0], sent
+
+
+def test_the_docs_python_example_trains_with_sk_train(world, monkeypatch, capsys):
+    """docs/train.md's ``sk.train`` example, as written (on the shared world): every rank trains every step,
+    and its losses are those ``shardkit train`` reports for the same job."""
+    import shardkit.runtime.world as world_module
+
+    match = re.search(r"<!-- sk\.train -->\n```python\n(.*?)```", DOC.read_text(), re.S)
+    assert match, "docs/train.md lost its sk.train example"
+    monkeypatch.setattr(world_module, "LocalWorld", lambda size: _Lent(world(size)))
+    scope: dict = {}
+    exec(compile(match.group(1), "docs/train.md", "exec"), scope)
+    result = scope["result"]
+    assert len(result.stats) == 2 and len(result.losses) == 3 and result.tokens == 3 * 4 * 16
+    assert capsys.readouterr().out.startswith("shardkit train: gpt-tiny on Mesh(fsdp=2) (2 processes), 3 steps")
+    monkeypatch.setattr(train_cli, "LocalWorld", lambda size: _Lent(world(size)))
+    seen = []
+    monkeypatch.setattr(train_cli, "print_summary", lambda stats, *a, **k: seen.append(stats))
+    assert main(["train", "--model", "gpt-tiny", "--mesh", "fsdp=2", "--steps", "3", "--batch-size", "4",
+                 "--seq-len", "16", "--data-mb", "0.05", "--lr", "0.01"]) == 0
+    assert seen[0][0].losses == result.losses
+
+
+class _Lent:
+    """A shared world lent to a run that would start its own."""
+
+    def __init__(self, world):
+        self.world = world
+
+    def __enter__(self):
+        return self.world
+
+    def __exit__(self, *exc):
+        return None
+
+
+def test_a_job_file_read_from_python_names_fields_by_their_python_names(tmp_path):
+    """TrainConfig.from_file: the file's fields, overridden by keyword; errors name each value where it was
+    written: the file's field, else the TrainConfig field (no flags in Python)."""
+    (tmp_path / "job.yaml").write_text("model: gpt-tiny\nsteps: 100\nplan: {mesh: {fsdp: 2}}\n"
+                                       "schedule: {warmup_steps: 20, min_lr: 0.0}\n")
+    config = TrainConfig.from_file(tmp_path / "job.yaml", steps=6, seq_len=16, batch_size=4)
+    assert (config.model, config.steps, config.plan.mesh, config.given("lr")) == ("gpt-tiny", 6, Mesh(fsdp=2), False)
+    with pytest.raises(JobError) as caught:
+        check_job(config, *job_plan(config))
+    assert str(caught.value) == (f"{tmp_path / 'job.yaml'}: schedule.warmup_steps=20 is not below steps=6, so the "
+                                 f"decay would never start; valid: 0..5")
+    with pytest.raises(UsageError, match="TrainConfig has no field stpes; valid: model, plan"):
+        TrainConfig.from_file(tmp_path / "job.yaml", stpes=6)

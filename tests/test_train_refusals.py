@@ -9,7 +9,6 @@ import pytest
 
 import shardkit.cli.train as train_cli
 from shardkit.cli import build_parser, main
-from shardkit.cli.job import load_job
 from shardkit.cli.options import SEED_MAX, seed
 from shardkit.io.batch_stream import BatchStream
 from shardkit.io.data import TextShards
@@ -17,6 +16,9 @@ from shardkit.io.shard_writer import write_shards
 from shardkit.io.sharded_data import ShardedDataset
 from shardkit.models.gpt import GPT_RULES
 from shardkit.plan import LayoutMap, Mesh
+from shardkit.training.checks import check_job
+from shardkit.training.fields import load_job
+from shardkit.training.plans import job_plan
 
 TINY = ["train", "--model", "gpt-tiny", "--mesh", "fsdp=2", "--seq-len", "16", "--batch-size", "4"]
 
@@ -36,6 +38,12 @@ def _sharded(tmp_path: Path, shards: int = 1) -> Path:
 
 def _args(*argv: str):
     return build_parser().parse_args(["train", *argv])
+
+
+def _checked(args):
+    """The job ``shardkit train`` would launch for ``args``, checked."""
+    config = train_cli.build_config(args)
+    return check_job(config, *job_plan(config))
 
 
 # 1. seeds: 0 .. 2**64 - 1, what torch.Generator and the data take; beyond is refused by the flag and the field
@@ -80,8 +88,8 @@ def test_a_value_that_would_be_ignored_is_refused(tmp_path, capsys, no_processes
 def test_the_defaults_of_eval_batches_and_log_every_are_not_refused(tmp_path):
     args = _args("--model", "gpt-tiny", "--mesh", "fsdp=2", "--seq-len", "16", "--batch-size", "4",
                  "--data", str(_text(tmp_path / "text")))
-    job = train_cli.check_job(args, *train_cli.build_plan(args))
-    assert (job.eval_batches, job.log_every, job.log_dir, job.eval_data) == (1, 1, None, None)
+    job = _checked(args)
+    assert (job.config.eval_batches, job.config.log_every, job.config.log_dir, job.eval_data) == (1, 1, None, None)
 
 
 # 3. plan options as flags with the job file's plan: refused; --mesh/--plan replace the file's whole plan
@@ -128,11 +136,11 @@ def test_eval_batches_beyond_sharded_held_out_data_are_refused(tmp_path, capsys,
         f"repeat them; valid: --eval-batches 1..{last // 4}" in capsys.readouterr().err
     args = _args(*TINY[1:], "--data", str(train), "--eval-data", str(held), "--eval-every", "2",
                  "--eval-batches", str(fit))
-    assert train_cli.check_job(args, *train_cli.build_plan(args)).eval_batches == fit   # as many as fit: runs
+    assert _checked(args).config.eval_batches == fit   # as many as fit: runs
     text = _text(tmp_path / "text")   # random windows: any number of batches
     args = _args(*TINY[1:], "--data", str(train), "--eval-data", str(text), "--eval-every", "2",
                  "--eval-batches", "100000")
-    assert train_cli.check_job(args, *train_cli.build_plan(args)).eval_batches == 100000
+    assert _checked(args).config.eval_batches == 100000
 
 
 # 5. a held-out folder inside (or containing) the training folder
@@ -144,7 +152,7 @@ def test_held_out_data_inside_or_around_the_training_data_is_refused(tmp_path, c
         assert main(TINY + ["--data", str(data), "--eval-data", str(held), "--eval-every", "2"]) == 2
         assert f"--eval-data {held} {how} the training data --data {data}" in capsys.readouterr().err
     args = _args(*TINY[1:], "--data", str(train), "--eval-data", str(tmp_path / "data" / "val"), "--eval-every", "2")
-    assert train_cli.check_job(args, *train_cli.build_plan(args)).eval_data is not None   # siblings are fine
+    assert _checked(args).eval_data is not None   # siblings are fine
 
 
 # 6. a job file's plan mapping without rules gets the model's rules, as --mesh does
@@ -156,7 +164,7 @@ def test_a_file_plan_without_rules_gets_the_models_rules_as_the_mesh_flag_does(t
     plan, world_size = train_cli.build_plan(args)
     by_flag, _ = train_cli.build_plan(_args("--model", "gpt-tiny", "--mesh", "tp=2"))
     assert plan.rules == by_flag.rules == GPT_RULES
-    assert train_cli.check_job(args, plan, world_size).model == "gpt-tiny"   # validates: every parameter has a rule
+    assert check_job(train_cli.build_config(args), plan, world_size).config.model == "gpt-tiny"   # validates: every parameter has a rule
     (tmp_path / "job.yaml").write_text("model: gpt-tiny\nplan: {mesh: {tp: 2}, rules: [['.*', null]]}\n")
     plan, _ = train_cli.build_plan(_args("--config", str(tmp_path / "job.yaml")))
     assert plan.rules == LayoutMap([(".*", None)])   # rules given are kept
@@ -170,7 +178,7 @@ def test_an_interrupt_is_one_line_and_130(monkeypatch, capsys, no_processes):
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(train_cli, "check_job", interrupted)
+    monkeypatch.setattr(train_cli, "build_config", interrupted)
     assert main(TINY) == 130
     assert capsys.readouterr().err == "shardkit train: interrupted\n"
 
@@ -188,8 +196,8 @@ def test_plan_auto_takes_the_planners_accumulation_unless_it_is_given(monkeypatc
     monkeypatch.setattr(autoshard_module, "autoshard", lambda *args, **kwargs: [best])
     monkeypatch.setattr(plan_cli, "local_hardware", lambda world_size: None)
     monkeypatch.setattr(plan_cli, "candidates_text", lambda *args: "")
-    args = _args("--plan", "auto", "--model", "gpt-tiny", "--world-size", "2")
-    assert train_cli.build_plan(args) == (best.plan, 2) and args.grad_accum == 2   # the default 1 is not given
+    config = train_cli.build_config(_args("--plan", "auto", "--model", "gpt-tiny", "--world-size", "2"))
+    assert job_plan(config) == (best.plan, 2) and config.grad_accum == 2   # the default 1 is not given
     with pytest.raises(PlanError, match="no plan among the best 1 runs with --grad-accum 1"):
         train_cli.build_plan(_args("--plan", "auto", "--model", "gpt-tiny", "--world-size", "2", "--grad-accum", "1"))
 
@@ -215,4 +223,4 @@ def test_an_interval_longer_than_the_run_is_refused(tmp_path, capsys, no_process
     assert main(["train", "--config", str(job)]) == 2
     assert capsys.readouterr().err == f"shardkit train: {job}: {name}: {refusal.replace('--steps 2', 'steps=2')}\n"
     args = _args("--config", str(job), "--steps", "10")  # as long as the run: it acts at its last step
-    assert train_cli.check_job(args, *train_cli.build_plan(args)).steps == 10
+    assert _checked(args).config.steps == 10

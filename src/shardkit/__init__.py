@@ -52,6 +52,9 @@ _EXPORTS = {
     "held_activations": "shardkit.runtime.recompute",
     "clip_grad_norm_": "shardkit.runtime.clipping",
     "generate": "shardkit.runtime.generate",
+    # training: one job from one configuration
+    "train": "shardkit.training.run",
+    "TrainConfig": "shardkit.training.config",
     # grouped collectives (within the groups of a ReplicaGrouping, or of its transpose)
     "all_reduce": "shardkit.runtime.collectives",
     "all_gather": "shardkit.runtime.collectives",

@@ -22,15 +22,8 @@ from ..plan import PlanError, UsageError
 from ..planner.estimate import estimate
 from ..planner.explain import explain_plan
 from ..planner.hardware import PRESETS
-from .options import (
-    add_model_option,
-    add_plan_options,
-    meta_model_from_flag,
-    model_from_flag,
-    plan_from_args,
-    positive_int,
-    rules_hint,
-)
+from .options import add_model_option, meta_model_from_flag, model_from_flag, positive_int
+from .plan_flags import add_plan_options, plan_from_args, rules_hint
 
 DEFAULT_MODEL = "gpt-tiny"
 DEFAULT_WIDTH = 180

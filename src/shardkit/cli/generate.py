@@ -26,7 +26,7 @@ from ..checkpoint.manifest import CheckpointError, damage_message, model_mismatc
 from ..checkpoint.store import checkpoint_to_load, checkpoints_beside, load, model_parameters
 from ..families import token_sizes
 from ..models.registry import MODELS
-from ..plan import Mesh, Pipeline, Plan, PlanError, UsageError
+from ..plan import Pipeline, Plan, PlanError, UsageError
 from ..planner.meta import meta_model
 from ..planner.validate import validate
 from ..runtime.apply import shard
@@ -43,8 +43,6 @@ from ..runtime.materialize import open_weights
 from ..runtime.world import DEFAULT_TIMEOUT_S, WorldError, launch
 from .options import (
     add_model_option,
-    inferred_rules,
-    load_rules,
     meta_model_from_flag,
     model_from_flag,
     non_negative_int,
@@ -53,6 +51,7 @@ from .options import (
     positive_int,
     seed,
 )
+from .plan_flags import add_rules_option, model_rules, parse_mesh_flag
 
 DEFAULT_MESH = "tp=1"
 BYTE_VOCAB = 256  # shardkit's text data are bytes: token ids 0..255
@@ -90,8 +89,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--mesh", default=DEFAULT_MESH, metavar="AXES",
                         help=f"the mesh; only 'tp' and 'pp' (pipeline stages, split evenly) may be larger than 1 "
                              f"(default: {DEFAULT_MESH})")
-    parser.add_argument("--rules", type=path, metavar="FILE",
-                        help="JSON/YAML file: a list of [regex, layout] pairs (default: the model's rules)")
+    add_rules_option(parser)
     prompt = parser.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", metavar="TEXT",
                         help=f"text, as UTF-8 bytes (a byte-level model: vocabulary {BYTE_VOCAB}); printed as text")
@@ -130,15 +128,11 @@ def check_job(args: argparse.Namespace) -> tuple[Plan, GenerateJob]:
                          f"add --temperature X or drop {given}")
     entry = model_from_flag(args.model)
     model = meta_model_from_flag(args.model, entry)
-    try:
-        mesh = Mesh.parse(args.mesh)
-    except PlanError as exc:
-        raise PlanError(f"--mesh: {exc}") from None
+    mesh = parse_mesh_flag(args.mesh)
     if not mesh.is_resolved:
         raise PlanError(f"--mesh {args.mesh}: give every axis its size (no -1): generation starts one process per "
                         f"device of the mesh, e.g. --mesh tp=2")
-    rules = load_rules(args.rules) if args.rules is not None else \
-        entry.rules_for(mesh) or inferred_rules(args.model, entry, mesh)
+    rules = model_rules(args.model, entry, mesh, args.rules)
     pipeline = Pipeline(schedule="sequential") if mesh.size_of("pp") > 1 else None  # even stages, one batch
     plan = Plan(mesh=mesh, rules=rules, pipeline=pipeline).resolved(mesh.size)
     problems = generation_problems(plan)

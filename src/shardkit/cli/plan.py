@@ -35,7 +35,8 @@ from ..planner.autoshard import AXES, Candidates, autoshard
 from ..planner.catalogue import CATALOGUE
 from ..planner.costs import OPTIMIZER_STATES
 from ..planner.hardware import PRESETS, Hardware, hardware
-from .options import load_rules, model_from_flag, path, positive_int
+from .options import model_from_flag, path, positive_int
+from .plan_flags import add_rules_option, load_rules
 
 #: The local world's size when none is given (the world ``shardkit train`` starts with no flags).
 DEFAULT_LOCAL_WORLD = 4
@@ -66,9 +67,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="sequences per optimizer step, over all devices")
     parser.add_argument("--seq", type=positive_int, required=True, metavar="N", help="sequence length in tokens")
     parser.add_argument("--axes", metavar="AXES", help=f"axes to search, comma-separated (default: {','.join(AXES)})")
-    parser.add_argument("--rules", type=path, metavar="FILE",
-                        help="JSON/YAML file: a list of [regex, layout] pairs splitting the model over tp (default: "
-                             "the model's own rules); read only when tp is searched")
+    add_rules_option(parser, "; read only when tp is searched")
     parser.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATES), default="adamw")
     parser.add_argument("--top", type=positive_int, default=10, metavar="N", help="candidates shown (default 10)")
     parser.add_argument("--out", type=path, metavar="FILE", help="write the best plan (.yaml or .json)")

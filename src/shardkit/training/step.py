@@ -1,4 +1,4 @@
-"""One training step's parts for ``shardkit train``: the optimizer, the learning-rate schedule,
+"""One training step's parts (``sk.train``, ``shardkit train``): the optimizer, the learning-rate schedule,
 gradient accumulation, gradient-norm clipping, evaluation on held-out data, and the run's log.
 
 Accumulation and clipping are shardkit's own, pipeline-aware (``model.step(..., accumulate=k)``,

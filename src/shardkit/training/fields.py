@@ -1,9 +1,10 @@
-"""``shardkit train --config job.yaml``: one file for a whole training job, read strictly.
+"""The job file (``shardkit train --config job.yaml``, ``TrainConfig.from_file``): one file for a whole
+training job, read strictly, and the table of its fields.
 
 The file is pure data, checked as a Plan is: an unknown key is named with the valid ones, a
 value of the wrong type is named with what would be valid, and nothing is coerced (``"3e-3"``
-is text, not a number; ``"false"`` is not a boolean). Each field becomes the ``shardkit train``
-flag of the same meaning (:data:`FIELDS`); a flag given on the command line wins over the file.
+is text, not a number; ``"false"`` is not a boolean). Each field is the :class:`TrainConfig` field
+of the same meaning (:data:`FIELDS`), which the ``shardkit train`` flag of that name sets too.
 Relative paths in the file are read from the file's folder.
 
 >>> import tempfile, pathlib
@@ -15,7 +16,7 @@ Relative paths in the file are read from the file's folder.
 >>> load_job(folder / "bad.yaml")
 Traceback (most recent call last):
     ...
-shardkit.cli.job.JobError: job file ...: optimizer.lr must be a number > 0, got str '3e-3' (YAML reads 3e-3 as text: write 3.0e-3 or 0.003)
+shardkit.training.fields.JobError: job file ...: optimizer.lr must be a number > 0, got str '3e-3' (YAML reads 3e-3 as text: write 3.0e-3 or 0.003)
 
 A problem of the job as a whole is a :class:`JobError` (``shardkit train: ...``); only a file whose
 every problem lies in its ``plan`` is a :class:`PlanError` (``shardkit: invalid plan: ...``).
@@ -30,15 +31,15 @@ from typing import Any
 
 from ..plan import Plan, PlanError, UsageError
 from ..plan.files import _describe, known_keys, mapping, read_file
-from .options import SEED_MAX
 
 OPTIMIZERS = ("adamw", "sgd")
 BUILDS = ("meta", "full")
 DTYPES = ("bfloat16", "float16", "float32")
 #: ``plan: auto`` in a job file, as ``--plan auto``: the planner chooses.
 AUTO = "auto"
-#: ``checkpoint.resume: true``: continue from the latest checkpoint in ``checkpoint.dir``.
-RESUME_FROM_DIR = "<checkpoint.dir>"
+#: The largest seed: 64 bits, what ``torch.Generator.manual_seed`` (the text data's random windows, sampling)
+#: and the sharded data's epoch order take; module initialisation hashes the seed, so any integer works there.
+SEED_MAX = 2**64 - 1
 
 Check = Callable[[Any, str, Path], Any]
 
@@ -109,9 +110,10 @@ def _path(value: Any, where: str, base: Path) -> Path:
 
 
 def _model(value: Any, where: str, base: Path) -> str:
-    """A registered name or builder path as written; a ``.json`` transformers config relative to the file."""
+    """A registered name or builder path as written; a ``.json`` transformers config or a model folder
+    (with its ``config.json``) relative to the file."""
     text = _text(value, where, base)
-    return str(base / text) if text.endswith(".json") else text
+    return str(base / text) if text.endswith(".json") or (base / text).is_dir() else text
 
 
 def _betas(value: Any, where: str, base: Path) -> tuple[float, float]:
@@ -123,9 +125,10 @@ def _betas(value: Any, where: str, base: Path) -> tuple[float, float]:
     return betas
 
 
-def _resume(value: Any, where: str, base: Path) -> Path | str | None:
+def _resume(value: Any, where: str, base: Path) -> Path | bool | None:
+    """``true``: the latest checkpoint in ``checkpoint.dir``; ``false``: none; else a folder."""
     if value is True:
-        return RESUME_FROM_DIR
+        return True
     if value is False:
         return None
     valid = "true (the latest checkpoint in checkpoint.dir), false, or a folder"
@@ -151,8 +154,8 @@ def _plan(value: Any, where: str, base: Path) -> Plan | Path | str:
         raise PlanError([f"{where}: {problem}" for problem in exc.problems]) from None
 
 
-#: Every field of a job file: ``(section, key)`` (section ``None``: top level) -> the ``shardkit train``
-#: flag's destination and the check of its value.
+#: Every field of a job file: ``(section, key)`` (section ``None``: top level) -> the :class:`TrainConfig`
+#: field (and ``shardkit train`` flag destination) it sets, and the check of its value.
 FIELDS: dict[tuple[str | None, str], tuple[str, Check]] = {
     (None, "model"): ("model", _model),
     (None, "build"): ("build", _choice(BUILDS)),
@@ -192,7 +195,7 @@ SECTIONS = tuple(dict.fromkeys(section for section, _ in FIELDS if section is no
 
 
 def load_job(path: str | Path) -> dict[str, Any]:
-    """The fields of a job file as ``shardkit train`` flag destinations, each checked.
+    """The fields of a job file as :class:`TrainConfig` field names, each checked.
 
     A :class:`JobError` lists every problem, each naming its field (``optimizer.lr``) and what would
     be valid (a :class:`PlanError` when they all lie in ``plan``). Only the fields the file gives are
@@ -242,8 +245,8 @@ def _example(section: str) -> str:
 
 
 def field_names() -> dict[str, str]:
-    """Each ``shardkit train`` flag destination -> its job-file field as written (``schedule.min_lr``)."""
+    """Each :class:`TrainConfig` field -> its job-file field as written (``schedule.min_lr``)."""
     return {dest: key if section is None else f"{section}.{key}" for (section, key), (dest, _) in FIELDS.items()}
 
 
-__all__ = ["FIELDS", "JobError", "field_names", "load_job"]
+__all__ = ["FIELDS", "SEED_MAX", "JobError", "field_names", "load_job"]
