@@ -18,6 +18,11 @@ from typing import Any
 import torch
 from torch import nn
 
+#: The dtype meta stand-ins take when the model's own fails on the meta device: torch's meta kernel of
+#: ``_grouped_mm`` (transformers' mixture-of-experts layers on the meta device) accepts only bfloat16
+#: (torch 2.13), where its CPU and CUDA kernels also take float32.
+META_FALLBACK_DTYPE = torch.bfloat16
+
 
 def meta_tensors(model: nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """Meta stand-ins for every parameter (requiring grad) and buffer of ``model``, by canonical
@@ -63,4 +68,4 @@ def run_on_meta(model: nn.Module, tensors: dict[str, torch.Tensor], inputs: tupl
         return model(*meta_inputs)
 
 
-__all__ = ["meta_tensors", "run_on_meta", "swapped"]
+__all__ = ["META_FALLBACK_DTYPE", "meta_tensors", "run_on_meta", "swapped"]

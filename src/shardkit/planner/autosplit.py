@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..families.on_meta import swapped
+from ..families.on_meta import META_FALLBACK_DTYPE, swapped
 from ..plan import PlanError
 from .counters import EXTRA_FLOPS, saved_storages
 
@@ -151,12 +151,6 @@ def auto_split(costs: Sequence[UnitCost], stages: int, *, objective: str = "time
 def _meta_like(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     kind = dtype if dtype is not None and t.is_floating_point() else t.dtype
     return torch.empty(t.shape, dtype=kind, device="meta").requires_grad_(t.requires_grad)
-
-
-#: The dtype meta stand-ins take when the model's own fails on the meta device: torch's meta kernel of
-#: ``_grouped_mm`` (transformers' mixture-of-experts layers on the meta device) accepts only bfloat16
-#: (torch 2.13), where its CPU and CUDA kernels also take float32.
-META_FALLBACK_DTYPE = torch.bfloat16
 
 
 def unit_costs(model: nn.Module, units: Sequence[tuple[str, Sequence[str]]], example_inputs: tuple) -> list[UnitCost]:
