@@ -22,10 +22,14 @@ a way no slicing makes right                      the parameter, the op and the 
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
+from ..families.on_meta import meta_tensors, swapped
 from ..plan.layout import ParamLayout
 from .split_activations import MIXED, SLICED, SUMMED, WHOLE, Use, follow_splits
 from .tensor_parallel import DTENSOR, AxisPlan, aliases
@@ -67,7 +71,73 @@ def follow_axis(model: nn.Module, plan: AxisPlan, layouts: dict[str, ParamLayout
                             f"over {plan.axis!r} that no tensor-parallel style covers (run on DTensors with whole "
                             f"inputs) and {found} lined up with activations split over {plan.axis!r}; valid: split "
                             f"only those (their other parameters layout None)")
+    problems += _dtensor_problems(model, [n for n, s in splits.items() if s.kind == DTENSOR], layouts, plan.axis,
+                                  inputs, dtype)
     return replace(plan, splits=splits, summed=tuple(summed), sliced=tuple(sorted(sliced.items()))), problems
+
+
+class _AtenOps(TorchDispatchMode):
+    """The aten ops each of some modules runs (with a tensor argument), by module name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.module: str | None = None
+        self.ops: dict[str, list[Any]] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if self.module is not None and any(isinstance(t, torch.Tensor) for t in tree_flatten((args, kwargs))[0]):
+            found = self.ops.setdefault(self.module, [])
+            if func not in found:
+                found.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+def _has_strategy(op: Any) -> bool:
+    """Whether torch's DTensor runs ``op`` by a sharding strategy, one that weighs every argument's
+    placement. Its convolution goes to a handler of its own (``_tp_conv``), made for an input split
+    along a spatial dim: a split weight reaches the local kernel at a wrong shape."""
+    from torch.distributed.tensor import DTensor
+
+    dispatcher = DTensor._op_dispatcher
+    propagator = dispatcher.sharding_propagator
+    return op not in dispatcher._custom_op_handlers and (
+        op in propagator.op_strategy_funcs or op in getattr(propagator, "op_single_dim_strategy_funcs", {}))
+
+
+def _dtensor_problems(model: nn.Module, names: list[str], layouts: dict[str, ParamLayout], axis: str,
+                      inputs: tuple, dtype: torch.dtype | None) -> list[str]:
+    """Modules with parameters split by their layout that no tensor-parallel style covers run on
+    DTensors (whole inputs, split parameters): refused where an op of their forward, seen on meta,
+    has no DTensor sharding strategy (it would fail in the workers, or compute at a wrong shape)."""
+    if not names:
+        return []
+    record = _AtenOps()
+    handles = []
+    for name in names:
+        module = model.get_submodule(name)
+        handles += [module.register_forward_pre_hook(lambda _m, _a, name=name: setattr(record, "module", name)),
+                    module.register_forward_hook(lambda _m, _a, _o: setattr(record, "module", None))]
+    try:
+        with swapped(model, meta_tensors(model, dtype)), record:
+            model(*(torch.empty_like(x, device="meta") if isinstance(x, torch.Tensor) else x for x in inputs))
+    except Exception:  # the model's own error: the other checks report it
+        return []
+    finally:
+        for handle in handles:
+            handle.remove()
+    problems = []
+    for name, ops in record.ops.items():
+        missing = [str(op) for op in ops if not _has_strategy(op)]
+        if missing:
+            module = model.get_submodule(name)
+            split = [f"{name}.{p}" if name else p for p, _ in module.named_parameters(recurse=False)
+                     if (lay := layouts.get(f"{name}.{p}" if name else p)) is not None and lay.axis_dim(axis) is not None]
+            problems.append(f"parameter {split[0]!r} of {name!r} ({type(module).__name__}) is split over {axis!r}, but "
+                            f"no tensor-parallel style splits a {type(module).__name__} and torch's DTensor, which "
+                            f"would run it on its split parameters, runs {', '.join(missing)} "
+                            f"by no sharding strategy that weighs a split parameter (it fails in the workers); valid: layout None for its parameters (FSDP can still shard "
+                            f"them), or split the Linear / Embedding layers around it")
+    return problems
 
 
 def _decide(name: str, uses: list[Use], shape: torch.Size, layout: ParamLayout | None, axis: str, size: int
