@@ -107,6 +107,8 @@ class _Block(nn.Module):
         self.bias = nn.Parameter(torch.zeros(16))
         self.head_gain = nn.Parameter(torch.ones(4))  # one per group of 4 features ("heads")
         self.outer = nn.Parameter(torch.ones(8))  # on the whole input only
+        self.child = nn.Module()
+        self.child.gain = nn.Parameter(torch.ones(()))  # read by this block's forward, not its own
 
     def forward(self, x):
         h = self.up(x * self.outer)
@@ -118,6 +120,8 @@ class _Block(nn.Module):
             h = (h.view(*h.shape[:-1], 4, 4) * self.head_gain.view(4, 1)).flatten(-2)
         elif self.mix == "both":
             h = h * self.scale + x.sum(-1, keepdim=True) * self.scale
+        elif self.mix == "child":
+            h = h * self.child.gain
         elif self.mix == "shuffled":
             h = h * self.bias.view(2, 8).t().reshape(16)
         return self.down(h)
@@ -152,6 +156,8 @@ def _plan_of(mix: str) -> sk.Plan:
 @pytest.mark.parametrize(("mix", "message"), [
     ("both", r"parameter 'scale' is used in mul .* as a whole on each rank's part of split features and in mul as a "
              r"whole on whole activations"),
+    ("child", r"parameter 'child.gain' acts on activations split over 'tp' \(summed\), but the forward reads it "
+              r"outside its module's forward \(in the root\)"),
     ("shuffled", r"parameter 'bias' is combined with an activation computed from 'up', split over 'tp', in mul: .*"
                  r"valid: replicate 'up' and the layer it feeds \(layout None\), or drop 'tp'"),
 ])

@@ -58,11 +58,14 @@ class Use:
 
 @dataclass
 class SplitFlow:
-    """What :func:`follow_splits` saw: ``ran`` is ``False`` when the forward failed on meta."""
+    """What :func:`follow_splits` saw: ``ran`` is ``False`` when the forward failed on meta.
+    ``outside``: parameters an op reads while their own module's forward is not running (a parent
+    reading a child's parameter), with the innermost module running then."""
 
     ran: bool
     mixing: dict[str, str] = field(default_factory=dict)
     uses: dict[str, list[Use]] = field(default_factory=dict)
+    outside: dict[str, str] = field(default_factory=dict)
 
 
 class _Follow(TorchFunctionMode):
@@ -78,6 +81,8 @@ class _Follow(TorchFunctionMode):
         self.mixing: dict[str, str] = {}
         self.uses: dict[str, list[Use]] = {}
         self.params = params
+        self.running: list[str] = []  # the modules whose forward is running, outermost first
+        self.outside: dict[str, str] = {}  # parameters read while their module's forward is not running: where
 
     def seed(self, tensors: dict[str, torch.Tensor], inputs: tuple) -> None:
         for name, tensor in tensors.items():
@@ -104,6 +109,11 @@ class _Follow(TorchFunctionMode):
             return out
         name = op_name(func)
         first = args[0] if args else None
+        for tensor in tensors:
+            param = self.params.get(id(tensor))
+            owner = param.rpartition(".")[0] if param else None
+            if param and owner not in self.running and param not in self.outside:
+                self.outside[param] = self.running[-1] if self.running else ""
         derived = {id(t): self.derived[id(t)] for t in tensors if id(t) in self.derived
                    and not (name in SHAPE_ONLY and t is not first)}
         known = {id(t): self.splits[id(t)] for t in tensors if id(t) in self.splits}
@@ -185,6 +195,10 @@ class _Follow(TorchFunctionMode):
         self.derived.update({id(t): (t, merged[id(t)]) for t in outs})
 
 
+def _pop(stack: list[str]) -> None:
+    stack.pop()
+
+
 def follow_splits(model: nn.Module, inputs: tuple, local: set[str], split_modules: set[str],
                   stopped: set[str], dtype: torch.dtype | None = None) -> SplitFlow:
     """Run ``model(*inputs)`` on meta tensors (floating ones in ``dtype`` when given) and follow the
@@ -222,6 +236,9 @@ def follow_splits(model: nn.Module, inputs: tuple, local: set[str], split_module
         else:
             follow.whole[id(out)] = out
 
+    for name, module in modules.items():
+        handles += [module.register_forward_pre_hook(lambda _m, _a, name=name: follow.running.append(name)),
+                    module.register_forward_hook(lambda _m, _a, _o: _pop(follow.running))]
     for name in split_modules:
         handles += [modules[name].register_forward_pre_hook(enter),
                     modules[name].register_forward_hook(lambda m, a, out, name=name: leave(m, a, out, name))]
@@ -233,7 +250,7 @@ def follow_splits(model: nn.Module, inputs: tuple, local: set[str], split_module
     finally:
         for handle in handles:
             handle.remove()
-    return SplitFlow(True, follow.mixing, follow.uses)
+    return SplitFlow(True, follow.mixing, follow.uses, follow.outside)
 
 
 __all__ = ["MIXED", "SLICED", "SUMMED", "WHOLE", "SplitFlow", "Use", "follow_splits"]

@@ -53,6 +53,12 @@ def follow_axis(model: nn.Module, plan: AxisPlan, layouts: dict[str, ParamLayout
     summed, sliced = [], {}
     for name, uses in sorted(flow.uses.items()):
         kind, found = _decide(name, uses, params[name].shape, layouts.get(name), plan.axis, plan.size)
+        if kind is not None and name in flow.outside:
+            found = [f"parameter {name!r} acts on activations split over {plan.axis!r} ({kind}), but the forward reads "
+                     f"it outside its module's forward (in {repr(flow.outside[name]) if flow.outside[name] else 'the root'}), where shardkit cannot "
+                     f"hand it over {'with its gradient summed' if kind == SUMMED else 'sliced'}; valid: replicate the "
+                     f"layers whose split activations it meets (layout None), or drop {plan.axis!r}"]
+            kind = None
         problems += found
         if kind == SUMMED:
             summed.append(name)
