@@ -81,7 +81,8 @@ def test_every_rank_trains_them_as_one_process_does(world, build, rules):
     assert len(reference) >= 2 and all(set(found) == set(reference) for found in ranks)
     for name, expected in reference.items():
         for rank, found in enumerate(ranks):
-            torch.testing.assert_close(found[name], expected, atol=1e-5, rtol=1e-4, msg=f"{name} on rank {rank}")
+            torch.testing.assert_close(found[name], expected, atol=1e-5, rtol=1e-4,
+                                       msg=lambda m, name=name, rank=rank: f"{name} on rank {rank}: {m}")
 
 
 def test_the_planner_finds_them_by_dataflow():
