@@ -95,6 +95,9 @@ def test_the_planner_finds_them_by_dataflow():
     gpt_oss = sk.validate(sk.Plan(TP2, GPT_OSS_ATTENTION), meta_model(build_gpt_oss)).facts.tensor_parallel["tp"]
     assert gpt_oss.sliced == (("model.layers.0.self_attn.sinks", 0), ("model.layers.1.self_attn.sinks", 0))
     assert gpt_oss.summed == ()
+    written = sk.LayoutMap([(r".*\.sinks", ("tp",)), *GPT_OSS_ATTENTION.items()])  # the split written out: the same
+    plan = sk.validate(sk.Plan(TP2, written), meta_model(build_gpt_oss)).facts.tensor_parallel["tp"]
+    assert plan.sliced == gpt_oss.sliced and plan.splits == gpt_oss.splits
 
 
 # -- the decision per parameter, on hand-written modules (no processes) ------------------------------
