@@ -267,8 +267,8 @@ def _local_dims(model: nn.Module, plan: AxisPlan | None) -> dict[str, int]:
     if plan is None:
         return {}
     canonical = aliases(model)
-    return {canonical[f"{split.name}.{p}" if split.name else p]: dim for split in plan.splits.values()
-            if split.kind != DTENSOR for p, dim in split.placements.items() if dim is not None}
+    return {**{canonical[f"{split.name}.{p}" if split.name else p]: dim for split in plan.splits.values()
+               if split.kind != DTENSOR for p, dim in split.placements.items() if dim is not None}, **dict(plan.sliced)}
 
 
 def measure(model: nn.Module, family: Family, blocks: list[str], seq_len: int, dtype: torch.dtype,
