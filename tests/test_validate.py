@@ -242,13 +242,14 @@ def test_a_split_parameter_held_by_a_module_without_a_style_is_refused():
         sk.validate(sk.Plan(sk.Mesh(tp=2), rules=rules), model)
 
 
-def test_a_module_with_partial_gradients_that_is_no_per_head_norm_is_refused():
-    """transformers marks Qwen 3's q_norm/k_norm replicated_with_grad_allreduce (handled: norms over each head);
-    any other module so marked, with a split activation beside it, would train on partial gradients."""
+def test_partial_gradients_are_found_by_dataflow_not_by_transformers_marks():
+    """transformers marks Qwen 3's q_norm/k_norm replicated_with_grad_allreduce; shardkit no longer reads the
+    mark (once a list of modules it refused beside split activations): it follows the split activations on
+    meta. The per-head norms are summed; a module marked so that runs on whole activations needs nothing."""
     model = meta_model(build_qwen3)
     rules = sk.LayoutMap.from_hf(model)
-    sk.validate(sk.Plan(sk.Mesh(tp=2), rules), model, 2)
+    report = sk.validate(sk.Plan(sk.Mesh(tp=2), rules), model, 2)
+    assert "model.layers.0.self_attn.q_norm.weight" in report.facts.tensor_parallel["tp"].summed
     model.tp_plan = {**hf_tp_plan(model), "model.layers.*.post_attention_layernorm": "replicated_with_grad_allreduce"}
-    problems = _problems(model, sk.Plan(sk.Mesh(tp=2), rules))
-    assert any("'model.layers.0.post_attention_layernorm' (Qwen3RMSNorm) keeps replicated weights" in p
-               for p in problems)
+    summed = sk.validate(sk.Plan(sk.Mesh(tp=2), rules), model, 2).facts.tensor_parallel["tp"].summed
+    assert not any("post_attention_layernorm" in name for name in summed)

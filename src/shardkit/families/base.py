@@ -176,11 +176,6 @@ class Family:
         there): e.g. a head count the forward reshapes with."""
         return []
 
-    def partial_gradient_modules(self, model: nn.Module) -> list[str]:
-        """Modules whose model library says their replicated weights get partial gradients under
-        tensor parallel (they run on one rank's part of a split activation)."""
-        return []
-
     def fused_projections(self, model: nn.Module) -> dict[str, int]:
         """Projections this family knows compute several outputs side by side, split as whole
         parts (``{module name: parts}``), e.g. GPT-2's ``c_attn`` = ``[q | k | v]``."""

@@ -9,14 +9,12 @@ transformers model when its ``config`` has ``_attn_implementation``.
 from __future__ import annotations
 
 import inspect
-import re
 from typing import Any
 
 import torch
 from torch import nn
 
 from ..plan import PlanError
-from ..plan.hf_plan import hf_tp_plan, plan_pattern
 from .base import Attention, AttentionFn, AttributeChange, Family, WeightNames
 
 #: The name ring attention is registered under in transformers' ``AttentionInterface``.
@@ -115,13 +113,6 @@ class HFFamily(Family):
                 or config.hidden_size // heads
             found.append(Attention(name, heads, kv_heads, head_dim))
         return found
-
-    def partial_gradient_modules(self, model: nn.Module) -> list[str]:
-        """The modules with parameters transformers' tensor-parallel plan marks ``replicated_with_grad_allreduce``."""
-        patterns = [re.compile(plan_pattern(key)) for key, style in hf_tp_plan(model).items()
-                    if style == "replicated_with_grad_allreduce"]
-        return [name for name, module in model.named_modules() if any(p.fullmatch(name) for p in patterns)
-                and next(module.parameters(recurse=False), None) is not None]
 
     def tensor_parallel_changes(self, model: nn.Module, split: set[str], size: int) -> list[AttributeChange]:
         """Head counts (and heads x head_dim widths) of attention modules whose projections are split."""

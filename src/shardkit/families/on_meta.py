@@ -69,6 +69,11 @@ def meta_kernels() -> Iterator[None]:
     with _MetaKernels():
         yield
 
+#: The dtype meta stand-ins take when the model's own fails on the meta device: torch's meta kernel of
+#: ``_grouped_mm`` (transformers' mixture-of-experts layers on the meta device) accepts only bfloat16
+#: (torch 2.13), where its CPU and CUDA kernels also take float32.
+META_FALLBACK_DTYPE = torch.bfloat16
+
 
 def meta_tensors(model: nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """Meta stand-ins for every parameter (requiring grad) and buffer of ``model``, by canonical
@@ -129,5 +134,5 @@ def run_on_meta(model: nn.Module, tensors: dict[str, torch.Tensor], inputs: tupl
         return model(*meta_inputs)
 
 
-__all__ = ["BFLOAT16_ONLY_ON_META", "meta_call", "meta_kernels", "meta_tensors", "plain_batch_norms", "run_on_meta",
-           "swapped"]
+__all__ = ["BFLOAT16_ONLY_ON_META", "META_FALLBACK_DTYPE", "meta_call", "meta_kernels", "meta_tensors",
+           "plain_batch_norms", "run_on_meta", "swapped"]

@@ -23,7 +23,7 @@ import math
 import re
 import warnings
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -140,8 +140,14 @@ def _analyse(plan: Plan, model: Any, world_size: int | None) -> tuple[Mesh, list
     mechanisms = _mechanisms(model, layouts)
     notes = _notes(model, report.facts)
     shards = _fsdp_shards(mesh)
+    sliced = {name: (plan_axis, dim) for plan_axis in (report.facts.tensor_parallel.values() if report.facts else ())
+              for name, dim in plan_axis.sliced}
     rows = []
     for name, layout in layouts.items():
+        if name in sliced:  # split with the activations it acts on, whatever its layout says
+            axis, dim = sliced[name]
+            layout = replace(layout, layout=tuple(axis.axis if d == dim else None for d in range(len(layout.shape))))
+            mechanisms[name] = "sliced"
         local, sharded = _local_shapes(layout, mesh, shards)
         rows.append(ParamRow(layout, mechanisms.get(name, _split_name(layout)), local, sharded,
                              dtypes.get(name, torch.float32).itemsize, notes.get(name, "")))
@@ -164,6 +170,10 @@ def _notes(model: Any, facts: ModelFacts | None) -> dict[str, str]:
                 text.append("splits input")
             for pname in split.placements:
                 found.setdefault(f"{name}.{pname}" if name else pname, []).extend(text)
+        for name in plan.summed:  # on split activations: planner/split_params.py
+            found.setdefault(name, []).append(f"gradient summed over {plan.axis} (used whole on split activations)")
+        for name, dim in plan.sliced:
+            found.setdefault(name, []).append(f"sliced over {plan.axis} on dim {dim} with the split activations")
     for conv in (facts.causal_convs if facts is not None else ()):  # context parallel: runtime/halo.py
         found.setdefault(conv.weight, []).append(f"causal conv: {conv.padding} positions from the previous sp chunk")
     if isinstance(model, nn.Module):

@@ -3,7 +3,8 @@
 :func:`analyse_model` runs the model once on meta tensors (:mod:`shardkit.planner.dataflow`),
 plans tensor parallelism per model axis (:mod:`shardkit.planner.tensor_parallel`), follows
 the split outputs of column-parallel layers to catch an op over their whole features (a norm,
-softmax or one-head attention: :func:`mixing_problems`), runs one tensor-parallel shard of the
+softmax or one-head attention) and to decide the parameters acting on them
+(:mod:`shardkit.planner.split_params`), runs one tensor-parallel shard of the
 model at its local shapes to catch code that reshapes with global sizes, and checks context
 parallel against the model's family. It returns what the runtime needs (:class:`ModelFacts`)
 and one line per problem.
@@ -19,16 +20,15 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten
 
 from ..families import Family, family_of
 from ..families.modules import is_linear
 from ..plan import Plan, PlanError
 from ..plan.layout import ParamLayout
-from .dataflow import Mixes, Split, follow_split, meta_tensors, run_on_meta, trace
+from .dataflow import meta_tensors, run_on_meta, trace
 from .one_rank import one_rank
 from .sequence_checks import CausalConv, context_parallel_checks, sequence_parallel_checks
+from .split_params import follow_axis
 from .tensor_parallel import (
     AxisPlan,
     axis_problems,
@@ -69,9 +69,11 @@ def analyse_model(plan: Plan, model: nn.Module, layouts: dict[str, ParamLayout],
             except PlanError as exc:
                 problems += exc.problems
     if axis_plans and not problems and flow.ran:
-        problems += mixing_problems(model, inputs, list(axis_plans.values()))
+        for axis, axis_plan in axis_plans.items():  # split activations followed: ops across them, parameters on them
+            axis_plans[axis], found = follow_axis(model, axis_plan, layouts, inputs, flow.dtype)
+            problems += found
     if axis_plans and not problems and flow.ran:
-        problems += shard_problems(model, family, layouts, list(axis_plans.values()), example_inputs)
+        problems += shard_problems(model, family, layouts, list(axis_plans.values()), example_inputs, flow.dtype)
     convs, found = context_parallel_checks(model, family, mesh.size_of("sp"), example_inputs)
     problems += found + sequence_parallel_checks(model, family, list(axis_plans.values()), example_inputs)
     unused = tuple(flow.unused) if flow.ran else None
@@ -124,83 +126,6 @@ def recompute_problems(model: nn.Module, mode: str, family: Family | None = None
     return []
 
 
-# -- ops over the split features -----------------------------------------------------------------------
-class _MixWatch(TorchFunctionMode):
-    """Follows where column-parallel outputs that stay split hold their features through the
-    forward (:func:`~shardkit.planner.dataflow.follow_split`) and records, per column layer, the
-    first op certain to compute across them. Tracking stops at any op it cannot follow (a
-    collective the code runs itself, say) and at split parameters (DTensors at run time)."""
-
-    def __init__(self, split_params: set[int]):
-        super().__init__()
-        self.split_params = split_params
-        self.splits: dict[int, tuple[torch.Tensor, Split, str]] = {}  # the tensor is kept so no other reuses its id
-        self.inside = 0  # split modules running: torch's styles compute there
-        self.found: dict[str, str] = {}
-
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        known = {id(t): self.splits[id(t)] for t in tensors if id(t) in self.splits}
-        if self.inside or not known or any(id(t) in self.split_params for t in tensors):
-            return out
-        layers = sorted({name for _, _, name in known.values()})
-        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-        for tensor in outs:
-            self.splits.pop(id(tensor), None)
-        try:
-            found = follow_split(func, args, kwargs, out, {i: split for i, (_, split, _) in known.items()})
-        except Mixes as exc:
-            for layer in layers if exc.certain else ():
-                self.found.setdefault(layer, str(exc))
-            return out
-        except Exception:  # arguments follow_split does not read: not followed
-            return out
-        self.splits.update({id(t): (t, found[id(t)], layers[0]) for t in outs if id(t) in found})
-        return out
-
-
-def mixing_problems(model: nn.Module, inputs: tuple, plans: list[AxisPlan]) -> list[str]:
-    """One line per column-parallel layer whose output, kept split, reaches an op that computes
-    across its features (a norm, softmax or sum over them, a matmul contracting over them,
-    attention over one head): each rank would compute it from its part only, silently wrong.
-    Only ops shardkit follows count (elementwise ops, reshapes, cuts, attention between heads),
-    so no correct plan is refused; the forward runs once at global shapes on meta tensors."""
-    tensors = meta_tensors(model)
-    modules = dict(model.named_modules())
-    split_params = {id(tensors[f"{plan_split.name}.{p}"]) for plan in plans for plan_split in plan.splits.values()
-                    for p, dim in plan_split.placements.items()
-                    if dim is not None and f"{plan_split.name}.{p}" in tensors}
-    watch = _MixWatch(split_params)
-    local = set().union(*(plan.local_outputs() for plan in plans))
-    handles = []
-
-    def enter(_m: nn.Module, _a: tuple) -> None:
-        watch.inside += 1
-
-    def leave(_m: nn.Module, _a: tuple, out: Any, name: str) -> None:
-        split = Split.of_output(out) if name in local and isinstance(out, torch.Tensor) and out.dim() else None
-        watch.inside -= 1
-        if split is not None:
-            watch.splits[id(out)] = (out, split, name)
-
-    for name in {n for plan in plans for n in plan.splits}:
-        handles += [modules[name].register_forward_pre_hook(enter),
-                    modules[name].register_forward_hook(lambda m, a, out, name=name: leave(m, a, out, name))]
-    try:
-        with watch:
-            run_on_meta(model, tensors, inputs)
-    except Exception:  # the model's own error: the other checks report it
-        return []
-    finally:
-        for handle in handles:
-            handle.remove()
-    return [f"column-parallel layer {layer!r}: its output, split over the tensor-parallel axis, {why}, so each rank "
-            f"would compute it from its part of the features alone (no error, wrong numbers); replicate {layer!r} "
-            f"and the row-parallel layer it feeds (layout None)" for layer, why in sorted(watch.found.items())]
-
-
 # -- one shard at its local shapes ------------------------------------------------------------------
 def _coprime_length(limit: int, product: int) -> int:
     """The longest sequence <= ``limit`` sharing no factor with ``product`` (so a reshape that wrongly
@@ -226,20 +151,26 @@ def _module_stack(model: nn.Module, stack: list[str]) -> Iterator[None]:
 
 
 def shard_problems(model: nn.Module, family: Family, layouts: dict[str, ParamLayout], plans: list[AxisPlan],
-                   example_inputs: tuple | None = None) -> list[str]:
+                   example_inputs: tuple | None = None, dtype: torch.dtype | None = None) -> list[str]:
     """Run one tensor-parallel shard of ``model`` on meta tensors at its local shapes.
 
     Code that reshapes with a global size (OPT's ``view(bsz, -1, self.num_heads, head_dim)``)
     either fails here or, worse, silently folds the split into another dim on the real run; the
     example sequence length shares no factor with the axis sizes, so such a reshape cannot
     divide evenly and fails here, before launch (given ``example_inputs`` are used as they are).
+    ``dtype``: the floating dtype of the stand-ins, where the model's own fails on meta.
     """
     product = math.prod(p.size for p in plans)
     length = _coprime_length(family.max_positions(model) or 64, product)
     inputs = example_inputs or family.example_inputs(model, seq_len=length)
     if inputs is None:
         return []
-    tensors = meta_tensors(model)
+    tensors = meta_tensors(model, dtype)
+    for plan in plans:
+        for name, dim in plan.sliced:  # each rank holds its slice
+            shape = list(tensors[name].shape)
+            shape[dim] //= plan.size
+            tensors[name] = torch.empty(shape, dtype=tensors[name].dtype, device="meta", requires_grad=True)
     stack: list[str] = []
     axes = ", ".join(f"{p.axis}={p.size}" for p in plans)
     try:
@@ -263,5 +194,4 @@ def _first_line(exc: BaseException) -> Any:
     return text[0] if text else ""
 
 
-__all__ = ["ModelFacts", "analyse_model", "mixing_problems", "recompute_problems", "recompute_targets",
-           "shard_problems"]
+__all__ = ["ModelFacts", "analyse_model", "recompute_problems", "recompute_targets", "shard_problems"]

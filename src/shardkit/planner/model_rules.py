@@ -15,6 +15,7 @@ from ..families.modules import is_linear
 from ..plan import LayoutMap, Mesh, PlanError, UsageError, param_shapes, resolve_layouts
 from ..plan.hf_plan import hf_tp_plan
 from .dataflow import trace
+from .split_params import follow_axis
 from .tensor_parallel import AxisPlan, plan_axis, tensor_parallel_problems
 
 
@@ -48,12 +49,14 @@ def axis_plan(model: nn.Module, family: Family, rules: LayoutMap | None, tp: int
         layouts = resolve_layouts(param_shapes(model), rules, rules_mesh(rules, tp)).params
     except PlanError as exc:  # sizes tp does not divide; head counts too, so one error names every size
         raise PlanError([f"{where}: {p}" for p in exc.problems + tensor_parallel_problems(model, tp)]) from None
+    inputs = family.example_inputs(model, seq_len=8)
     try:
-        flow = trace(model, family.example_inputs(model, seq_len=8),
-                     {n for n, m in model.named_modules() if is_linear(m)})
+        flow = trace(model, inputs, {n for n, m in model.named_modules() if is_linear(m)})
         plan = plan_axis(model, layouts, "tp", tp, family, flow)
     except PlanError as exc:
         raise PlanError([f"{where}: {p}" for p in exc.problems]) from None
+    if flow.ran:  # parameters sliced with the activations they act on (GPT-OSS' sinks) are local too; what
+        plan, _ = follow_axis(model, plan, layouts, inputs, flow.dtype)  # it refuses, validate refuses
     if not plan.splits:
         raise PlanError(f"{where}: the rules split no parameter of {type(model).__name__} over 'tp'")
     return plan

@@ -54,12 +54,14 @@ from .tensor_parallel import (
 
 def sliced_parameters(model: nn.Module, plan: AxisPlan | None) -> dict[str, int]:
     """``{canonical parameter name: dim split}`` of the parameters a rank holds a slice of (those of
-    modules split by a style; a DTensor-only module's parameters keep their global shapes)."""
+    modules split by a style, and the parameters sliced with the activations they act on; a DTensor-only
+    module's parameters keep their global shapes)."""
     if plan is None:
         return {}
     canonical = aliases(model)
-    return {canonical[f"{split.name}.{p}" if split.name else p]: dim for split in plan.splits.values()
-            if split.kind != DTENSOR for p, dim in split.placements.items() if dim is not None}
+    return {**{canonical[f"{split.name}.{p}" if split.name else p]: dim for split in plan.splits.values()
+               if split.kind != DTENSOR for p, dim in split.placements.items() if dim is not None},
+            **dict(plan.sliced)}
 
 
 def _widths(split: ModuleSplit, local_weights: bool) -> tuple[bool, bool, bool, bool]:

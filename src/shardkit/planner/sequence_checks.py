@@ -297,7 +297,7 @@ def sequence_parallel_checks(model: nn.Module, family: Family, plans: list[AxisP
     sources, inside = set(), set()
     for plan in plans:
         sources |= {*plan.norms, *plan.embeddings, *(n for n, s in plan.splits.items() if s.kind != COLWISE)}
-        inside |= {*plan.splits, *plan.norms, *plan.embeddings, *plan.gathers, *plan.head_norms}
+        inside |= {*plan.splits, *plan.norms, *plan.embeddings, *plan.gathers}
     found = trace_sequence(model, inputs, length, sources=sources, inside=inside)
     kinds = {n: type(m).__name__ for n, m in model.named_modules()}
     mixers = found.mixers + [Mixer(c.module, kinds.get(c.module, ""), "convolution", "runs a causal convolution over "

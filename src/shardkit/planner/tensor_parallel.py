@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ..families import Attention, AttributeChange, Family
+from ..families import AttributeChange, Family
 from ..families.modules import is_conv1d, is_linear, is_norm, linear_dims
 from ..plan import PlanError
 from ..plan.layout import ParamLayout, axes_of
@@ -73,9 +73,10 @@ class AxisPlan:
     ``ties``: every name of each tied parameter split over the axis (the runtime re-ties them
     after torch's styles replaced each module's parameter). With ``sequence_parallel``: norms
     and replicated embeddings run on sequence shards, ``gathers`` are replicated modules
-    outside the blocks (output heads) whose input sequence is all-gathered first. ``head_norms``:
-    norms over each head of an attention whose heads are split; they run on this rank's heads
-    with their weight replicated, its gradient summed over the axis.
+    outside the blocks (output heads) whose input sequence is all-gathered first. Parameters no
+    style splits that act on split activations (:mod:`shardkit.planner.split_params`):
+    ``summed``, replicated with their gradient summed over the axis; ``sliced``, ``(name, dim)``:
+    split with the activation along ``dim``, each rank using its slice.
     """
 
     axis: str
@@ -87,7 +88,8 @@ class AxisPlan:
     norms: tuple[str, ...] = ()
     embeddings: tuple[str, ...] = ()
     gathers: tuple[str, ...] = ()
-    head_norms: tuple[str, ...] = ()
+    summed: tuple[str, ...] = ()
+    sliced: tuple[tuple[str, int], ...] = ()
 
     def local_outputs(self) -> set[str]:
         """Column-parallel modules whose output stays split (each rank computes its own part)."""
@@ -233,16 +235,7 @@ def plan_axis(model: nn.Module, layouts: dict[str, ParamLayout], axis: str, size
     ties = _ties(model, layouts, canonical, axis)
     problems += _tie_problems(ties, kinds, axis)
     changes = tuple(family.tensor_parallel_changes(model, local, size))
-    head_norms = _head_norms(model, split_attentions)
-    extras: dict[str, tuple[str, ...]] = {"head_norms": head_norms}
-    for name in family.partial_gradient_modules(model):
-        parent = name.rpartition(".")[0]
-        if name not in head_norms and any(s.startswith(parent + ".") for s in local):
-            problems.append(f"module {name!r} ({type(modules[name]).__name__}) keeps replicated weights but runs on "
-                            f"this rank's part of a split activation, so each rank's gradient is a partial sum "
-                            f"(transformers: replicated_with_grad_allreduce); shardkit sums them only for norms over "
-                            f"each head inside an attention: replicate the projections beside it (layout None) or "
-                            f"drop {axis!r}")
+    extras: dict[str, tuple[str, ...]] = {}
     if sequence_parallel:
         found_extras, found = _sequence_parallel(model, splits, [a.name for a in attentions])
         extras.update(found_extras)
@@ -250,18 +243,6 @@ def plan_axis(model: nn.Module, layouts: dict[str, ParamLayout], axis: str, size
     if problems:
         raise PlanError(problems)
     return AxisPlan(axis, size, splits, changes, ties, sequence_parallel, **extras)
-
-
-def _head_norms(model: nn.Module, split_attentions: list[Attention]) -> tuple[str, ...]:
-    """Norms over each head inside an attention whose heads are split (Qwen 3's ``q_norm``/``k_norm``):
-    replicated weights applied to this rank's heads only, so their gradients are partial sums."""
-    found = []
-    for attention in split_attentions:
-        for name, module in model.get_submodule(attention.name).named_modules(prefix=attention.name):
-            weight = getattr(module, "weight", None)
-            if is_norm(module) and weight is not None and weight.shape[-1] == attention.head_dim:
-                found.append(name)
-    return tuple(found)
 
 
 def head_count_problems(attentions: Iterable, size: int, axis: str = "tp") -> list[str]:
@@ -324,7 +305,8 @@ def _sequence_parallel(model: nn.Module, splits: dict[str, ModuleSplit],
     """Norms and embeddings on sequence shards; replicated heads gathered; replicated layers in blocks refused.
 
     A norm inside an attention (Qwen 3's ``q_norm``/``k_norm``, over each head) runs on the rank's own
-    heads after the column-parallel projections, not on the residual stream: it is left as it is."""
+    heads after the column-parallel projections, not on the residual stream: it is left as it is (its
+    gradient is summed: :mod:`shardkit.planner.split_params`)."""
     blocks = _blocks(model)
     norms, embeddings, gathers, problems = [], [], [], []
     for name, module in model.named_modules():

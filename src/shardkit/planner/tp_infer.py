@@ -10,7 +10,7 @@ Then:
 
 - a linear layer ``A`` is *column-parallel* and ``B`` *row-parallel* when everything computed
   from ``A``'s output goes only through ops known to keep the features ``A``'s split would
-  cut apart (:func:`~shardkit.planner.dataflow.follow_split`: elementwise ops, reshapes,
+  cut apart (:func:`~shardkit.planner.split_ops.follow_split`: elementwise ops, reshapes,
   chunks and slices, reductions and norms over other dims, attention between whole heads;
   not a norm, softmax or sum over those features, nor a matmul contracting over them), meets
   no other module's parameter (a norm's weight), is never combined with a whole tensor of its
@@ -54,7 +54,7 @@ from ..families.modules import guess_input, is_linear, linear_dims
 from ..families.on_meta import meta_tensors, run_on_meta
 from ..plan import LayoutMap, PlanError, UsageError
 from ..plan.layout import Layout
-from .dataflow import Mixes, Split, follow_split
+from .split_ops import Mixes, Split, follow_split
 from .tensor_parallel import aliases
 
 
@@ -143,7 +143,7 @@ class _Tracker(TorchFunctionMode):
 
     def _follow(self, func: Any, args: tuple, kwargs: dict, out: Any, tensors: list[torch.Tensor],
                 origins: list[_Origin], sources: frozenset[str]) -> dict[int, Split]:
-        """Where the split features lie in ``out`` (:func:`~shardkit.planner.dataflow.follow_split`);
+        """Where the split features lie in ``out`` (:func:`~shardkit.planner.split_ops.follow_split`);
         ``sources`` escape, naming the op, where it computes across them or is not known not to."""
         known = {id(t): self.splits[id(t)] for t, o in zip(tensors, origins) if o.sources and id(t) in self.splits}
         lost = [o for t, o in zip(tensors, origins) if o.sources and id(t) not in known]

@@ -16,7 +16,9 @@ mechanism              torch                                       communication
 Before the styles: family attribute changes (local head counts, GPT-2's ``split_size``) and
 packed projections permuted rank-major (``[a | b]`` -> ``[a_0 | b_0 | a_1 | b_1 ...]``, so a
 contiguous shard holds its slice of every part; undone by ``full_state_dict``). After them:
-tied parameters re-tied (torch's styles give each module its own new Parameter).
+tied parameters re-tied (torch's styles give each module its own new Parameter), and the
+parameters outside the split layers that act on split activations summed or sliced
+(:mod:`shardkit.runtime.split_params`).
 
 With ``sequence_parallel`` (Megatron SP) the residual stream is split along the sequence (dim
 1): column-parallel layers all-gather their input, row-parallel layers reduce-scatter their
@@ -53,10 +55,9 @@ from torch.distributed.tensor.parallel import (
 from ..families.modules import is_conv1d, linear_dims
 from ..plan import UsageError
 from ..planner.tensor_parallel import COLWISE, DTENSOR, ROWWISE, VOCAB, AxisPlan, ModuleSplit
+from .split_params import apply_split_params
 
 SEQUENCE_DIM = 1
-#: The heads dim of a per-head norm's input ``[batch, seq, heads, head_dim]``.
-HEADS_DIM = 2
 #: ``{parameter name: (dim, permutation)}``: ``permuted.index_select(dim, argsort(permutation))`` is the original.
 Permutations = dict[str, tuple[int, torch.Tensor]]
 
@@ -171,11 +172,6 @@ def tensor_parallel_styles(model: nn.Module, plan: AxisPlan) -> dict[str, Parall
     modules = dict(model.named_modules())
     styles = {name: _style(split, modules[name], plan.sequence_parallel) for name, split in plan.splits.items()
               if name in modules}
-    for name in plan.head_norms:
-        if name in modules:
-            # the input [..., heads, head_dim] is split over the heads: as a DTensor the replicated weight's
-            # gradient is reduced over the axis (each rank's covers its own heads only)
-            styles[name] = SequenceParallel(sequence_dim=HEADS_DIM, use_local_output=True)
     if plan.sequence_parallel:
         for name in plan.norms:
             if name in modules:
@@ -256,6 +252,7 @@ def apply_tensor_parallel(model: nn.Module, plan: AxisPlan, mesh: DeviceMesh) ->
         if split.copy_output and name in modules:
             modules[name].register_forward_hook(_own_output)  # after the style's hook: a copy of its view
     _retie(model, tuple(t for t in plan.ties if all(_has_parameter(model, n) for n in t)))
+    apply_split_params(model, plan, mesh)  # parameters acting on split activations: summed or sliced
     return permutations
 
 
