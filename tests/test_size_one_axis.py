@@ -28,6 +28,15 @@ def test_from_hf_reads_a_mixture_of_experts_plan():
     sk.validate(sk.Plan(sk.Mesh(tp=1), rules), model)  # a size-1 axis splits nothing: nothing refused
 
 
+def test_the_experts_split_over_tp_larger_than_1_are_refused_before_launch_naming_them():
+    """The same rules at tp=2: the stacked experts' grouped product has no DTensor strategy for
+    that split, so validate refuses it, naming the expert weight and the axis (not the workers)."""
+    model = sk.meta_model(build_qwen3_moe)
+    with pytest.raises(sk.PlanError) as info:
+        sk.validate(sk.Plan(sk.Mesh(tp=2), sk.LayoutMap.from_hf(model)), model)
+    assert "mlp.experts.gate_up_proj" in str(info.value) and "'tp'" in str(info.value)
+
+
 class _Config:
     _attn_implementation = "sdpa"
     base_model_tp_plan = {"layers.*.proj": "colwise", "layers.*.kv_a": "mla_kv_a_proj"}
