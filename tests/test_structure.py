@@ -12,7 +12,7 @@ SOURCE = ROOT / "src" / "shardkit"
 #: The flow, lowest first: a package may import its own modules and packages of earlier layers only.
 LAYERS = (("plan",), ("families",), ("models",), ("planner", "io"), ("runtime",), ("observe", "checkpoint"), ("cli",))
 #: Entry points above every layer (the lazy facade imports nothing at import time; ``python -m shardkit``).
-ENTRY_POINTS = {"shardkit", "shardkit.__main__"}
+ENTRY_POINTS = {"shardkit", "shardkit.__main__", "shardkit._facade"}
 
 
 def _module_name(path: Path) -> str:
