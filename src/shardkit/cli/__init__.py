@@ -1,10 +1,16 @@
-"""The ``shardkit`` command: one sub-command per module in this package."""
+"""The ``shardkit`` command: one sub-command per module in this package.
+
+Only the module of the sub-command asked for is imported, and each imports torch and the rest
+only when it runs, so a command line that is refused answers at once, without torch
+(``tests/test_startup.py``; ``benchmarks/cli_startup.py`` measures it).
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib
 import sys
+from collections.abc import Sequence
 
 from ..plan import PlanError, UsageError
 from .options import OneLineParser
@@ -13,10 +19,13 @@ from .options import OneLineParser
 COMMANDS = ("train", "explain", "plan", "replicas", "data", "checkpoint", "calibrate", "generate")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The parser of every sub-command, or only of the one ``argv`` starts with (the others' modules
+    are then not imported)."""
     parser = OneLineParser(prog="shardkit", description="Split PyTorch models across devices from one Plan.")
     sub = parser.add_subparsers(dest="command", required=True)
-    for name in COMMANDS:
+    asked = argv[0] if argv else None
+    for name in (asked,) if asked in COMMANDS else COMMANDS:
         try:
             module = importlib.import_module(f"shardkit.cli.{name}")
         except ModuleNotFoundError as exc:
@@ -33,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
 
     A command-line error exits with status 2 while parsing (one line on stderr, see :class:`OneLineParser`).
     """
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except PlanError as exc:

@@ -18,17 +18,16 @@ from contextlib import contextmanager
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
-from typing import NoReturn, TypeVar
+from typing import TYPE_CHECKING, NoReturn, TypeVar
 
-from torch import nn
-
-from ..models.hf import hf_loss
 from ..models.registry import BUILDER_PATH_FORM, MODELS, ModelEntry, is_builder_path, model_entry
 from ..plan import FSDPOptions, LayoutMap, Mesh, Plan, PlanError, UsageError
 from ..plan.files import mapping, read_file
 from ..plan.pipeline import SCHEDULES, SPLITS, pipeline_from_args
 from ..plan.plan import RECOMPUTE, ZERO_STAGES
-from ..planner.tp_infer import infer_tp_rules
+
+if TYPE_CHECKING:
+    from torch import nn
 
 DEFAULT_MESH = "fsdp=2,tp=2"
 #: ``shardkit train --plan auto``: the planner chooses the plan (``sk.autoshard`` on the calibrated local world).
@@ -174,6 +173,8 @@ def hf_config_entry(file: str) -> ModelEntry:
     seeded with 0); its vocabulary and positions are read from the config."""
     from transformers import AutoConfig
 
+    from ..models.hf import hf_loss
+
     data = mapping(read_file(file, "transformers config"), f"transformers config {file!r}",
                    '{"model_type": "llama", "vocab_size": 256, ...}')
     kind = data.get("model_type")
@@ -272,6 +273,8 @@ def inferred_rules(name: str, entry: ModelEntry, mesh: Mesh) -> LayoutMap | None
     dataflow (:func:`shardkit.planner.tp_infer.infer_tp_rules`), said on stderr with every rule."""
     if "tp" not in mesh:
         return None
+    from ..planner.tp_infer import infer_tp_rules
+
     try:
         rules = infer_tp_rules(meta_model_from_flag(name, entry))
     except PlanError as exc:

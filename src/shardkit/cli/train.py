@@ -25,27 +25,14 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
-
-from rich.console import Console
-from torch import nn
+from typing import TYPE_CHECKING
 
 from ..checkpoint.manifest import model_mismatch
-from ..checkpoint.steps import nothing_saved
-from ..checkpoint.store import checkpoint_to_load, latest_checkpoint, load, model_parameters, save
-from ..families import token_sizes
-from ..io.batch_stream import BatchStream
-from ..io.data import DEFAULT_MAX_BYTES, TextShards
-from ..io.sharded_data import ShardedDataset
+from ..checkpoint.steps import checkpoint_to_load, latest_checkpoint, nothing_saved
+from ..io.data import DEFAULT_MAX_BYTES
 from ..models.registry import MODELS, ModelEntry
-from ..observe.report import RankStats, print_summary
 from ..plan import Plan, PlanError, UsageError
-from ..planner.initialisation import uninitialised
-from ..planner.meta import meta_model
-from ..planner.validate import validate
-from ..runtime.context import Context
-from ..runtime.materialize import open_weights
-from ..runtime.torchrun import in_torchrun
-from ..runtime.world import DEFAULT_TIMEOUT_S, LocalWorld, WorldError, launch
+from ..runtime.limits import DEFAULT_TIMEOUT_S
 from .job import BUILDS, OPTIMIZERS, RESUME_FROM_DIR, JobError, field_names, load_job
 from .options import (
     AUTO_PLAN,
@@ -65,7 +52,14 @@ from .options import (
     rules_hint,
 )
 from .options import seed as seed_flag
-from .train_step import RunLog, accumulate, clip_grad_norm, evaluate, lr_schedule, make_optimizer
+
+if TYPE_CHECKING:  # torch and the rest are imported where a job runs, so a refused command line answers at once
+    from torch import nn
+
+    from ..io.batch_stream import BatchStream
+    from ..observe.report import RankStats
+    from ..runtime.context import Context
+    from ..runtime.world import LocalWorld
 
 DEFAULT_MODEL = "gpt-small"
 DEFAULT_STEPS = 60
@@ -74,7 +68,7 @@ DEFAULT_LR = 3e-3
 VERIFY_STEPS = 2
 RESUME_FROM_SAVE = Path("<the --save folder>")
 BYTE_VOCAB = 256  # the data are bytes: token ids 0..255
-TRAINABLE = sorted(name for name, entry in MODELS.items() if not entry.meta_only)
+TRAINABLE = MODELS.buildable()
 
 
 @dataclass(frozen=True)
@@ -386,6 +380,10 @@ def auto_plan(args: argparse.Namespace) -> tuple[Plan, int]:
 def check_job(args: argparse.Namespace, plan: Plan, world_size: int) -> TrainJob:
     """Validate model, plan, sizes and data before launch: a :class:`PlanError` names each problem of the plan
     (the batch over its data axes included), a :class:`JobError` each other one, by its flag or job-file field."""
+    from ..planner.initialisation import uninitialised
+    from ..planner.validate import validate
+    from ..runtime.materialize import open_weights
+
     entry = model_from_flag(args.model)
     model = meta_model_from_flag(args.model, entry)
     positions = _check_token_sizes(args, entry, model)
@@ -559,6 +557,8 @@ def _ranges(numbers: list[int]) -> str:
 def _data(args: argparse.Namespace, seq_len: int) -> tuple[BatchStream, BatchStream | None]:
     """The training data and the held-out data to evaluate on (``None``: no evaluation), checked before launch:
     ``--eval-holdout`` splits the training data (:meth:`BatchStream.split`), ``--eval-data`` is a folder."""
+    from ..io.sharded_data import ShardedDataset
+
     max_bytes = int(args.data_mb * 2**20)
     data = _stream(args, "data", seq_len, max_bytes)
     if args.eval_holdout is not None:
@@ -591,6 +591,9 @@ def _data(args: argparse.Namespace, seq_len: int) -> tuple[BatchStream, BatchStr
 def _stream(args: argparse.Namespace, dest: str, seq_len: int, max_bytes: int) -> BatchStream:
     """The batches of ``--data`` or ``--eval-data`` (default: the standard library's text), checked to hold text;
     a problem names the flag or field."""
+    from ..io.batch_stream import BatchStream
+    from ..io.data import TextShards
+
     try:
         stream = BatchStream.of(getattr(args, dest), seq_len, args.seed, max_bytes=max_bytes)
         if isinstance(stream.source, TextShards):
@@ -627,6 +630,8 @@ def _resume_folder(args: argparse.Namespace, model: nn.Module, data: BatchStream
         print(f"shardkit train: --resume: no complete checkpoint in {args.resume} yet: starting at step 0", flush=True)
         return None, 0
     folder, manifest = checkpoint_to_load(args.resume)
+    from ..checkpoint.store import model_parameters
+
     problems = model_mismatch(manifest.parameters, model_parameters(model))
     if problems:
         raise UsageError(f"--resume {args.resume}: {folder.name} holds another model's parameters: "
@@ -641,6 +646,8 @@ def _resume_folder(args: argparse.Namespace, model: nn.Module, data: BatchStream
 
 def _check_token_sizes(args: argparse.Namespace, entry: ModelEntry, model: nn.Module) -> int | None:
     """The model's positions (``None``: unknown, so ``--seq-len`` was given); it must read byte ids."""
+    from ..families import token_sizes
+
     vocab, positions = token_sizes(model) if entry.vocab is None else (entry.vocab, entry.seq_len)
     flag = f"--model {args.model!r}"
     if vocab is None:
@@ -661,11 +668,20 @@ def train_job(ctx: Context, job: TrainJob) -> tuple[RankStats, list]:
     Returns the rank's stats and, with ``job.profile``, its pipeline timeline spans (the
     last step's left out: it runs under the communication counter, which slows it).
     """
-
+    from ..checkpoint.store import load, save
     from ..observe.comm import CommCounter
     from ..observe.memory import PeakMemory, state_bytes
+    from ..observe.report import RankStats
     from ..runtime import spans as timeline
     from ..runtime.apply import shard
+    from .train_step import (
+        RunLog,
+        accumulate,
+        clip_grad_norm,
+        evaluate,
+        lr_schedule,
+        make_optimizer,
+    )
 
     memory = PeakMemory(ctx.device).start()
     entry = model_from_flag(job.model)
@@ -795,6 +811,8 @@ class _Progress:
 
 def _builder(job: TrainJob) -> Callable[[], nn.Module]:
     """The model's builder as ``--build`` says: on meta (only shards are allocated) or in full."""
+    from ..planner.meta import meta_model
+
     entry = model_from_flag(job.model)
     return partial(meta_model, entry.build) if job.build == "meta" else entry.build
 
@@ -812,6 +830,12 @@ def _verify(job: TrainJob, plan: Plan, world: LocalWorld | None) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from ..observe.report import print_summary
+    from ..runtime.torchrun import in_torchrun
+    from ..runtime.world import LocalWorld, WorldError, launch
+
     plan, world_size = build_plan(args)
     job = check_job(args, plan, world_size)
     leader = not in_torchrun() or os.environ["RANK"] == "0"

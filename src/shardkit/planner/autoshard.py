@@ -35,9 +35,9 @@ from .estimate import Estimate, estimate_of, evaluate
 from .hardware import Hardware
 from .hardware import hardware as as_hardware
 from .memory import memory_of
+from .space import AXES
 from .step_time import time_of
 
-AXES = ("dp", "fsdp", "tp", "pp", "sp")
 #: What sk.validate said of each probe plan, per model (a model's kinds of plan do not change while it lives).
 _REFUSALS: weakref.WeakKeyDictionary[nn.Module, dict[str, str | None]] = weakref.WeakKeyDictionary()
 _RECOMPUTE = ("none", "selective", "full")

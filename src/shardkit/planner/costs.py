@@ -15,11 +15,7 @@ from ..plan import LayoutMap, Mesh, Plan
 from ..plan.dtypes import torch_dtype
 from .analysis import ModelAnalysis, analyse
 from .measure import Piece
-
-#: Optimizer states per parameter, each the parameter's shape and dtype.
-OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd-momentum": 1, "sgd": 0}
-#: The axes the estimator prices, in the canonical mesh order (tp innermost, within a node).
-MESH_ORDER = ("pp", "dp", "fsdp", "sp", "tp")
+from .space import MESH_ORDER, OPTIMIZER_STATES
 
 
 @dataclass(frozen=True)
