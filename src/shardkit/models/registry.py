@@ -117,6 +117,9 @@ class Registry(Mapping[str, ModelEntry]):
             self._entries[name] = self._registrations[name].entry()
         return self._entries[name]
 
+    def __contains__(self, name: object) -> bool:
+        return name in self._registrations
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._registrations)
 
