@@ -1,6 +1,7 @@
 """A command line that is refused, or asks for help, is answered without importing torch (or
-transformers, rich, numpy): those are imported only when a command runs. Not a timing test;
-``benchmarks/cli_startup.py`` measures the times."""
+transformers, rich, numpy): those are imported only when a command runs; ``explain`` ends without
+the interpreter's teardown, its output whole. Not a timing test: ``benchmarks/cli_startup.py``
+measures the times."""
 
 import json
 import subprocess
@@ -57,3 +58,15 @@ def test_refused_command_lines_import_no_torch():
 def test_help_imports_no_torch():
     wrong = [a for a in _answers(HELP) if a["status"] != 0 or a["imported"] or "usage: shardkit" not in a["said"]]
     assert not wrong, json.dumps(wrong, indent=1)
+
+
+def test_explain_as_the_program_ends_at_once_with_all_its_output():
+    """``shardkit explain`` skips the interpreter's teardown (``cli.exit_now``): into a pipe (block-buffered)
+    nothing is lost, and an invalid plan still exits 2 with its message."""
+    done = subprocess.run([sys.executable, "-m", "shardkit", "explain", "--model", "gpt-tiny", "--mesh", "tp=2"],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1].startswith("step time: ") and "MFU" in done.stdout.splitlines()[-1]
+    refused = subprocess.run([sys.executable, "-m", "shardkit", "explain", "--model", "gpt-tiny", "--mesh", "tp=3"],
+                             capture_output=True, text=True)
+    assert refused.returncode == 2 and "not divisible by tp=3" in refused.stderr, refused.stderr
