@@ -14,7 +14,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import shardkit as sk
-import shardkit.cli.calibrate as calibrate_cli
 import shardkit.observe.calibrate as calibrate_module
 import shardkit.observe.probes as probes
 from shardkit.cli import build_parser, main
@@ -203,7 +202,7 @@ def calibrated(tmp_path_factory):
 
     stdout = io.StringIO()
     with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(stdout):
-        patch.setattr(calibrate_cli, "measure", spy)
+        patch.setattr("shardkit.observe.calibrate.measure", spy)  # where the command finds it when it runs
         code = main(["calibrate", "--world", "2", "--out", str(out)])
     assert code == 0
     return seen["calibration"], out, stdout.getvalue(), seen["progress"]
@@ -246,7 +245,7 @@ def test_calibrate_writes_a_loadable_file_of_measured_figures(calibrated):
 @pytest.mark.world
 def test_calibrate_without_out_prints_the_file(calibrated, monkeypatch, capsys):
     calibration = calibrated[0]
-    monkeypatch.setattr(calibrate_cli, "measure", lambda *args, **kwargs: calibration)
+    monkeypatch.setattr("shardkit.observe.calibrate.measure", lambda *args, **kwargs: calibration)
     assert main(["calibrate", "--world", "2"]) == 0
     captured = capsys.readouterr()
     assert Hardware.from_dict(yaml.safe_load(captured.out)) == calibration.hardware
@@ -260,7 +259,7 @@ def test_calibrate_without_out_prints_the_file(calibrated, monkeypatch, capsys):
     (["--name", ""], "--name must be a non-empty name"),
 ])
 def test_bad_flags_exit_2_before_measuring(argv, message, monkeypatch, capsys):
-    monkeypatch.setattr(calibrate_cli, "measure", lambda *a, **k: pytest.fail("measured although a flag is bad"))
+    monkeypatch.setattr("shardkit.observe.calibrate.measure", lambda *a, **k: pytest.fail("measured although a flag is bad"))
     assert main(["calibrate", *argv]) == 2
     assert message in capsys.readouterr().err
 

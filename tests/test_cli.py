@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 
 import shardkit.cli.train as train_cli
-import shardkit.runtime.world as world_module
 from shardkit.cli import build_parser, main
 from shardkit.models.gpt import GPT_RULES
 from shardkit.runtime.world import WorldError
@@ -114,8 +113,8 @@ def test_timeout_reaches_launch_and_a_failed_job_exits_1(monkeypatch, capsys, ar
         seen["timeout"] = timeout
         raise WorldError(-1, f"job did not finish within {timeout} s")
 
-    monkeypatch.setattr(train_cli, "LocalWorld", _NoWorld)
-    monkeypatch.setattr(world_module, "launch", failing_launch)
+    monkeypatch.setattr("shardkit.runtime.world.LocalWorld", _NoWorld)  # train imports them when it runs
+    monkeypatch.setattr("shardkit.runtime.world.launch", failing_launch)
     code, _, err = _exit(["train", "--mesh", "fsdp=2", "--seq-len", "16", "--data-mb", "0.25", *argv], capsys)
     assert (code, seen["timeout"]) == (1, timeout)
     assert f"did not finish within {timeout} s" in err

@@ -12,6 +12,7 @@ import torch
 from model_zoo import build_gpt4
 
 import shardkit.cli.generate as generate_cli
+import shardkit.runtime.world as world_module
 from shardkit.checkpoint.store import save
 from shardkit.cli import main
 from shardkit.models.gpt import GPT_RULES, build_tiny_gpt
@@ -368,13 +369,13 @@ def cli(world, monkeypatch):
     """``cli(*argv)`` runs ``shardkit generate`` on the shared 2-process world; returns (exit code, every
     rank's new token ids)."""
     seen = []
-    launch = generate_cli.launch
+    launch = world_module.launch
 
     def borrowed(fn, plan, *args, world_size, timeout):
         seen.append(launch(fn, plan, *args, world=world(world_size), timeout=timeout))
         return seen[-1]
 
-    monkeypatch.setattr(generate_cli, "launch", borrowed)
+    monkeypatch.setattr("shardkit.runtime.world.launch", borrowed)  # where generate finds it when it runs
 
     def run(*argv: str) -> tuple[int, list]:
         seen.clear()

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import shardkit as sk
-import shardkit.cli.train as train_cli
+import shardkit.observe.report as report
 from shardkit.cli import main
 from shardkit.io.batch_stream import BatchStream
 from shardkit.models.registry import model_entry
@@ -43,10 +43,10 @@ class _Borrowed:
 def train(world, monkeypatch, capfd):
     """``train(*argv)`` runs ``shardkit train`` on the shared worlds; returns (exit code, rank 0's
     losses, stdout)."""
-    monkeypatch.setattr(train_cli, "LocalWorld", lambda size: _Borrowed(world(size)))
+    monkeypatch.setattr("shardkit.runtime.world.LocalWorld", lambda size: _Borrowed(world(size)))
     seen = []
-    original = train_cli.print_summary
-    monkeypatch.setattr(train_cli, "print_summary", lambda stats, *a, **k: (seen.append(stats), original(stats, *a, **k)))
+    original = report.print_summary
+    monkeypatch.setattr(report, "print_summary", lambda stats, *a, **k: (seen.append(stats), original(stats, *a, **k)))
 
     def run(*argv: str) -> tuple[int, list[float], str]:
         seen.clear()
@@ -147,6 +147,7 @@ def test_a_model_folder_is_built_from_its_config(saved, tmp_path, capsys, no_pro
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from shardkit.cli import build_parser
+    import shardkit.cli.train as train_cli
     from shardkit.training.checks import check_job
     from shardkit.training.model import model_from_flag
 

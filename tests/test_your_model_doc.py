@@ -166,7 +166,7 @@ def test_commands_reach_launch_or_fail_as_shown(tmp_path, monkeypatch, capsys):
     _rules_file(tmp_path)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", list(sys.path))  # the CLI appends the current directory
-    monkeypatch.setattr(train_cli, "LocalWorld", refuse_launch)
+    monkeypatch.setattr("shardkit.runtime.world.LocalWorld", refuse_launch)
     commands = [(b, line) for b in page_blocks() if b.lang == "bash" for line in b.code.splitlines()
                 if line.startswith("shardkit ")]
     assert len(commands) == 6

@@ -12,12 +12,16 @@ import argparse
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
-from ..observe.calibrate import BANDWIDTH_BYTES, Calibration, Progress, measure
 from ..plan import Mesh, UsageError
+from ..plan.dtypes import FLOATING
 from ..plan.text import format_bytes, format_seconds
-from ..planner.hardware import COLLECTIVES, DTYPES, SUFFIXES
+from ..planner.hardware import COLLECTIVES, SUFFIXES
 from .options import DEFAULT_MESH, path, positive_int
+
+if TYPE_CHECKING:
+    from ..observe.calibrate import Calibration, Progress
 
 #: The world ``shardkit train`` starts when given no flags: its default mesh's size.
 DEFAULT_WORLD = Mesh.parse(DEFAULT_MESH).size
@@ -51,6 +55,8 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"--out {str(args.out)!r}: folder {str(args.out.parent)!r} does not exist")
     if args.name is not None and not args.name.strip():
         raise UsageError(f"--name must be a non-empty name, got {args.name!r}")
+    from ..observe.calibrate import measure
+
     with _progress_bar() as progress:
         calibration = measure(args.world, name=args.name, progress=progress)
     from rich.console import Console
@@ -76,12 +82,14 @@ def _table(calibration: Calibration):
     """What was measured: FLOP/s per dtype, each collective's fit and residual, memory."""
     from rich.table import Table
 
+    from ..observe.calibrate import BANDWIDTH_BYTES
+
     hw = calibration.hardware
     table = Table(title=f"{hw.name}: {hw.devices_per_node} gloo processes, measured in "
                         f"{format_seconds(calibration.seconds)}", title_justify="left", title_style="bold")
     for column in ("measure", "per process", "latency per step", "fit residual", "how"):
         table.add_column(column)
-    for dtype in DTYPES:
+    for dtype in FLOATING:
         best = calibration.matmul[dtype]
         how = f"best of the size sweep: n={best[0]}" if best else "does not run on this CPU: bfloat16's figure"
         table.add_row(f"matmul {dtype}", f"{hw.flops[dtype] / 1e9:.3g} GFLOP/s", "", "", how)

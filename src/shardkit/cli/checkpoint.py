@@ -17,8 +17,6 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import yaml
-
 from ..checkpoint.manifest import (
     CheckpointError,
     FileEntry,
@@ -27,8 +25,9 @@ from ..checkpoint.manifest import (
     damage_message,
     size_problems,
 )
-from ..checkpoint.store import checkpoint_to_load, checkpoints_beside, complete_checkpoints
+from ..checkpoint.steps import checkpoint_to_load, checkpoints_beside, complete_checkpoints
 from ..plan import UsageError
+from ..plan.dtypes import FLOATING, torch_dtype
 from ..plan.text import format_bytes
 from .options import path
 
@@ -59,7 +58,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     convert.add_argument("out", type=path, metavar="OUT", help="the folder to write (must not exist, or be empty)")
     convert.add_argument("--max-shard-size", default="2GB", metavar="SIZE",
                          help="the most bytes per .safetensors file, as 2GB, 500MB or 1GiB (default: 2GB)")
-    convert.add_argument("--dtype", choices=sorted(DTYPES), help="cast floating tensors (default: as saved)")
+    convert.add_argument("--dtype", choices=sorted(FLOATING), help="cast floating tensors (default: as saved)")
     convert.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     convert.set_defaults(func=run_convert)
 
@@ -76,12 +75,7 @@ def run_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
-
-
 def run_convert(args: argparse.Namespace) -> int:
-    import torch
-
     from ..checkpoint.export import convert_to_hf
     from ..plan.text import parse_bytes
 
@@ -89,7 +83,7 @@ def run_convert(args: argparse.Namespace) -> int:
         parse_bytes(args.max_shard_size)
     except ValueError as error:
         raise UsageError(f"--max-shard-size: {error}") from None
-    dtype = None if args.dtype is None else getattr(torch, DTYPES[args.dtype])
+    dtype = None if args.dtype is None else torch_dtype(args.dtype)
     with _tensor_bar() as advance:
         out = convert_to_hf(args.folder, args.out, max_shard_size=args.max_shard_size, dtype=dtype,
                             overwrite=args.overwrite, progress=lambda name, nbytes: advance(nbytes))
@@ -141,6 +135,8 @@ def _plan_text(plan: dict) -> str:
 
 
 def _flow(value: object) -> str:
+    import yaml
+
     return yaml.safe_dump(value, default_flow_style=True, sort_keys=False, width=10**6).strip().removesuffix("\n...").strip()
 
 

@@ -12,11 +12,13 @@ from __future__ import annotations
 import argparse
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
-from ..io.shard_writer import Progress, write_shards
-from ..io.sharded_data import ShardedDataset
 from ..plan.text import format_bytes
 from .options import path, positive_int
+
+if TYPE_CHECKING:
+    from ..io.shard_writer import Progress
 
 DEFAULT_SEQ_LEN = 128
 
@@ -51,6 +53,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_shard(args: argparse.Namespace) -> int:
+    from ..io.shard_writer import write_shards
+
     with _progress_bar() as progress:
         manifest = write_shards(args.src, args.out, args.shards, pattern=args.pattern, overwrite=args.overwrite,
                                 progress=progress)
@@ -61,6 +65,8 @@ def run_shard(args: argparse.Namespace) -> int:
 
 
 def run_check(args: argparse.Namespace) -> int:
+    from ..io.sharded_data import ShardedDataset
+
     dataset = ShardedDataset(args.folder, seq_len=args.seq_len)
     dataset.verify()
     manifest = dataset.manifest

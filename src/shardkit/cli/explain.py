@@ -16,11 +16,8 @@ from __future__ import annotations
 
 import argparse
 
-from ..families import token_sizes
 from ..models.registry import MODELS
 from ..plan import PlanError, UsageError
-from ..planner.estimate import estimate
-from ..planner.explain import explain_plan
 from ..planner.hardware import PRESETS
 from .options import add_model_option, meta_model_from_flag, model_from_flag, positive_int
 from .plan_flags import add_plan_options, plan_from_args, rules_hint
@@ -50,6 +47,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..families import token_sizes
+    from ..planner.explain import explain_plan
+
     entry = model_from_flag(args.model)
     plan, world_size = plan_from_args(args, entry)
     model = meta_model_from_flag(args.model, entry)
@@ -63,6 +63,8 @@ def run(args: argparse.Namespace) -> int:
 
 def estimate_text(args: argparse.Namespace, plan, model, positions: int | None, world_size: int) -> str:
     """The estimate's lines, or why there is none (a model sk.estimate cannot analyse)."""
+    from ..planner.estimate import estimate
+
     seq_len = args.seq_len or positions
     if seq_len is None:
         return "\nestimate: pass --seq-len N (the model's positions are not known)"

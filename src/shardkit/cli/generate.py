@@ -21,26 +21,13 @@ import codecs
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..checkpoint.manifest import CheckpointError, damage_message, model_mismatch, size_problems
-from ..checkpoint.store import checkpoint_to_load, checkpoints_beside, load, model_parameters
-from ..families import token_sizes
+from ..checkpoint.steps import checkpoint_to_load, checkpoints_beside
 from ..models.registry import MODELS
 from ..plan import Pipeline, Plan, PlanError, UsageError
-from ..planner.meta import meta_model
-from ..planner.validate import validate
-from ..runtime.apply import shard
-from ..runtime.context import Context
-from ..runtime.generate import (
-    MODEL_EOS,
-    ModelEos,
-    check_generation,
-    generate,
-    generation_problems,
-    stop_tokens,
-)
-from ..runtime.materialize import open_weights
-from ..runtime.world import DEFAULT_TIMEOUT_S, WorldError, launch
+from ..runtime.limits import DEFAULT_TIMEOUT_S
 from .options import (
     add_model_option,
     meta_model_from_flag,
@@ -52,6 +39,10 @@ from .options import (
     seed,
 )
 from .plan_flags import add_rules_option, model_rules, parse_mesh_flag
+
+if TYPE_CHECKING:
+    from ..runtime.context import Context
+    from ..runtime.generate import ModelEos
 
 DEFAULT_MESH = "tp=1"
 BYTE_VOCAB = 256  # shardkit's text data are bytes: token ids 0..255
@@ -74,7 +65,7 @@ class GenerateJob:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    usable = sorted(name for name, entry in MODELS.items() if not entry.meta_only)
+    usable = MODELS.buildable()
     parser = subparsers.add_parser(
         "generate", help="continue a prompt with a tensor- or pipeline-parallel model, streaming the tokens",
         description="Generate tokens with a model split over 'tp' and 'pp' across a local world, weights from a "
@@ -122,6 +113,11 @@ def _token_ids(text: str) -> tuple[int, ...]:
 
 def check_job(args: argparse.Namespace) -> tuple[Plan, GenerateJob]:
     """Everything checked before launch; :class:`PlanError` / :class:`UsageError` naming the flag."""
+    from ..families import token_sizes
+    from ..planner.validate import validate
+    from ..runtime.generate import MODEL_EOS, check_generation, generation_problems, stop_tokens
+    from ..runtime.materialize import open_weights
+
     if args.temperature is None and (args.top_k is not None or args.seed is not None):
         given = " and ".join(f for f, v in (("--top-k", args.top_k), ("--seed", args.seed)) if v is not None)
         raise UsageError(f"{given} apply only to sampling, but without --temperature generation is greedy; "
@@ -188,6 +184,8 @@ def use_generation_config(model, folder: Path | str) -> None:
 def _check_checkpoint(folder: Path, model) -> None:
     """The checkpoint's parameters against the model's, and every file's size (a truncated or missing file);
     each process checks the sha256 of its share of the files when it loads."""
+    from ..checkpoint.store import model_parameters
+
     found, manifest = checkpoint_to_load(folder)
     damaged = size_problems(found, manifest)
     if damaged:
@@ -232,6 +230,11 @@ def generate_job(ctx: Context, job: GenerateJob) -> list[int]:
     ``max_new_tokens`` when an end-of-sequence token stopped it)."""
     import torch
 
+    from ..checkpoint.store import load
+    from ..planner.meta import meta_model
+    from ..runtime.apply import shard
+    from ..runtime.generate import generate
+
     model = shard(meta_model(model_from_flag(job.model).build), ctx.plan, ctx, weights=job.hf)
     if job.hf is not None:
         use_generation_config(model, job.hf)
@@ -245,6 +248,8 @@ def generate_job(ctx: Context, job: GenerateJob) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..runtime.world import WorldError, launch
+
     plan, job = check_job(args)
     try:
         launch(generate_job, plan, job, world_size=plan.mesh.size, timeout=args.timeout)

@@ -23,24 +23,21 @@ import argparse
 import io
 import os
 from pathlib import Path
-from typing import Any
-
-from rich import box
-from rich.console import Console
-from rich.table import Table
+from typing import TYPE_CHECKING, Any
 
 from ..plan import UsageError
 from ..plan.text import format_bytes, format_seconds
-from ..planner.autoshard import AXES, Candidates, autoshard
 from ..planner.catalogue import CATALOGUE
-from ..planner.costs import OPTIMIZER_STATES
 from ..planner.hardware import PRESETS, Hardware, hardware
+from ..planner.space import AXES, OPTIMIZER_STATES
 from .options import model_from_flag, path, positive_int
 from .plan_flags import add_rules_option, load_rules
 
+if TYPE_CHECKING:
+    from ..planner.autoshard import Candidates
+
 #: The local world's size when none is given (the world ``shardkit train`` starts with no flags).
 DEFAULT_LOCAL_WORLD = 4
-_TABLE_STYLE: dict[str, Any] = dict(box=box.SIMPLE_HEAD, title_justify="left", pad_edge=False, show_edge=False)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -75,6 +72,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..planner.autoshard import autoshard
+
     model = planner_model(args.model)
     if args.local:
         if args.hardware is not None:
@@ -138,11 +137,16 @@ def local_hardware_dir() -> Path:
 
 def candidates_text(candidates: Candidates, model: str, devices: int, hw: Hardware, width: int = 200) -> str:
     """The candidates and the refused families as tables."""
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
+    style: dict[str, Any] = dict(box=box.SIMPLE_HEAD, title_justify="left", pad_edge=False, show_edge=False)
     console = Console(record=True, width=width, file=io.StringIO(), color_system=None, markup=False, highlight=False)
     console.print(f"Plans for {model} on {devices} x {hw.name} ({format_bytes(hw.memory, digits=1)} each): "
                   f"{candidates.considered:,} options estimated, best {len(candidates)} shown\n")
     table = Table("#", "mesh", "pipeline", "accum", "recompute", "reshard", "params+grads+optim", "activations", "other",
-                  "memory", "step", "tokens/s", "MFU", "why", title="candidates (fastest first)", **_TABLE_STYLE)
+                  "memory", "step", "tokens/s", "MFU", "why", title="candidates (fastest first)", **style)
     for index, c in enumerate(candidates):
         plan, e = c.plan, c.estimate
         mem = e.memory
@@ -156,7 +160,7 @@ def candidates_text(candidates: Candidates, model: str, devices: int, hw: Hardwa
                       format_seconds(e.step_time), f"{e.tokens_per_s:,.0f}", f"{100 * e.mfu:.1f}%", c.reason)
     console.print(table)
     if candidates.rejected:
-        refused = Table("family", "why not", title="\nrefused", **_TABLE_STYLE)
+        refused = Table("family", "why not", title="\nrefused", **style)
         for r in candidates.rejected:
             refused.add_row(r.family, r.reason)
         console.print(refused)

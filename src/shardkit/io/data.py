@@ -22,10 +22,12 @@ import os
 import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from ..plan import PlanError
+
+if TYPE_CHECKING:  # imported where a stream is read: the command line shows DEFAULT_MAX_BYTES without torch
+    import torch
 
 DEFAULT_MAX_BYTES = 4 * 2**20
 #: Directories never entered: caches, VCS metadata, and third-party packages under the stdlib.
@@ -117,6 +119,8 @@ class TextShards:
     @property
     def stream(self) -> torch.Tensor:
         """The corpus as one uint8 tensor: files joined by newlines, cut at ``max_bytes``."""
+        import torch
+
         if self._stream is None:
             buffer, size = [], 0
             digest = hashlib.sha256()
@@ -177,6 +181,8 @@ class TextShards:
         ``targets`` is ``inputs`` shifted by one byte. The same ``seed`` gives the same batches
         in every process.
         """
+        import torch
+
         if seq_len < 1 or batch_size < 1 or steps < 0:
             raise PlanError(f"batches(seq_len={seq_len}, batch_size={batch_size}, steps={steps}): "
                             f"seq_len and batch_size must be >= 1 and steps >= 0")

@@ -33,13 +33,10 @@ from typing import Any
 import torch
 
 from ..plan import UsageError
+from ..plan.dtypes import SAFETENSORS, available
 
-DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-          "BOOL": torch.bool}
-for _name, _attr in (("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2")):
-    if hasattr(torch, _attr):
-        DTYPES[_name] = getattr(torch, _attr)
+#: safetensors' dtype codes -> the torch dtypes this torch has (:data:`shardkit.plan.dtypes.SAFETENSORS`).
+DTYPES = {code: getattr(torch, name) for code, name in SAFETENSORS.items() if name in available(SAFETENSORS.values())}
 NAMES = {dtype: name for name, dtype in DTYPES.items()}
 _MAX_HEADER = 100 * 2**20
 

@@ -16,16 +16,15 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from ..plan import LayoutMap, PlanError, UsageError
-from ..plan.hf_plan import hf_tp_plan
-from . import gpt, hf
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
 
 #: How a model is named by its builder rather than by a registered name.
 BUILDER_PATH_FORM = "package.module:function"
@@ -53,6 +52,8 @@ class ModelEntry:
         given by its builder path has the rules of transformers' own tensor-parallel plan when it is a
         transformers model that has one (:meth:`LayoutMap.from_hf`), else none; read only when ``tp``
         splits something (a ``tp`` axis of size 1 needs no rules)."""
+        from ..plan.hf_plan import hf_tp_plan
+
         rules = self.rules
         if rules is None and mesh.size_of("tp") != 1:
             model = self.on_meta()
@@ -61,6 +62,9 @@ class ModelEntry:
 
     def on_meta(self) -> nn.Module:
         """``build()`` on the meta device (no memory); :class:`UsageError` saying why when it cannot be."""
+        import torch
+        from torch import nn
+
         try:
             with torch.device("meta"):
                 model = self.build()
@@ -74,23 +78,72 @@ class ModelEntry:
 
     def sample_batch(self, batch_size: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Random token ids ``(inputs, targets)``, each ``[batch_size, seq_len]``; targets are inputs shifted by one."""
+        import torch
+
         generator = torch.Generator().manual_seed(seed)
         tokens = torch.randint(0, self.vocab, (batch_size, self.seq_len + 1), generator=generator)
         return tokens[:, :-1], tokens[:, 1:]
 
 
-MODELS: dict[str, ModelEntry] = {
-    "gpt-tiny": ModelEntry(gpt.build_tiny_gpt, gpt.GPT_RULES, gpt.gpt_loss, 256, 32,
-                           description="reference GPT: 2 layers, dim 64, 4 heads"),
-    "gpt-small": ModelEntry(gpt.build_small_gpt, gpt.GPT_RULES, gpt.gpt_loss, 256, 128,
-                            description="reference GPT: 4 layers, dim 128, 4 heads"),
-    "llama-tiny": ModelEntry(hf.build_tiny_llama, hf.LLAMA_RULES, hf.hf_loss, 256, 32,
-                             description="transformers Llama: 2 layers, hidden 64, 4 heads, 2 kv heads"),
-    "gpt2-tiny": ModelEntry(hf.build_tiny_gpt2, hf.GPT2_RULES, hf.hf_loss, 256, 32,
-                            description="transformers GPT-2: 2 layers, n_embd 64, 4 heads"),
-    "llama-70b": ModelEntry(hf.build_llama_70b, hf.LLAMA_RULES, hf.hf_loss, 128256, 8192, meta_only=True,
-                            description="Llama-3 70B shapes on the meta device (explain / validate only)"),
-}
+@dataclass(frozen=True)
+class _Registration:
+    """A registered model by the names of its builder, rules and loss in one module of this package."""
+
+    module: str
+    build: str
+    rules: str
+    loss_fn: str
+    vocab: int
+    seq_len: int
+    meta_only: bool = False
+    description: str = ""
+
+    def entry(self) -> ModelEntry:
+        module = importlib.import_module(f"{__package__}.{self.module}")
+        return ModelEntry(getattr(module, self.build), getattr(module, self.rules), getattr(module, self.loss_fn),
+                          self.vocab, self.seq_len, self.meta_only, self.description)
+
+
+class Registry(Mapping[str, ModelEntry]):
+    """The registered models by name. Names and :meth:`buildable` need no import; an entry imports its
+    module (torch, transformers) when it is first looked up, so the command line checks its flags
+    without them."""
+
+    def __init__(self, registrations: dict[str, _Registration]):
+        self._registrations = registrations
+        self._entries: dict[str, ModelEntry] = {}
+
+    def __getitem__(self, name: str) -> ModelEntry:
+        if name not in self._entries:
+            self._entries[name] = self._registrations[name].entry()
+        return self._entries[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._registrations
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._registrations)
+
+    def __len__(self) -> int:
+        return len(self._registrations)
+
+    def buildable(self) -> list[str]:
+        """The names of the models that can be built for real (not meta-only), sorted."""
+        return sorted(name for name, r in self._registrations.items() if not r.meta_only)
+
+
+MODELS = Registry({
+    "gpt-tiny": _Registration("gpt", "build_tiny_gpt", "GPT_RULES", "gpt_loss", 256, 32,
+                              description="reference GPT: 2 layers, dim 64, 4 heads"),
+    "gpt-small": _Registration("gpt", "build_small_gpt", "GPT_RULES", "gpt_loss", 256, 128,
+                               description="reference GPT: 4 layers, dim 128, 4 heads"),
+    "llama-tiny": _Registration("hf", "build_tiny_llama", "LLAMA_RULES", "hf_loss", 256, 32,
+                                description="transformers Llama: 2 layers, hidden 64, 4 heads, 2 kv heads"),
+    "gpt2-tiny": _Registration("hf", "build_tiny_gpt2", "GPT2_RULES", "hf_loss", 256, 32,
+                               description="transformers GPT-2: 2 layers, n_embd 64, 4 heads"),
+    "llama-70b": _Registration("hf", "build_llama_70b", "LLAMA_RULES", "hf_loss", 128256, 8192, meta_only=True,
+                               description="Llama-3 70B shapes on the meta device (explain / validate only)"),
+})
 
 
 def is_builder_path(name: str) -> bool:
@@ -105,7 +158,9 @@ def model_entry(name: str) -> ModelEntry:
     builder path that does not lead to a zero-argument callable.
     """
     if is_builder_path(name):
-        return ModelEntry(import_builder(name), None, hf.hf_loss, None, None, description=f"built by {name}")
+        from .hf import hf_loss
+
+        return ModelEntry(import_builder(name), None, hf_loss, None, None, description=f"built by {name}")
     try:
         return MODELS[name]
     except KeyError:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from .dtypes import FLOATING
 from .errors import PlanError, UsageError
 from .files import boolean, known_keys, mapping, read_file, read_text
 from .layout import LayoutMap
@@ -16,7 +17,6 @@ from .pipeline import Pipeline
 from .replicas import ReplicaGrouping
 from .sequence import sequence_problems
 
-_DTYPES = ("float32", "bfloat16", "float16")
 #: Activation recompute per repeated block: nothing, the whole block, or its attention core only.
 RECOMPUTE = ("none", "full", "selective")
 #: ZeRO stages (Rajbhandari et al. 2020) as DeepSpeed names them; ``None``: no stage asked for.
@@ -55,8 +55,8 @@ class FSDPOptions:
             boolean(self.reshard_after_forward, "FSDPOptions(reshard_after_forward=...)")
         for name in ("param_dtype", "reduce_dtype"):
             value = getattr(self, name)
-            if value is not None and value not in _DTYPES:
-                raise PlanError(f"FSDPOptions.{name}={value!r}; valid: None or one of {list(_DTYPES)}")
+            if value is not None and value not in FLOATING:
+                raise PlanError(f"FSDPOptions.{name}={value!r}; valid: None or one of {list(FLOATING)}")
 
     @property
     def mixed_precision(self) -> bool:

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from ..plan import FSDPOptions, LayoutMap, Mesh, Plan, PlanError, PlanWarning, UsageError
+from ..plan.dtypes import FLOATING, torch_dtype
 from ..plan.pipeline import Pipeline
 from ..plan.sequence import sequence_problems
 from ..plan.text import format_bytes
@@ -34,9 +35,9 @@ from .estimate import Estimate, estimate_of, evaluate
 from .hardware import Hardware
 from .hardware import hardware as as_hardware
 from .memory import memory_of
+from .space import AXES
 from .step_time import time_of
 
-AXES = ("dp", "fsdp", "tp", "pp", "sp")
 #: What sk.validate said of each probe plan, per model (a model's kinds of plan do not change while it lives).
 _REFUSALS: weakref.WeakKeyDictionary[nn.Module, dict[str, str | None]] = weakref.WeakKeyDictionary()
 _RECOMPUTE = ("none", "selective", "full")
@@ -388,10 +389,9 @@ def _compute_dtype(param_dtype: str | None, hw: Hardware, whole: ModelAnalysis):
         return torch.bfloat16 if faster else whole.dtype
     if param_dtype is None:
         return whole.dtype
-    valid = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    if param_dtype not in valid:
-        raise UsageError(f"autoshard(param_dtype={param_dtype!r}) is unknown; valid: 'auto', None, {list(valid)}")
-    return valid[param_dtype]
+    if param_dtype not in FLOATING:
+        raise UsageError(f"autoshard(param_dtype={param_dtype!r}) is unknown; valid: 'auto', None, {list(FLOATING)}")
+    return torch_dtype(param_dtype)
 
 
 def _gib(value: float) -> str:

@@ -26,7 +26,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..models.gpt import small_config, tiny_config
 from ..plan import UsageError
 
 
@@ -94,6 +93,14 @@ def _llama3(hidden: int, intermediate: int, heads: int, layers: int) -> Callable
     return build
 
 
+def _reference_gpt(size: str) -> Callable[[], Any]:
+    def build() -> Any:
+        from ..models import gpt
+
+        return getattr(gpt, f"{size}_config")()
+    return build
+
+
 def _megatron(row: MegatronRow) -> Callable[[], Any]:
     return _gpt2(n_embd=row.hidden, n_layer=row.layers, n_head=row.heads, vocab_size=MEGATRON_VOCAB,
                  n_positions=MEGATRON_SEQ_LEN)
@@ -101,8 +108,8 @@ def _megatron(row: MegatronRow) -> Callable[[], Any]:
 
 #: Every catalogue name and the function that builds its config.
 CATALOGUE: dict[str, Callable[[], Any]] = {
-    "gpt-tiny": tiny_config,
-    "gpt-small": small_config,
+    "gpt-tiny": _reference_gpt("tiny"),
+    "gpt-small": _reference_gpt("small"),
     "gpt2": _gpt2(),  # GPT2Config's defaults are the 124M model: n_embd 768, 12 layers, 12 heads
     "gpt2-medium": _gpt2(n_embd=1024, n_layer=24, n_head=16),
     "gpt2-large": _gpt2(n_embd=1280, n_layer=36, n_head=20),

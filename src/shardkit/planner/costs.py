@@ -12,14 +12,10 @@ from typing import Any
 import torch
 
 from ..plan import LayoutMap, Mesh, Plan
+from ..plan.dtypes import torch_dtype
 from .analysis import ModelAnalysis, analyse
 from .measure import Piece
-
-#: Optimizer states per parameter, each the parameter's shape and dtype.
-OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd-momentum": 1, "sgd": 0}
-#: The axes the estimator prices, in the canonical mesh order (tp innermost, within a node).
-MESH_ORDER = ("pp", "dp", "fsdp", "sp", "tp")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from .space import MESH_ORDER, OPTIMIZER_STATES
 
 
 @dataclass(frozen=True)
@@ -71,8 +67,8 @@ class Setting:
             microbatches=pipeline.microbatches if pipeline else 1,
             virtual=pipeline.virtual_stages if pipeline else 1,
             recompute=plan.recompute, reshard=plan.fsdp.reshard_after_forward,
-            compute_dtype=_DTYPES[plan.fsdp.param_dtype] if plan.fsdp.param_dtype else None,
-            reduce_dtype=_DTYPES[plan.fsdp.reduce_dtype] if plan.fsdp.reduce_dtype else None,
+            compute_dtype=torch_dtype(plan.fsdp.param_dtype) if plan.fsdp.param_dtype else None,
+            reduce_dtype=torch_dtype(plan.fsdp.reduce_dtype) if plan.fsdp.reduce_dtype else None,
             order=tuple(mesh.names), zero=plan.zero)
 
 

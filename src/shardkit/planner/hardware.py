@@ -33,16 +33,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
+from ..plan.dtypes import FLOATING, dtype_name
 from ..plan.errors import PlanError, UsageError
 from ..plan.files import known_keys, mapping, read_file
 
 #: The collectives a :class:`Hardware` prices; ``reduce_scatter`` costs as ``all_gather`` (the
 #: ring moves the same bytes in the same steps).
 COLLECTIVES = ("all_reduce", "all_gather", "p2p")
-#: The dtypes every :class:`Hardware` gives a peak for.
-DTYPES = ("float32", "bfloat16", "float16")
+#: The dtypes every :class:`Hardware` gives a peak for: the plan's floating dtypes.
+DTYPES = FLOATING
 #: The suffixes of hardware files.
 SUFFIXES = (".json", ".yaml", ".yml")
 _FIELDS = ("name", "memory", "flops", "devices_per_node", "intra_node", "inter_node", "matmul_efficiency",
@@ -168,9 +167,9 @@ class Hardware:
         links = self.inter_node if across_nodes else self.intra_node
         return links[_collective(collective, "Hardware.link")]
 
-    def peak_flops(self, dtype: str | torch.dtype) -> float:
+    def peak_flops(self, dtype: Any) -> float:
         """Peak FLOP/s for ``dtype`` (a name such as ``"bfloat16"`` or a ``torch.dtype``)."""
-        name = str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else dtype
+        name = dtype_name(dtype)
         if name not in self.flops:
             raise UsageError(f"Hardware.peak_flops: no peak for dtype {dtype!r}; valid: {', '.join(DTYPES)}")
         return self.flops[name]

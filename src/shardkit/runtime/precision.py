@@ -27,8 +27,7 @@ from torch import nn
 
 from ..families.on_meta import swapped
 from ..plan import FSDPOptions
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from ..plan.dtypes import torch_dtype
 
 
 @dataclass(frozen=True)
@@ -41,7 +40,8 @@ class Precision:
     @classmethod
     def of(cls, options: FSDPOptions) -> Precision:
         """The policy of a plan's ``fsdp`` options (names such as ``"bfloat16"`` -> torch dtypes)."""
-        return cls(DTYPES.get(options.param_dtype or ""), DTYPES.get(options.reduce_dtype or ""))
+        param, reduce = options.param_dtype, options.reduce_dtype
+        return cls(torch_dtype(param) if param else None, torch_dtype(reduce) if reduce else None)
 
     def compute_dtype(self, param: torch.Tensor) -> torch.dtype:
         return self.param_dtype or param.dtype

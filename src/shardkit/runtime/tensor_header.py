@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import torch
 
-#: dtypes a header names, by index.
-DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
-          torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)
+from ..plan.dtypes import HEADER
+
+#: dtypes a header names, by index (:data:`shardkit.plan.dtypes.HEADER`).
+DTYPES = tuple(getattr(torch, name) for name in HEADER)
 #: The most dims a header holds.
 MAX_DIMS = 16
 #: The length of a header.

@@ -28,12 +28,13 @@ from torch import nn
 
 from ..families import family_of
 from ..plan import Plan, PlanError, UsageError
+from ..plan.dtypes import torch_dtype
 from ..planner.tensor_parallel import aliases
 from .context import Context
 from .dropout_off import DropoutOff
 from .materialize import materialize
 from .optimizer import optimizer as optimizer_for
-from .precision import DTYPES, Precision, mixed_precision_backward
+from .precision import Precision, mixed_precision_backward
 from .results import finished
 from .verify_inputs import (
     batch_pair,
@@ -134,7 +135,7 @@ def _plan_tolerances(plan: Plan) -> dict[str, float]:
     """fp32 :data:`TOLERANCES`, or with mixed precision in force those of its least precise dtype."""
     if not plan.fsdp.mixed_precision:
         return dict(TOLERANCES)
-    dtypes = {DTYPES[d] for d in (plan.fsdp.param_dtype, plan.fsdp.reduce_dtype) if d is not None}
+    dtypes = {torch_dtype(d) for d in (plan.fsdp.param_dtype, plan.fsdp.reduce_dtype) if d is not None}
     return mixed_precision_tolerances(max(dtypes, key=lambda d: torch.finfo(d).eps))
 
 

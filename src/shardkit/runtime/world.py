@@ -43,11 +43,11 @@ from ..plan import Plan
 from ..plan.errors import ShardkitError, UsageError
 from .context import Context, default_backend, device_for, run_job
 from .descendants import Watchman, lead_descendants, new_token
+from .limits import DEFAULT_TIMEOUT_S
 from .processes import end_with_parent, exit_reason, last_line, lost_connection
 from .results import dumps, loads
 from .torchrun import in_torchrun, run_in_torchrun
 
-DEFAULT_TIMEOUT_S = 30 * 60.0  # a job still running after this is stopped, with every unfinished rank's stack
 STOP_GRACE_S = 10.0  # how long a stopping world waits before killing processes
 DEATH_GRACE_S = 2.0  # how long a rank that lost its connection waits for its dead peer to be seen
 STACK_WAIT_S = 5.0  # how long a timed-out job waits for the unfinished ranks to write their stacks

@@ -30,11 +30,11 @@ from pathlib import Path
 from typing import Any
 
 from ..plan import Plan, PlanError, UsageError
+from ..plan.dtypes import FLOATING
 from ..plan.files import _describe, known_keys, mapping, read_file
 
 OPTIMIZERS = ("adamw", "sgd")
 BUILDS = ("meta", "full")
-DTYPES = ("bfloat16", "float16", "float32")
 #: ``plan: auto`` in a job file, as ``--plan auto``: the planner chooses.
 AUTO = "auto"
 #: The largest seed: 64 bits, what ``torch.Generator.manual_seed`` (the text data's random windows, sampling)
@@ -178,8 +178,8 @@ FIELDS: dict[tuple[str | None, str], tuple[str, Check]] = {
     ("schedule", "min_lr"): ("min_lr", _number(0, above=False)),
     ("batch", "global"): ("batch_size", _int(1)),
     ("batch", "grad_accum"): ("grad_accum", _int(1)),
-    ("precision", "param_dtype"): ("param_dtype", _choice(DTYPES)),
-    ("precision", "reduce_dtype"): ("reduce_dtype", _choice(DTYPES)),
+    ("precision", "param_dtype"): ("param_dtype", _choice(FLOATING)),
+    ("precision", "reduce_dtype"): ("reduce_dtype", _choice(FLOATING)),
     ("checkpoint", "dir"): ("save", _path),
     ("checkpoint", "every"): ("save_every", _int(1)),
     ("checkpoint", "keep_last"): ("keep_last", _int(1)),
