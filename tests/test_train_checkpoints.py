@@ -146,8 +146,8 @@ def test_a_model_folder_is_built_from_its_config(saved, tmp_path, capsys, no_pro
     a folder without one is refused naming it."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from shardkit.cli import build_parser
     import shardkit.cli.train as train_cli
+    from shardkit.cli import build_parser
     from shardkit.training.checks import check_job
     from shardkit.training.model import model_from_flag
 

@@ -330,9 +330,8 @@ def test_the_docs_python_example_trains_with_sk_train(world, monkeypatch, capsys
     result = scope["result"]
     assert len(result.stats) == 2 and len(result.losses) == 3 and result.tokens == 3 * 4 * 16
     assert capsys.readouterr().out.startswith("shardkit train: gpt-tiny on Mesh(fsdp=2) (2 processes), 3 steps")
-    monkeypatch.setattr(train_cli, "LocalWorld", lambda size: _Lent(world(size)))
-    seen = []
-    monkeypatch.setattr(train_cli, "print_summary", lambda stats, *a, **k: seen.append(stats))
+    seen = []  # the command finds LocalWorld (lent above) and print_summary where they live when it runs
+    monkeypatch.setattr("shardkit.observe.report.print_summary", lambda stats, *a, **k: seen.append(stats))
     assert main(["train", "--model", "gpt-tiny", "--mesh", "fsdp=2", "--steps", "3", "--batch-size", "4",
                  "--seq-len", "16", "--data-mb", "0.05", "--lr", "0.01"]) == 0
     assert seen[0][0].losses == result.losses

@@ -21,19 +21,13 @@ import time
 from contextlib import nullcontext
 from dataclasses import replace
 
-from rich.console import Console
-
 from ..io.data import DEFAULT_MAX_BYTES
-from ..observe.report import print_summary
 from ..plan import Plan, PlanError
-from ..runtime.torchrun import in_torchrun
-from ..runtime.world import DEFAULT_TIMEOUT_S, LocalWorld, WorldError
-from ..training.checks import model_positions
-from ..training.config import CONFIG_FIELDS, DEFAULT_MODEL, TrainConfig, job_config
+from ..runtime.limits import DEFAULT_TIMEOUT_S
+from ..training.config import CONFIG_FIELDS, DEFAULT_MODEL, VERIFY_STEPS, TrainConfig, job_config
 from ..training.fields import BUILDS, OPTIMIZERS
 from ..training.model import TRAINABLE
 from ..training.plans import AUTO_PLAN, PlanFlags, flag_text, job_plan
-from ..training.run import VERIFY_STEPS, is_leader, prepare, start_line, train
 from .options import (
     add_model_option,
     fraction,
@@ -168,6 +162,7 @@ def auto_plan(config: TrainConfig) -> TrainConfig:
     world as calibrated (``shardkit calibrate``, measured once and kept), and its accumulation steps unless
     ``--grad-accum`` is given."""
     from ..planner.autoshard import autoshard
+    from ..training.checks import model_positions
     from .plan import DEFAULT_LOCAL_WORLD, candidates_text, local_hardware
 
     flags = config.plan.given() if isinstance(config.plan, PlanFlags) else {}
@@ -199,15 +194,24 @@ def auto_plan(config: TrainConfig) -> TrainConfig:
 
 def run(args: argparse.Namespace) -> int:
     """Build the configuration, check it, train it on a local world (or the torchrun world), print the summary."""
+    from rich.console import (
+        Console,  # torch and the rest only where a job runs: a refused line answers at once
+    )
+
+    from ..observe import report
+    from ..runtime import world as runtime_world
+    from ..runtime.torchrun import in_torchrun
+    from ..training.run import is_leader, prepare, start_line, train
+
     job = prepare(build_config(args))
     config, leader = job.config, is_leader()
     if leader:
         print(start_line(job), flush=True)
     start = time.perf_counter()
     try:
-        with nullcontext() if in_torchrun() else LocalWorld(job.world_size) as world:  # closed on exit, killed on error
+        with nullcontext() if in_torchrun() else runtime_world.LocalWorld(job.world_size) as world:  # closed on exit, killed on error
             result = train(job, world=world)
-    except WorldError as exc:
+    except runtime_world.WorldError as exc:
         print(f"shardkit train: {exc}", file=sys.stderr)
         return 1
     if result.verified is False:
@@ -217,6 +221,6 @@ def run(args: argparse.Namespace) -> int:
     if leader:
         console = Console(width=None if sys.stdout.isatty() else 120)
         steps = job.steps_text()
-        print_summary(result.stats, console, title=f"per device: {config.model}, {job.plan.mesh!r}, {steps}")
+        report.print_summary(result.stats, console, title=f"per device: {config.model}, {job.plan.mesh!r}, {steps}")
         print(f"{result.tokens:,} tokens in {time.perf_counter() - start:.1f} s ({steps}, including process start)")
     return 0

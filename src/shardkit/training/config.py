@@ -20,6 +20,8 @@ from .model import check_model_name
 from .plans import AUTO_PLAN, PLAN_OPTIONS, WHOLE_PLAN, PlanFlags, flag_text
 
 DEFAULT_MODEL = "gpt-small"
+#: Steps ``verify`` compares with one process before training.
+VERIFY_STEPS = 2
 
 
 @dataclass(frozen=True)
@@ -192,4 +194,4 @@ def refuse_plan_options(flags: PlanFlags, plan: object) -> None:
                      f"file's plan, {where}, or give the whole plan by flags (--mesh AXES, or --plan FILE)")
 
 
-__all__ = ["CONFIG_FIELDS", "DEFAULT_MODEL", "TrainConfig", "job_config", "refuse_plan_options"]
+__all__ = ["CONFIG_FIELDS", "DEFAULT_MODEL", "VERIFY_STEPS", "TrainConfig", "job_config", "refuse_plan_options"]

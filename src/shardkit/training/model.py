@@ -18,7 +18,6 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..models.hf import hf_loss
 from ..models.registry import BUILDER_PATH_FORM, MODELS, ModelEntry, is_builder_path, model_entry
 from ..plan import UsageError
 from ..plan.files import mapping, read_file
@@ -31,7 +30,7 @@ CONFIG_FILE = "config.json"
 
 
 #: The registered models a job can train (the others have shapes only, for explain and the planner).
-TRAINABLE = tuple(sorted(name for name, entry in MODELS.items() if not entry.meta_only))
+TRAINABLE = tuple(MODELS.buildable())
 
 
 def check_model_name(text: str, valid: tuple[str, ...] | list[str] = TRAINABLE) -> str:
@@ -85,6 +84,8 @@ def hf_config_entry(file: str) -> ModelEntry:
     """A transformers causal LM from its ``config.json`` (no weights: ``AutoModelForCausalLM.from_config``,
     seeded with 0); its vocabulary and positions are read from the config."""
     from transformers import AutoConfig
+
+    from ..models.hf import hf_loss
 
     data = mapping(read_file(file, "transformers config"), f"transformers config {file!r}",
                    '{"model_type": "llama", "vocab_size": 256, ...}')

@@ -22,13 +22,10 @@ from ..plan import Plan
 from ..runtime import world as runtime_world
 from ..runtime.torchrun import in_torchrun
 from .checks import CheckedJob, check_job
-from .config import TrainConfig
+from .config import VERIFY_STEPS, TrainConfig
 from .loop import train_rank
 from .model import model_builder, model_from_flag
 from .plans import job_plan
-
-#: Steps ``verify`` compares with one process before training.
-VERIFY_STEPS = 2
 
 
 @dataclass
