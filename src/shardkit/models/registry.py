@@ -83,6 +83,8 @@ MODELS: dict[str, ModelEntry] = {
                            description="reference GPT: 2 layers, dim 64, 4 heads"),
     "gpt-small": ModelEntry(gpt.build_small_gpt, gpt.GPT_RULES, gpt.gpt_loss, 256, 128,
                             description="reference GPT: 4 layers, dim 128, 4 heads"),
+    "gpt-moe": ModelEntry(gpt.build_tiny_gpt_moe, gpt.GPT_RULES, gpt.gpt_loss, 256, 32,
+                          description="reference GPT with 4 experts (top 2) per block: 2 layers, dim 64, 4 heads"),
     "llama-tiny": ModelEntry(hf.build_tiny_llama, hf.LLAMA_RULES, hf.hf_loss, 256, 32,
                              description="transformers Llama: 2 layers, hidden 64, 4 heads, 2 kv heads"),
     "gpt2-tiny": ModelEntry(hf.build_tiny_gpt2, hf.GPT2_RULES, hf.hf_loss, 256, 32,
