@@ -76,6 +76,15 @@ class ScaleGrad(torch.autograd.Function):
 
 
 @dataclass(frozen=True)
+class RowCounts:
+    """The (token, slot) rows one rank sent to / received from each ``ep`` rank in its experts
+    module's last forward (kept on the module as ``_sk_rows``: how balanced the routing was)."""
+
+    sent: tuple[int, ...]
+    received: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class ExpertGroup:
     """The ``ep`` group of one rank: its process group, size, this rank's index in it, and ``E``."""
 
@@ -110,6 +119,7 @@ def expert_parallel_forward(experts: nn.Module, hidden_states: torch.Tensor, top
     dist.all_to_all_single(received_counts, routed.counts, group=ep.group)
     send = routed.counts.view(ep.size, local).sum(dim=1).tolist()
     receive = received_counts.view(ep.size, local).sum(dim=1).tolist()
+    experts._sk_rows = RowCounts(tuple(send), tuple(receive))
     arrived = AllToAll.apply(rows, receive, send, ep.group)  # by source rank, then local expert
     expert_of_row = torch.arange(local, device=rows.device).repeat(ep.size).repeat_interleave(
         received_counts, output_size=arrived.shape[0])
@@ -178,5 +188,5 @@ def wrap_experts(model: nn.Module, layers: Iterable[ExpertsLayer], data: DataMes
     return set()
 
 
-__all__ = ["AllToAll", "ExpertGroup", "ExpertParallelExperts", "ScaleGrad", "apply_expert_parallel",
+__all__ = ["AllToAll", "ExpertGroup", "ExpertParallelExperts", "RowCounts", "ScaleGrad", "apply_expert_parallel",
            "expert_parallel_forward", "expert_parameters", "wrap_experts"]

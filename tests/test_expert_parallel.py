@@ -1,0 +1,234 @@
+"""Expert parallelism (``ep``) against one process: loss, gradients of the router and of every
+expert, and weights after 3 SGD steps; the edge cases that break other libraries; and the
+refusals of ``sk.validate``.
+
+One job per world runs every case (a world costs seconds to start on 2 cores); the
+one-process references run here.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import shardkit as sk
+from shardkit.models.gpt import GPT, GPTConfig, Router, build_tiny_gpt, build_tiny_gpt_moe, gpt_loss, tiny_moe_config
+from shardkit.models.hf import build_tiny_mixtral, build_tiny_qwen2_moe, hf_loss
+from shardkit.plan import LayoutMap
+from shardkit.planner.meta import meta_model
+
+STEPS, LR = 3, 0.5
+
+
+class OneSidedRouter(Router):
+    """A router whose logits favour experts ``0 .. top_k - 1`` by 30: every token goes to them, so
+    under ``ep`` the ranks holding the other experts receive no rows at all."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        skew = torch.zeros(self.weight.shape[0], dtype=x.dtype, device=x.device)
+        skew[: self.top_k] = 30.0
+        logits = F.linear(x, self.weight) + skew
+        weights, index = torch.topk(F.softmax(logits.float(), dim=-1), self.top_k, dim=-1)
+        return logits, (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype), index
+
+
+def build_one_sided_gpt_moe() -> GPT:
+    """The tiny MoE GPT with every router :class:`OneSidedRouter`."""
+    model = build_tiny_gpt_moe()
+    for layer in model.layers:
+        layer.mlp.gate.__class__ = OneSidedRouter
+    return model
+
+
+def build_all_experts_gpt_moe() -> GPT:
+    """The tiny MoE GPT with ``top_k`` equal to the number of experts (every token to every expert)."""
+    torch.manual_seed(0)
+    return GPT(GPTConfig(**{**tiny_moe_config().__dict__, "top_k": 4}))
+
+
+BUILDERS = {"gpt-moe": (build_tiny_gpt_moe, gpt_loss), "mixtral": (build_tiny_mixtral, hf_loss),
+            "qwen2-moe": (build_tiny_qwen2_moe, hf_loss), "one-sided": (build_one_sided_gpt_moe, gpt_loss),
+            "top-k=E": (build_all_experts_gpt_moe, gpt_loss)}
+
+
+def _batch(samples: int = 8, seq: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.randint(0, 256, (samples, seq + 1), generator=torch.Generator().manual_seed(1))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+#: (model, mesh, (samples, seq)) per world size.
+CASES = {
+    2: [("gpt-moe", "ep=2", (8, 16)), ("mixtral", "ep=2", (8, 16)), ("qwen2-moe", "ep=2", (8, 16)),
+        ("one-sided", "ep=2", (8, 16)), ("top-k=E", "ep=2", (4, 8)), ("gpt-moe", "ep=2", (2, 1))],
+    4: [("gpt-moe", "ep=4", (8, 16)), ("gpt-moe", "fsdp=2,ep=2", (8, 16)), ("gpt-moe", "dp=2,ep=2", (8, 16)),
+        ("mixtral", "fsdp=2,ep=2", (8, 16)), ("one-sided", "ep=4", (8, 16))],
+}
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _train_cases(ctx, cases):
+    """Every case on this rank: 3 SGD steps sharded; the losses, step 0's full gradients, the
+    final full weights (rank 0), this rank's own router gradients and the rows its experts got."""
+    from shardkit.runtime.apply import full_grads, full_state_dict
+
+    out = []
+    for name, mesh, shape in cases:
+        build, loss_fn = BUILDERS[name]
+        plan = sk.Plan(mesh=sk.Mesh.parse(mesh))
+        model = sk.shard(build(), plan, ctx)
+        optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+        data, index = plan.mesh.data_size, plan.mesh.data_index(ctx.rank)
+        inputs, targets = (t.chunk(data)[index] for t in _batch(*shape))
+        losses, grads, routers, rows = [], None, None, {}
+        for step in range(STEPS):
+            optimizer.zero_grad()
+            losses.append(model.step(inputs, targets, loss_fn).item())
+            if step == 0:
+                grads = full_grads(model)
+                routers = {n: _local(p.grad).clone() for n, p in model.named_parameters() if n.endswith("gate.weight")}
+                rows = {n: m._sk_rows.received for n, m in model.named_modules() if hasattr(m, "_sk_rows")}
+            optimizer.step()
+        weights = full_state_dict(model)
+        out.append((losses, grads if ctx.rank == 0 else None, weights if ctx.rank == 0 else None, routers, rows))
+    return out
+
+
+def _reference(name: str, shape: tuple[int, int]):
+    """One process: the losses, step 0's gradients and the final weights of 3 SGD steps."""
+    build, loss_fn = BUILDERS[name]
+    model = build()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    inputs, targets = _batch(*shape)
+    losses, grads = [], None
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        loss = loss_fn(model(inputs), targets)
+        loss.backward()
+        losses.append(loss.item())
+        if step == 0:
+            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        optimizer.step()
+    return losses, grads, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.fixture(scope="module")
+def results(world):
+    found = {}
+    for size, cases in CASES.items():
+        runs = world(size).run(_train_cases, cases)
+        for i, case in enumerate(cases):
+            found[case] = [run[i] for run in runs]
+    return found
+
+
+ALL = [c for cases in CASES.values() for c in cases]
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[float, str]:
+    assert a.keys() == b.keys()
+    return max((float((a[n] - b[n]).abs().max()), n) for n in a)
+
+
+@pytest.mark.parametrize("case", ALL, ids=[f"{c[0]}-{c[1]}-{c[2][0]}x{c[2][1]}" for c in ALL])
+def test_expert_parallel_matches_one_process(results, case):
+    name, mesh, shape = case
+    ranks = results[case]
+    losses, grads, weights = _reference(name, shape)
+    sharded_losses, sharded_grads, sharded_weights, _, _ = ranks[0]
+    assert sharded_losses == pytest.approx(losses, abs=1e-5)
+    grad_diff, where = _max_diff(sharded_grads, grads)
+    scale = max(float(g.abs().max()) for g in grads.values())
+    assert grad_diff <= 1e-5 + 1e-4 * scale, (grad_diff, where)
+    assert any(float(g.abs().max()) > 0 for n, g in grads.items() if ".experts." in n)
+    weight_diff, where = _max_diff(sharded_weights, weights)
+    assert weight_diff <= 1e-5, (weight_diff, where)
+    for rank in ranks:  # every rank reports the same global loss
+        assert rank[0] == pytest.approx(losses, abs=1e-5)
+
+
+@pytest.mark.parametrize("case", [c for c in ALL if "fsdp" not in c[1]], ids=lambda c: f"{c[0]}-{c[1]}")
+def test_router_gradient_is_the_same_on_every_rank(results, case):
+    """The router is reduced over every data rank, ep included (torchtitan #2387 was not)."""
+    ranks = results[case]
+    _, grads, _ = _reference(case[0], case[2])
+    first = ranks[0][3]
+    assert first, "no router gradient seen"
+    for name, grad in first.items():
+        reference = grads[name]
+        torch.testing.assert_close(grad, reference, rtol=1e-4, atol=1e-6)
+        for rank in ranks[1:]:
+            assert torch.equal(rank[3][name], grad)
+
+
+def test_experts_hold_a_share_and_skewed_routing_leaves_ranks_idle(results):
+    """Under a router that picks experts 0 and 1 only, the ranks holding 2 and 3 receive no rows
+    and the step still matches one process (above); balanced routing reaches every rank."""
+    for size, mesh in ((2, "ep=2"), (4, "ep=4")):
+        ranks = results["one-sided", mesh, (8, 16)]
+        received = [sum(sum(r) for r in rank[4].values()) for rank in ranks]
+        assert received[size // 2:] == [0] * (size - size // 2) and min(received[:size // 2]) > 0
+    balanced = results["gpt-moe", "ep=4", (8, 16)]
+    assert all(sum(sum(r) for r in rank[4].values()) > 0 for rank in balanced)
+    one_token = results["gpt-moe", "ep=2", (2, 1)]
+    assert sum(sum(sum(r) for r in rank[4].values()) for rank in one_token) == 2 * 2 * 2  # 2 tokens x top 2 x 2 layers
+
+
+# -- refusals before launch --------------------------------------------------------------------------------------------
+def _problems(plan: sk.Plan, build) -> str:
+    with pytest.raises(sk.PlanError) as info:
+        sk.validate(plan, meta_model(build))
+    return str(info.value)
+
+
+def test_ep_on_a_model_without_experts_is_refused_by_axis():
+    text = _problems(sk.Plan(mesh=sk.Mesh(ep=2)), build_tiny_gpt)
+    assert "mesh axis 'ep' (size 2) splits the experts of MoE layers, but GPT has none" in text
+
+
+def test_experts_not_divisible_by_ep_name_the_layer_and_valid_sizes():
+    text = _problems(sk.Plan(mesh=sk.Mesh(ep=3)), build_tiny_gpt_moe)
+    assert "MoE layer 'layers.1.mlp.experts' has 4 experts, not divisible by ep=3; valid ep sizes: [1, 2, 4]" in text
+    text = _problems(sk.Plan(mesh=sk.Mesh(ep=8)), build_tiny_mixtral)
+    assert "MoE layer 'model.layers.0.mlp.experts' has 4 experts, not divisible by ep=8" in text
+
+
+def test_what_ep_does_not_compose_with_yet_is_refused_by_name():
+    text = _problems(sk.Plan(mesh=sk.Mesh(tp=2, ep=2), rules=LayoutMap([(r".*q_proj\.weight", ("tp", None))])),
+                     build_tiny_gpt_moe)
+    assert "mesh axes ['tp'] with ep=2" in text
+    assert "recompute='full' with ep=2" in _problems(sk.Plan(mesh=sk.Mesh(ep=2), recompute="full"),
+                                                     build_tiny_gpt_moe)
+    plan = sk.Plan(mesh=sk.Mesh(ep=2), fsdp=sk.FSDPOptions(param_dtype="bfloat16"))
+    assert "mixed precision (param_dtype='bfloat16'" in _problems(plan, build_tiny_gpt_moe)
+
+
+def test_a_layout_rule_naming_ep_is_refused():
+    text = _problems(sk.Plan(mesh=sk.Mesh(ep=2), rules=LayoutMap([(r".*gate_up_proj", ("ep", None, None)),
+                                                                  (".*", None)])), build_tiny_gpt_moe)
+    assert "uses axis 'ep': 'ep' splits every MoE layer's experts by itself" in text
+
+
+def test_experts_with_another_forward_are_refused_by_module():
+    class Stacked(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate_up_proj = torch.nn.Parameter(torch.zeros(4, 8, 4))
+            self.down_proj = torch.nn.Parameter(torch.zeros(4, 4, 4))
+
+        def forward(self, x):
+            return x
+
+    text = _problems(sk.Plan(mesh=sk.Mesh(ep=2)), lambda: torch.nn.Sequential(Stacked()))
+    assert "module '0' (Stacked) stacks expert weights ['gate_up_proj', 'down_proj'] but its forward takes ['x']" in text
+
+
+def test_ep_splits_the_batch_like_a_data_axis():
+    mesh = sk.Mesh(fsdp=2, ep=2)
+    assert mesh.data_size == 4 and [mesh.data_index(r) for r in range(4)] == [0, 1, 2, 3]
+    assert sk.Plan(mesh=mesh).batch_problems(6) == [
+        "batch of 6 samples does not split evenly over 4 data-parallel replicas (dp=1 x fsdp=2 x ep=2); "
+        "use a multiple of 4"]
