@@ -13,7 +13,15 @@ import torch
 import torch.nn.functional as F
 
 import shardkit as sk
-from shardkit.models.gpt import GPT, GPTConfig, Router, build_tiny_gpt, build_tiny_gpt_moe, gpt_loss, tiny_moe_config
+from shardkit.models.gpt import (
+    GPT,
+    GPTConfig,
+    Router,
+    build_tiny_gpt,
+    build_tiny_gpt_moe,
+    gpt_loss,
+    tiny_moe_config,
+)
 from shardkit.models.hf import build_tiny_mixtral, build_tiny_qwen2_moe, hf_loss
 from shardkit.plan import LayoutMap
 from shardkit.planner.meta import meta_model
