@@ -15,10 +15,9 @@ DTensors sharded on dim 0 (the expert dim) over ``ep``, so rank ``j`` holds expe
 3. the results travel back by the reverse exchange and are combined at their source rank with
    the router's weights in a fixed order (:func:`shardkit.models.experts.combine`).
 
-The exchange's gradient is the reverse exchange (:class:`AllToAll`, torch's ``all_to_all_single``
-wrapped in an autograd function: its own autograd collective returns an asynchronous tensor that
-gloo's variable splits do not need). The router stays replicated: it is reduced over every data
-rank, ``ep`` included, like any other parameter.
+The exchanges are torch's ``all_to_all_single_autograd`` (:func:`exchange`), whose gradient is
+the reverse exchange. The router stays replicated: it is reduced over every data rank, ``ep``
+included, like any other parameter.
 
 Gradient scale: each rank's loss is the mean over its own tokens and data parallelism averages
 non-expert gradients over all ``N`` data ranks. An expert's gradient on its rank sums the
@@ -44,22 +43,12 @@ from ..planner.experts import ExpertsLayer
 from .meshes import DataMesh
 
 
-class AllToAll(torch.autograd.Function):
-    """``all_to_all_single`` of rows with split sizes; the backward is the reverse exchange."""
+def exchange(rows: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any) -> torch.Tensor:
+    """``rows`` split ``in_splits`` to the ranks of ``group``, ``out_splits`` rows received from
+    each: torch's ``all_to_all_single_autograd`` (its backward is the reverse exchange), waited for."""
+    from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 
-    @staticmethod
-    def forward(ctx, rows: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any) -> torch.Tensor:
-        ctx.splits, ctx.group = (out_splits, in_splits), group
-        out = rows.new_empty((sum(out_splits), *rows.shape[1:]))
-        dist.all_to_all_single(out, rows.contiguous(), out_splits, in_splits, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        out_splits, in_splits = ctx.splits
-        back = grad.new_empty((sum(in_splits), *grad.shape[1:]))
-        dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
-        return back, None, None, None
+    return wait_tensor(all_to_all_single_autograd(rows.contiguous(), out_splits, in_splits, group))
 
 
 class ScaleGrad(torch.autograd.Function):
@@ -120,13 +109,13 @@ def expert_parallel_forward(experts: nn.Module, hidden_states: torch.Tensor, top
     send = routed.counts.view(ep.size, local).sum(dim=1).tolist()
     receive = received_counts.view(ep.size, local).sum(dim=1).tolist()
     experts._sk_rows = RowCounts(tuple(send), tuple(receive))
-    arrived = AllToAll.apply(rows, receive, send, ep.group)  # by source rank, then local expert
+    arrived = exchange(rows, receive, send, ep.group)  # by source rank, then local expert
     expert_of_row = torch.arange(local, device=rows.device).repeat(ep.size).repeat_interleave(
         received_counts, output_size=arrived.shape[0])
     by_expert = torch.argsort(expert_of_row, stable=True)  # by local expert, then source rank
     weights = _local_weights(experts, 1.0 / ep.size)
     computed = expert_mlp(experts, arrived[by_expert], received_counts.view(ep.size, local).sum(dim=0), weights)
-    returned = AllToAll.apply(torch.empty_like(computed).index_copy(0, by_expert, computed), send, receive, ep.group)
+    returned = exchange(torch.empty_like(computed).index_copy(0, by_expert, computed), send, receive, ep.group)
     return combine(returned, routed.order, top_k_weights).to(hidden_states.dtype)
 
 
@@ -188,5 +177,5 @@ def wrap_experts(model: nn.Module, layers: Iterable[ExpertsLayer], data: DataMes
     return set()
 
 
-__all__ = ["AllToAll", "ExpertGroup", "ExpertParallelExperts", "RowCounts", "ScaleGrad", "apply_expert_parallel",
-           "expert_parallel_forward", "expert_parameters", "wrap_experts"]
+__all__ = ["ExpertGroup", "ExpertParallelExperts", "RowCounts", "ScaleGrad", "apply_expert_parallel",
+           "exchange", "expert_parallel_forward", "expert_parameters", "wrap_experts"]
