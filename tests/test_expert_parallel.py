@@ -262,3 +262,42 @@ def test_gpt_moe_is_registered_for_the_command_line():
     report = sk.validate(sk.Plan(mesh=mesh, rules=entry.rules_for(mesh)), entry.on_meta())
     assert [(layer.name, layer.num_experts) for layer in report.facts.experts] == [
         ("layers.0.mlp.experts", 4), ("layers.1.mlp.experts", 4)]
+
+
+def _loop_over_experts(experts, hidden, index, weights):
+    """transformers' eager experts: one expert at a time, ``index_add_`` into the output."""
+    out = torch.zeros_like(hidden)
+    for expert in range(experts.num_experts):
+        token, slot = torch.where(index == expert)
+        gate, up = F.linear(hidden[token], experts.gate_up_proj[expert]).chunk(2, dim=-1)
+        y = F.linear(experts.act_fn(gate) * up, experts.down_proj[expert]) * weights[token, slot, None]
+        out.index_add_(0, token, y)
+    return out
+
+
+@pytest.mark.parametrize("dtype, dim, grouped", [(torch.float32, 64, True), (torch.float64, 64, False),
+                                                 (torch.float32, 6, False)])
+def test_grouped_experts_equal_a_loop_over_experts(dtype, dim, grouped):
+    """grouped_mm where torch runs it (float32, rows of 16 bytes), one expert at a time elsewhere:
+    the same outputs and gradients as transformers' eager loop, with idle experts and empty groups."""
+    from shardkit.models.experts import grouped_mm_runs
+    from shardkit.models.gpt import Experts
+
+    torch.manual_seed(0)
+    experts = Experts(GPTConfig(dim=dim, heads=2, experts=4, top_k=2, mlp_ratio=2)).to(dtype)
+    for p in experts.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    hidden = torch.randn(9, dim, dtype=dtype, requires_grad=True)
+    index = torch.tensor([[0, 2]] * 8 + [[2, 0]])  # experts 1 and 3 get nothing
+    weights = torch.rand(9, 2, dtype=dtype)
+    assert grouped_mm_runs(hidden, experts.gate_up_proj.transpose(-2, -1)) is grouped
+    ours = experts(hidden, index, weights)
+    ours.sum().backward()  # an expanded gradient, which grouped_mm's backward takes only made contiguous
+    mine = [hidden.grad.clone()] + [p.grad.clone() for p in experts.parameters()]
+    hidden.grad = None
+    experts.zero_grad()
+    theirs = _loop_over_experts(experts, hidden, index, weights)
+    theirs.sum().backward()
+    torch.testing.assert_close(ours, theirs)
+    for a, b in zip(mine, [hidden.grad] + [p.grad for p in experts.parameters()]):
+        torch.testing.assert_close(a, b)

@@ -11,10 +11,11 @@ gives every experts class one), else ``act_fn(gate) * up`` on the two halves.
 
 Tokens sorted by expert make one contiguous group per expert, and
 ``torch.nn.functional.grouped_mm`` multiplies every group by its expert's matrix in one call.
-It runs on CPU for float32, bfloat16 and float16 when every row is a multiple of 16 bytes;
-where it cannot (float64, or a width such as 12 in bfloat16) the groups are multiplied one
-expert at a time, the same arithmetic (:func:`grouped_mm_runs` says which). On the meta device
-(shardkit's checks before launch) a stand-in of the right shape is computed instead.
+It runs on CPU for float32, bfloat16 and float16 (on CUDA for bfloat16) when every row is a
+multiple of 16 bytes; where it cannot (float64, float32 on CUDA, a width such as 12 in
+bfloat16) the groups are multiplied one expert at a time, the same arithmetic
+(:func:`grouped_mm_runs` says which). On the meta device (shardkit's checks before launch) a
+stand-in of the right shape is computed instead.
 
 >>> import torch
 >>> from shardkit.models.gpt import build_tiny_gpt_moe
@@ -34,8 +35,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-#: Dtypes ``torch.nn.functional.grouped_mm`` takes (torch 2.13).
-GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: Dtypes ``torch.nn.functional.grouped_mm`` takes per device type (torch 2.13: its CPU kernel
+#: takes these three; on CUDA, bfloat16 on devices of compute capability 8.0 or more).
+GROUPED_MM_DTYPES = {"cpu": (torch.float32, torch.bfloat16, torch.float16), "cuda": (torch.bfloat16,)}
 
 
 @dataclass(frozen=True)
@@ -56,9 +58,13 @@ def sort_by_expert(top_k_index: torch.Tensor, num_experts: int) -> Sorted:
 
 
 def grouped_mm_runs(rows: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``grouped_mm(rows [S, K], weight [G, K, N])`` runs here: a dtype it takes and rows of
-    a multiple of 16 bytes (what torch 2.13's kernels require of every stride)."""
-    if not hasattr(F, "grouped_mm") or rows.dtype not in GROUPED_MM_DTYPES or weight.dtype != rows.dtype:
+    """Whether ``grouped_mm(rows [S, K], weight [G, K, N])`` runs here: a device and dtype it takes
+    and rows of a multiple of 16 bytes (what torch 2.13's kernels require of every stride)."""
+    device = rows.device
+    if not hasattr(F, "grouped_mm") or rows.dtype not in GROUPED_MM_DTYPES.get(device.type, ()) \
+            or weight.dtype != rows.dtype:
+        return False
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 0):
         return False
     size = rows.element_size()
     return (weight.shape[-2] * size) % 16 == 0 and (weight.shape[-1] * size) % 16 == 0
