@@ -71,14 +71,17 @@ def _batch(samples: int = 8, seq: int = 16) -> tuple[torch.Tensor, torch.Tensor]
     return tokens[:, :-1], tokens[:, 1:]
 
 
-#: (model, mesh, (samples, seq)) per world size.
+#: (model, mesh, (samples, seq)) per world size. ``@meta``: built on meta and initialised per module;
+#: ``@accumulate``: 2 micro-batches per step; ``@clip``: gradients clipped to :data:`MAX_NORM`.
 CASES = {
     2: [("gpt-moe", "ep=2", (8, 16)), ("mixtral", "ep=2", (8, 16)), ("qwen2-moe", "ep=2", (8, 16)),
         ("one-sided", "ep=2", (8, 16)), ("top-k=E", "ep=2", (4, 8)), ("gpt-moe", "ep=2", (2, 1)),
         ("gpt-moe-bf16", "ep=2", (8, 16))],
     4: [("gpt-moe", "ep=4", (8, 16)), ("gpt-moe", "fsdp=2,ep=2", (8, 16)), ("gpt-moe", "dp=2,ep=2", (8, 16)),
-        ("mixtral", "fsdp=2,ep=2", (8, 16)), ("one-sided", "ep=4", (8, 16)), ("gpt-moe@meta", "fsdp=2,ep=2", (8, 16))],
+        ("mixtral", "fsdp=2,ep=2", (8, 16)), ("one-sided", "ep=4", (8, 16)), ("gpt-moe@meta", "fsdp=2,ep=2", (8, 16)),
+        ("gpt-moe@accumulate@clip", "fsdp=2,ep=2", (8, 16))],
 }
+MAX_NORM = 0.05  # below every step's gradient norm: clipping acts
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -92,9 +95,10 @@ def _train_cases(ctx, cases):
 
     out = []
     for name, mesh, shape in cases:
-        build, loss_fn = BUILDERS[name.removesuffix("@meta")]
+        model_name, *options = name.split("@")
+        build, loss_fn = BUILDERS[model_name]
         plan = sk.Plan(mesh=sk.Mesh.parse(mesh))
-        model = sk.shard(meta_model(build) if name.endswith("@meta") else build(), plan, ctx)
+        model = sk.shard(meta_model(build) if "meta" in options else build(), plan, ctx)
         initial = full_state_dict(model)
         optimizer = torch.optim.SGD(model.parameters(), lr=LR)
         data, index = plan.mesh.data_size, plan.mesh.data_index(ctx.rank)
@@ -102,7 +106,9 @@ def _train_cases(ctx, cases):
         losses, grads, routers, rows = [], None, None, {}
         for step in range(STEPS):
             optimizer.zero_grad()
-            losses.append(model.step(inputs, targets, loss_fn).item())
+            losses.append(model.step(inputs, targets, loss_fn, accumulate=2 if "accumulate" in options else 1).item())
+            if "clip" in options:
+                sk.clip_grad_norm_(model, MAX_NORM)
             if step == 0:
                 grads = full_grads(model)
                 routers = {n: _local(p.grad).clone() for n, p in model.named_parameters() if n.endswith("gate.weight")}
@@ -117,7 +123,8 @@ def _train_cases(ctx, cases):
 def _reference(name: str, shape: tuple[int, int], initial: dict[str, torch.Tensor] | None = None):
     """One process: the losses, step 0's gradients and the final weights of 3 SGD steps (from
     the ``initial`` weights when given: a model built on meta is initialised per module)."""
-    build, loss_fn = BUILDERS[name.removesuffix("@meta")]
+    model_name, *options = name.split("@")
+    build, loss_fn = BUILDERS[model_name]
     model = build()
     if initial is not None:
         model.load_state_dict(initial)
@@ -129,6 +136,8 @@ def _reference(name: str, shape: tuple[int, int], initial: dict[str, torch.Tenso
         loss = loss_fn(model(inputs), targets)
         loss.backward()
         losses.append(loss.item())
+        if "clip" in options:
+            assert torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM) > MAX_NORM
         if step == 0:
             grads = {n: p.grad.clone() for n, p in model.named_parameters()}
         optimizer.step()
@@ -158,7 +167,7 @@ def test_expert_parallel_matches_one_process(results, case):
     name, mesh, shape = case
     ranks = results[case]
     sharded_losses, sharded_grads, sharded_weights, _, _, initial = ranks[0]
-    losses, grads, weights = _reference(name, shape, initial if name.endswith("@meta") else None)
+    losses, grads, weights = _reference(name, shape, initial if "@meta" in name else None)
     # float32: sk.verify's tolerances; bfloat16 (reductions rounded in bf16): its mixed-precision ones
     loss_tol, grad_rel, weight_tol = (0.031 * losses[0], 0.078, 0.01 * LR) if "bf16" in name else (1e-5, 1e-4, 1e-5)
     assert sharded_losses == pytest.approx(losses, abs=loss_tol)
