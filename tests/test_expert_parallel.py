@@ -8,6 +8,8 @@ one-process references run here.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -100,6 +102,7 @@ def _train_cases(ctx, cases):
         plan = sk.Plan(mesh=sk.Mesh.parse(mesh))
         model = sk.shard(meta_model(build) if "meta" in options else build(), plan, ctx)
         initial = full_state_dict(model)
+        held = sum(_local(p).numel() * p.element_size() for p in model.parameters())
         optimizer = torch.optim.SGD(model.parameters(), lr=LR)
         data, index = plan.mesh.data_size, plan.mesh.data_index(ctx.rank)
         inputs, targets = (t.chunk(data)[index] for t in _batch(*shape))
@@ -116,7 +119,7 @@ def _train_cases(ctx, cases):
             optimizer.step()
         weights = full_state_dict(model)
         out.append((losses, grads if ctx.rank == 0 else None, weights if ctx.rank == 0 else None, routers, rows,
-                    initial if ctx.rank == 0 else None))
+                    initial if ctx.rank == 0 else None, held))
     return out
 
 
@@ -166,7 +169,7 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[f
 def test_expert_parallel_matches_one_process(results, case):
     name, mesh, shape = case
     ranks = results[case]
-    sharded_losses, sharded_grads, sharded_weights, _, _, initial = ranks[0]
+    sharded_losses, sharded_grads, sharded_weights, _, _, initial, _ = ranks[0]
     losses, grads, weights = _reference(name, shape, initial if "@meta" in name else None)
     # float32: sk.verify's tolerances; bfloat16 (reductions rounded in bf16): its mixed-precision ones
     loss_tol, grad_rel, weight_tol = (0.031 * losses[0], 0.078, 0.01 * LR) if "bf16" in name else (1e-5, 1e-4, 1e-5)
@@ -206,6 +209,17 @@ def test_experts_hold_a_share_and_skewed_routing_leaves_ranks_idle(results):
     assert all(sum(sum(r) for r in rank[4].values()) > 0 for rank in balanced)
     one_token = results["gpt-moe", "ep=2", (2, 1)]
     assert sum(sum(sum(r) for r in rank[4].values()) for rank in one_token) == 2 * 2 * 2  # 2 tokens x top 2 x 2 layers
+
+
+@pytest.mark.parametrize("mesh", ["ep=2", "ep=4", "fsdp=2,ep=2", "dp=2,ep=2"])
+def test_explain_counts_the_bytes_each_rank_holds(results, mesh):
+    """``shardkit explain``'s parameter bytes per device: E / ep experts per rank, FSDP over the rest."""
+    from shardkit.planner.explain import explain_plan
+
+    text = explain_plan(sk.Plan(mesh=sk.Mesh.parse(mesh)), meta_model(build_tiny_gpt_moe))
+    stated = int(re.search(r"parameter bytes per device: ([\d,]+) B", text).group(1).replace(",", ""))
+    held = {rank[-1] for rank in results["gpt-moe", mesh, (8, 16)]}
+    assert held == {stated}
 
 
 # -- refusals before launch --------------------------------------------------------------------------------------------
