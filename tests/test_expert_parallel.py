@@ -58,6 +58,19 @@ def build_all_experts_gpt_moe() -> GPT:
     return GPT(GPTConfig(**{**tiny_moe_config().__dict__, "top_k": 4}))
 
 
+def build_tiny_gpt_oss() -> torch.nn.Module:
+    """transformers GPT-OSS, tiny: experts with biases, stored transposed, its own clamped gating."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    config = GptOssConfig(vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                          num_experts_per_tok=2, max_position_embeddings=128, layer_types=["full_attention"] * 2,
+                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                          attn_implementation="eager")
+    torch.manual_seed(0)
+    return GptOssForCausalLM(config)
+
+
 def build_bf16_gpt_moe() -> GPT:
     """The tiny MoE GPT in bfloat16 (grouped GEMM and the exchanges in bfloat16)."""
     return build_tiny_gpt_moe().to(torch.bfloat16)
@@ -65,7 +78,8 @@ def build_bf16_gpt_moe() -> GPT:
 
 BUILDERS = {"gpt-moe": (build_tiny_gpt_moe, gpt_loss), "mixtral": (build_tiny_mixtral, hf_loss),
             "qwen2-moe": (build_tiny_qwen2_moe, hf_loss), "one-sided": (build_one_sided_gpt_moe, gpt_loss),
-            "top-k=E": (build_all_experts_gpt_moe, gpt_loss), "gpt-moe-bf16": (build_bf16_gpt_moe, gpt_loss)}
+            "top-k=E": (build_all_experts_gpt_moe, gpt_loss), "gpt-moe-bf16": (build_bf16_gpt_moe, gpt_loss),
+            "gpt-oss": (build_tiny_gpt_oss, hf_loss)}
 
 
 def _batch(samples: int = 8, seq: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,11 +92,12 @@ def _batch(samples: int = 8, seq: int = 16) -> tuple[torch.Tensor, torch.Tensor]
 CASES = {
     2: [("gpt-moe", "ep=2", (8, 16)), ("mixtral", "ep=2", (8, 16)), ("qwen2-moe", "ep=2", (8, 16)),
         ("one-sided", "ep=2", (8, 16)), ("top-k=E", "ep=2", (4, 8)), ("gpt-moe", "ep=2", (2, 1)),
-        ("gpt-moe-bf16", "ep=2", (8, 16))],
+        ("gpt-moe-bf16", "ep=2", (8, 16)), ("gpt-oss", "ep=2", (8, 16))],
     4: [("gpt-moe", "ep=4", (8, 16)), ("gpt-moe", "fsdp=2,ep=2", (8, 16)), ("gpt-moe", "dp=2,ep=2", (8, 16)),
         ("mixtral", "fsdp=2,ep=2", (8, 16)), ("one-sided", "ep=4", (8, 16)), ("gpt-moe@meta", "fsdp=2,ep=2", (8, 16)),
         ("gpt-moe@accumulate@clip", "fsdp=2,ep=2", (8, 16))],
 }
+ROUTER = re.compile(r"\.(gate|router)\.(weight|bias)$")  # the routers of gpt-moe, Mixtral, Qwen2-MoE, GPT-OSS
 MAX_NORM = 0.05  # below every step's gradient norm: clipping acts
 
 
@@ -114,7 +129,7 @@ def _train_cases(ctx, cases):
                 sk.clip_grad_norm_(model, MAX_NORM)
             if step == 0:
                 grads = full_grads(model)
-                routers = {n: _local(p.grad).clone() for n, p in model.named_parameters() if n.endswith("gate.weight")}
+                routers = {n: _local(p.grad).clone() for n, p in model.named_parameters() if ROUTER.search(n)}
                 rows = {n: m._sk_rows.received for n, m in model.named_modules() if hasattr(m, "_sk_rows")}
             optimizer.step()
         weights = full_state_dict(model)

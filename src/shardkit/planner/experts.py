@@ -27,7 +27,8 @@ from ..plan import Plan
 
 #: The stacked weights an experts module must hold (transformers' ``base_model_ep_plan`` names).
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
-#: The arguments of an experts module's forward, in order.
+#: The arguments of an experts module's forward, in order (by position: GPT-OSS names the last two
+#: ``router_indices, routing_weights``).
 EXPERTS_FORWARD = ("hidden_states", "top_k_index", "top_k_weights")
 
 
@@ -42,12 +43,18 @@ class ExpertsLayer:
 
 
 def _forward_arguments(module: nn.Module) -> tuple[str, ...]:
-    """The names of ``module.forward``'s arguments (through transformers' dispatching wrapper)."""
+    """The names of ``module.forward``'s positional arguments (through transformers' dispatching wrapper)."""
     try:
         signature = inspect.signature(inspect.unwrap(type(module).forward))
     except (TypeError, ValueError):
         return ()
-    return tuple(p.name for p in signature.parameters.values())[1:]
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return tuple(p.name for p in signature.parameters.values() if p.kind in positional)[1:]
+
+
+def _takes_routing(module: nn.Module) -> bool:
+    """Whether the forward takes (hidden states, top-k expert ids, top-k weights) by position."""
+    return len(_forward_arguments(module)) >= len(EXPERTS_FORWARD)
 
 
 def _stacks_experts(module: nn.Module) -> bool:
@@ -61,7 +68,7 @@ def find_experts(model: nn.Module) -> list[ExpertsLayer]:
     stack expert weights but cannot be split."""
     found = []
     for name, module in model.named_modules():
-        if _stacks_experts(module) and _forward_arguments(module)[:3] == EXPERTS_FORWARD:
+        if _stacks_experts(module) and _takes_routing(module):
             own = dict(module.named_parameters(recurse=False))
             found.append(ExpertsLayer(name, own["gate_up_proj"].shape[0], tuple(own)))
     return found
@@ -76,11 +83,10 @@ def experts_structure_problems(model: nn.Module) -> list[str]:
             continue
         own = dict(module.named_parameters(recurse=False))
         experts = own["gate_up_proj"].shape[0]
-        arguments = _forward_arguments(module)
-        if arguments[:3] != EXPERTS_FORWARD:
+        if not _takes_routing(module):
             problems.append(f"module {name!r} ({type(module).__name__}) stacks expert weights {list(EXPERT_WEIGHTS)} "
-                            f"but its forward takes {list(arguments)}, not {list(EXPERTS_FORWARD)} (transformers' "
-                            f"experts interface), so 'ep' cannot send it tokens; remove the 'ep' axis")
+                            f"but its forward takes {list(_forward_arguments(module))}, not {list(EXPERTS_FORWARD)} "
+                            f"(transformers' experts interface), so 'ep' cannot send it tokens; remove the 'ep' axis")
             continue
         for param, tensor in own.items():
             if tensor.dim() == 0 or tensor.shape[0] != experts:

@@ -75,11 +75,10 @@ class RowCounts:
 
 @dataclass(frozen=True)
 class ExpertGroup:
-    """The ``ep`` group of one rank: its process group, size, this rank's index in it, and ``E``."""
+    """The ``ep`` group of one rank: its process group, its size, and ``E``."""
 
     group: Any
     size: int
-    index: int
     num_experts: int
 
     @property
@@ -137,7 +136,6 @@ def apply_expert_parallel(model: nn.Module, layers: Iterable[ExpertsLayer], ep_m
     parameters become DTensors sharded on dim 0, its forward sends tokens to their experts."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    size, index = ep_mesh.size(), ep_mesh.get_local_rank()
     for layer in layers:
         experts = model.get_submodule(layer.name)
         for name, param in list(experts.named_parameters(recurse=False)):
@@ -147,7 +145,7 @@ def apply_expert_parallel(model: nn.Module, layers: Iterable[ExpertsLayer], ep_m
         if cls not in _CLASSES:
             _CLASSES[cls] = type(f"ExpertParallel{cls.__name__}", (ExpertParallelExperts, cls), {})
         experts.__class__ = _CLASSES[cls]
-        experts._sk_expert_group = ExpertGroup(ep_mesh.get_group(), size, index, layer.num_experts)
+        experts._sk_expert_group = ExpertGroup(ep_mesh.get_group(), ep_mesh.size(), layer.num_experts)
 
 
 def expert_parameters(model: nn.Module, layers: Iterable[ExpertsLayer]) -> set[nn.Parameter]:
