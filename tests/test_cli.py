@@ -54,7 +54,7 @@ BAD_FLAGS = [
     (["train", "--data", ""], "--data", "must be a path, got ''"),
     (["train", "--split-points", "layers.2,"], "--split-points", "module names separated by commas"),
     (["train", "--schedule", "fast"], "--schedule", "invalid choice: 'fast'"),
-    (["train", "--model", "gpt-huge"], "--model", "unknown model 'gpt-huge'; valid: gpt-small, gpt-tiny"),
+    (["train", "--model", "gpt-huge"], "--model", "unknown model 'gpt-huge'; valid: gpt-moe, gpt-small, gpt-tiny"),
     (["train", "--model", "llama-70b"], "--model", "'llama-70b' has shapes only (meta device)"),
     (["explain", "--width", "0"], "--width", "positive integer (1, 2, ...), got '0'"),
     (["explain", "--world-size", "-1"], "--world-size", "positive integer (1, 2, ...), got '-1'"),

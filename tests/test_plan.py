@@ -127,7 +127,7 @@ def test_tuple_of_axes_splits_by_product():
        st.integers(1, 3), st.integers(0, 2))
 def test_local_shape_times_split_is_global(axes, mult, dim):
     mesh = sk.Mesh(dict(axes))
-    model_axes = [a for a in mesh.names if a != "dp"]
+    model_axes = [a for a in mesh.names if a not in ("dp", "ep")]  # axes no layout may name
     shape = [mesh.size * mult] * 3
     layout = [None, None, None]
     if model_axes:
@@ -174,11 +174,11 @@ def test_validate_warns_about_unused_rule():
 
 
 def test_validate_rejects_unused_model_axis_and_lists_every_problem():
-    plan = sk.Plan(mesh=sk.Mesh(tp=2, ep=2), rules=sk.LayoutMap([(r"layers\.0\.q\.weight", ("tp", None))]))
+    plan = sk.Plan(mesh=sk.Mesh(tp=2, mp=2), rules=sk.LayoutMap([(r"layers\.0\.q\.weight", ("tp", None))]))
     with pytest.raises(PlanError) as err:
         validate(plan, SHAPES)
-    assert "mesh axis 'ep' (size 2) is used by no layout rule" in str(err.value)
-    assert "'ep' is a user axis; shardkit's own axes are dp, fsdp, tp, pp, sp: a typo?" in str(err.value)
+    assert "mesh axis 'mp' (size 2) is used by no layout rule" in str(err.value)
+    assert "'mp' is a user axis; shardkit's own axes are dp, fsdp, tp, pp, sp, ep: a typo?" in str(err.value)
     assert "match no layout rule" in str(err.value)
     assert len(err.value.problems) == 2
     with pytest.raises(PlanError, match=r"'FSDP' is a user axis; shardkit's own axes are dp, fsdp, tp, pp, sp"):

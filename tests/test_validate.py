@@ -113,11 +113,11 @@ def test_a_norm_split_over_tp_is_refused():
 
 
 def test_one_dim_or_one_module_over_two_model_axes_is_refused():
-    two_on_a_dim = sk.LayoutMap([(r"lm_head[.]weight", (("tp", "ep"), None)), *GPT_RULES.items()])
-    problems = _problems(build_tiny_gpt, sk.Plan(sk.Mesh(tp=2, ep=2), two_on_a_dim))
-    assert any("'lm_head.weight' is split over model axes ['tp', 'ep']" in p for p in problems)
-    two_on_a_module = sk.LayoutMap([(r"layers[.][0-9]+[.]attn[.]q_proj[.]bias", ("ep",)), *GPT_RULES.items()])
-    problems = _problems(build_tiny_gpt, sk.Plan(sk.Mesh(tp=2, ep=2), two_on_a_module))
+    two_on_a_dim = sk.LayoutMap([(r"lm_head[.]weight", (("tp", "mp"), None)), *GPT_RULES.items()])
+    problems = _problems(build_tiny_gpt, sk.Plan(sk.Mesh(tp=2, mp=2), two_on_a_dim))
+    assert any("'lm_head.weight' is split over model axes ['tp', 'mp']" in p for p in problems)
+    two_on_a_module = sk.LayoutMap([(r"layers[.][0-9]+[.]attn[.]q_proj[.]bias", ("mp",)), *GPT_RULES.items()])
+    problems = _problems(build_tiny_gpt, sk.Plan(sk.Mesh(tp=2, mp=2), two_on_a_module))
     assert any("module 'layers.0.attn.q_proj' has parameters split over different model axes" in p for p in problems)
 
 

@@ -2,7 +2,10 @@
 
 The reference model of demos, tests and benchmarks. Module names (what layout rules match):
 ``embed``, ``pos_embed``, ``layers.{i}.{norm1, attn.{q,k,v,o}_proj, norm2, mlp.{up,down}_proj}``,
-``norm_f``, ``lm_head``. Attention reshapes heads with ``-1``, so after column-parallel
+``norm_f``, ``lm_head``. With ``GPTConfig(experts=E, top_k=k)`` every block's ``mlp`` is a
+mixture of experts instead (:class:`MoE`: ``mlp.gate.weight`` and the stacked
+``mlp.experts.{gate_up_proj, down_proj}``, in transformers' layout and interface, so expert
+parallelism treats it and transformers' MoE models alike). Attention reshapes heads with ``-1``, so after column-parallel
 q/k/v projections each tensor-parallel rank simply runs its own heads; it calls
 ``attn.attention_fn(q, k, v)`` (causal), an attribute context-parallel code can replace.
 Decoding passes a :class:`KVCache` (``model(ids, cache=model.kv_cache())``); without one the
@@ -23,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..plan import LayoutMap
+from .experts import local_experts_forward
 
 INIT_STD = 0.02  # normal init of Linear and Embedding weights (GPT-2's choice)
 
@@ -37,10 +41,14 @@ class GPTConfig:
     heads: int = 4
     seq_len: int = 32
     mlp_ratio: int = 4
+    experts: int = 0  # 0: a dense MLP per block; E > 0: a mixture of E experts, top_k of them per token
+    top_k: int = 2
 
     def __post_init__(self) -> None:
         if self.dim % self.heads:
             raise ValueError(f"GPTConfig: dim={self.dim} is not divisible by heads={self.heads}")
+        if self.experts and not 1 <= self.top_k <= self.experts:
+            raise ValueError(f"GPTConfig: top_k={self.top_k} must be between 1 and experts={self.experts}")
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -135,6 +143,59 @@ class MLP(nn.Module):
         return self.down_proj(F.gelu(self.up_proj(x)))
 
 
+class Router(nn.Module):
+    """Mixtral's top-k router: softmax over ``weight [experts, dim]`` logits (in float32), the
+    ``top_k`` largest kept and renormalised. ``forward(x [T, dim]) -> (logits, top_k_weights, top_k_index)``."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.top_k = config.top_k
+        self.weight = nn.Parameter(torch.empty(config.experts, config.dim))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        logits = F.linear(x, self.weight)
+        weights, index = torch.topk(F.softmax(logits.float(), dim=-1), self.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        return logits, weights.to(x.dtype), index
+
+
+class Experts(nn.Module):
+    """``E`` SwiGLU experts stacked as transformers stacks them: ``gate_up_proj [E, 2 * ffn, dim]``
+    (gate rows first), ``down_proj [E, dim, ffn]``; ``forward(hidden_states [T, dim], top_k_index
+    [T, k], top_k_weights [T, k]) -> [T, dim]``, each token's experts' outputs weighted and summed.
+
+    The one-process computation: tokens sorted by expert, one grouped product per projection
+    (:func:`~shardkit.models.experts.local_experts_forward`, as transformers' ``grouped_mm``
+    experts). Expert parallelism replaces this forward (:mod:`shardkit.runtime.expert_parallel`).
+    """
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.num_experts = config.experts
+        ffn = config.mlp_ratio * config.dim
+        self.gate_up_proj = nn.Parameter(torch.empty(config.experts, 2 * ffn, config.dim))
+        self.down_proj = nn.Parameter(torch.empty(config.experts, config.dim, ffn))
+        self.act_fn = F.silu
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        return local_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+
+
+class MoE(nn.Module):
+    """A sparse MLP: ``gate`` (:class:`Router`) picks ``top_k`` of ``experts`` (:class:`Experts`) per token."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.gate = Router(config)
+        self.experts = Experts(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        _, weights, index = self.gate(flat)
+        return self.experts(flat, index, weights).reshape(x.shape)
+
+
 class Block(nn.Module):
     """Pre-norm transformer block: ``x + attn(norm1(x))``, then ``x + mlp(norm2(x))``."""
 
@@ -143,7 +204,7 @@ class Block(nn.Module):
         self.norm1 = nn.LayerNorm(config.dim)
         self.attn = Attention(config)
         self.norm2 = nn.LayerNorm(config.dim)
-        self.mlp = MLP(config)
+        self.mlp = MoE(config) if config.experts else MLP(config)
 
     def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), cache)
@@ -194,6 +255,11 @@ def _init_weights(module: nn.Module) -> None:
         nn.init.normal_(module.weight, std=INIT_STD)
     if isinstance(module, nn.Linear) and module.bias is not None:
         nn.init.zeros_(module.bias)
+    if isinstance(module, Router):
+        nn.init.normal_(module.weight, std=INIT_STD)
+    if isinstance(module, Experts):
+        nn.init.normal_(module.gate_up_proj, std=INIT_STD)
+        nn.init.normal_(module.down_proj, std=INIT_STD)
 
 
 #: Tensor-parallel rules (Megatron style): q/k/v and up_proj column-parallel, o/down_proj
@@ -224,10 +290,25 @@ def small_config() -> GPTConfig:
     return GPTConfig(vocab=256, layers=4, dim=128, heads=4, seq_len=128)
 
 
+def tiny_moe_config() -> GPTConfig:
+    """:func:`tiny_config` with a mixture of 4 experts (top 2) in every block: tests."""
+    return GPTConfig(vocab=256, layers=2, dim=64, heads=4, seq_len=32, experts=4, top_k=2)
+
+
 def build_tiny_gpt() -> GPT:
     """A fresh tiny GPT with seed 0 (top-level, so it pickles into worker processes)."""
     torch.manual_seed(0)
     return GPT(tiny_config())
+
+
+def build_tiny_gpt_moe() -> GPT:
+    """A fresh tiny mixture-of-experts GPT (:func:`tiny_moe_config`) with seed 0.
+
+    >>> build_tiny_gpt_moe().layers[0].mlp.experts.gate_up_proj.shape
+    torch.Size([4, 512, 64])
+    """
+    torch.manual_seed(0)
+    return GPT(tiny_moe_config())
 
 
 def build_small_gpt() -> GPT:

@@ -83,6 +83,44 @@ def tiny_gpt2_config(**overrides: Any):
     return GPT2Config(**{**sizes, **overrides})
 
 
+def tiny_mixtral_config(**overrides: Any):
+    """Mixtral: hidden 64, 2 layers, 4 heads, 2 kv heads, 4 experts of width 128 (top 2), vocab 256."""
+    from transformers import MixtralConfig
+
+    sizes = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=128, num_local_experts=4, num_experts_per_tok=2, vocab_size=256,
+                 max_position_embeddings=128, attn_implementation=ATTN_IMPLEMENTATION)
+    return MixtralConfig(**{**sizes, **overrides})
+
+
+def tiny_qwen2_moe_config(**overrides: Any):
+    """Qwen2-MoE: hidden 64, 2 layers, 4 heads, 2 kv heads, 4 experts of width 64 (top 2, not
+    renormalised) and a gated shared expert of width 128 in every layer, vocab 256."""
+    from transformers import Qwen2MoeConfig
+
+    sizes = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=128, moe_intermediate_size=64, shared_expert_intermediate_size=128,
+                 num_experts=4, num_experts_per_tok=2, vocab_size=256, max_position_embeddings=128,
+                 attn_implementation=ATTN_IMPLEMENTATION)
+    return Qwen2MoeConfig(**{**sizes, **overrides})
+
+
+def build_tiny_mixtral() -> nn.Module:
+    """A fresh tiny Mixtral (seed 0); top-level so it pickles into worker processes."""
+    from transformers import MixtralForCausalLM
+
+    torch.manual_seed(0)
+    return MixtralForCausalLM(tiny_mixtral_config())
+
+
+def build_tiny_qwen2_moe() -> nn.Module:
+    """A fresh tiny Qwen2-MoE (seed 0); top-level so it pickles into worker processes."""
+    from transformers import Qwen2MoeForCausalLM
+
+    torch.manual_seed(0)
+    return Qwen2MoeForCausalLM(tiny_qwen2_moe_config())
+
+
 def build_llama(config) -> nn.Module:
     """``LlamaForCausalLM(config)`` seeded with 0."""
     from transformers import LlamaForCausalLM

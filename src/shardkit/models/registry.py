@@ -137,6 +137,8 @@ MODELS = Registry({
                               description="reference GPT: 2 layers, dim 64, 4 heads"),
     "gpt-small": _Registration("gpt", "build_small_gpt", "GPT_RULES", "gpt_loss", 256, 128,
                                description="reference GPT: 4 layers, dim 128, 4 heads"),
+    "gpt-moe": _Registration("gpt", "build_tiny_gpt_moe", "GPT_RULES", "gpt_loss", 256, 32,
+                             description="reference GPT with 4 experts (top 2) per block: 2 layers, dim 64, 4 heads"),
     "llama-tiny": _Registration("hf", "build_tiny_llama", "LLAMA_RULES", "hf_loss", 256, 32,
                                 description="transformers Llama: 2 layers, hidden 64, 4 heads, 2 kv heads"),
     "gpt2-tiny": _Registration("hf", "build_tiny_gpt2", "GPT2_RULES", "hf_loss", 256, 32,

@@ -15,16 +15,21 @@ AXIS_ROLES: dict[str, str] = {
     "tp": "tensor parallel: weights split by layout rules, partial results combined",
     "pp": "pipeline parallel: layers split into stages",
     "sp": "sequence / context parallel: the sequence dim split across devices",
+    "ep": "expert parallel: each MoE layer's experts split over it (E / ep whole experts per rank), "
+          "tokens sent to their experts by all-to-all; a data axis for everything else",
 }
 USER_AXIS_ROLE = "user axis: splits the tensors its layout rules name (like tp)"
-#: Axes over which the batch is split (each coordinate sees different samples).
-DATA_AXES = ("dp", "fsdp")
+#: Axes over which the batch is split (each coordinate sees different samples). ``ep`` is one:
+#: its ranks see different tokens, and everything but the experts is reduced over it.
+DATA_AXES = ("dp", "fsdp", "ep")
 #: Axes that must never appear in a parameter layout, with the reason. (``fsdp`` may: it
 #: chooses the dim FSDP2 shards.)
 NOT_FOR_LAYOUTS: dict[str, str] = {
     "dp": "'dp' replicates parameters; to shard a parameter over the data axis use 'fsdp'",
     "pp": "'pp' splits layers into pipeline stages, not tensors; use Plan(pipeline=...)",
     "sp": "'sp' splits the sequence of activations, not parameters",
+    "ep": "'ep' splits every MoE layer's experts by itself (the expert dim of their stacked weights); "
+          "no layout rule names it",
 }
 
 
@@ -32,7 +37,7 @@ def is_model_axis(axis: str) -> bool:
     """Whether ``axis`` splits parameters by layout into pieces that compute separately (tensor
     parallelism): ``tp`` and every user axis, not the data, pipeline or sequence axes.
 
-    >>> [a for a in ("dp", "fsdp", "tp", "pp", "sp", "expert") if is_model_axis(a)]
+    >>> [a for a in ("dp", "fsdp", "tp", "pp", "sp", "ep", "expert") if is_model_axis(a)]
     ['tp', 'expert']
     """
     return axis not in DATA_AXES and axis not in NOT_FOR_LAYOUTS
@@ -134,6 +139,8 @@ class Mesh(Mapping[str, int]):
         """How many data-parallel replicas see different samples: the product of the data axes.
 
         >>> Mesh(dp=2, fsdp=2, tp=2).data_size
+        4
+        >>> Mesh(fsdp=2, ep=2).data_size
         4
         """
         return math.prod(self.size_of(a) for a in DATA_AXES)

@@ -215,7 +215,7 @@ class Plan:
                 )
         names = mesh.names
         if "dp" in names and "fsdp" in names and mesh["dp"] > 1 and mesh["fsdp"] > 1:
-            late = [a for a in ("fsdp", "sp") if a in names and names.index(a) < names.index("dp") and mesh[a] > 1]
+            late = [a for a in ("fsdp", "sp", "ep") if a in names and names.index(a) < names.index("dp") and mesh[a] > 1]
             if late:
                 problems.append(f"mesh {mesh!r}: with dp and fsdp together (HSDP), 'dp' must come before {late} "
                                 f"(the replicate dim is outermost), e.g. Mesh(dp={mesh['dp']}, fsdp={mesh['fsdp']}, ...)")
@@ -253,14 +253,14 @@ class Plan:
         data = self.mesh.data_size
         if type(batch_size) is not int or batch_size < 1:
             step = data * (self.pipeline.microbatches if self.pipeline is not None else 1)
-            axes = " x ".join(f"{a}={self.mesh.size_of(a)}" for a in DATA_AXES) + (
+            axes = _data_axes_text(self.mesh) + (
                 f" x {self.pipeline.microbatches} micro-batches" if self.pipeline is not None else "")
             return [f"a batch of {batch_size!r} samples: give a whole number of samples, a positive multiple of "
                     f"{step} ({axes}), e.g. {step}"]
         if self.pipeline is not None:
             problems = self.pipeline.check_batch(batch_size, data)
         elif batch_size % data:
-            axes = " x ".join(f"{a}={self.mesh.size_of(a)}" for a in DATA_AXES)
+            axes = _data_axes_text(self.mesh)
             problems = [f"batch of {batch_size} samples does not split evenly over {data} data-parallel replicas "
                         f"({axes}); use a multiple of {data}"]
         else:
@@ -391,5 +391,11 @@ def zero_problems(plan: Plan) -> list[str]:
                 f"{keep}) or leave it out (plan file: fsdp: {{reshard_after_forward: {str(keep).lower()}}}, or no "
                 f"such key), or zero={2 if keep else 3}"]
     return []
+
+
+def _data_axes_text(mesh: Mesh) -> str:
+    """The data axes a batch splits over, as ``dp=2 x fsdp=1`` (``ep`` only when the mesh has it)."""
+    return " x ".join(f"{a}={mesh.size_of(a)}" for a in DATA_AXES if a != "ep" or a in mesh)
+
 
 __all__ = ["RECOMPUTE", "ZERO_STAGES", "zero_problems", "FSDPOptions", "Plan", "param_shapes"]

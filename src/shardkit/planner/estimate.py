@@ -133,6 +133,9 @@ def priced_plan(plan: Any, world_size: Any, caller: str) -> Plan:
         multiple = f", a multiple of {known}" if known > 1 else ""
         raise PlanError(f"{caller}(): mesh axis {unresolved[0]!r} is -1, to be inferred from the number of devices; "
                         f"pass world_size=N (the number of devices{multiple}), or give the axis its size")
+    if plan.mesh.size_of("ep") > 1:
+        raise PlanError(f"{caller}(): mesh axis 'ep' (size {plan.mesh['ep']}): the estimate does not price expert "
+                        f"parallelism yet (experts split over ep, their all-to-all); estimate the plan without 'ep'")
     unpriced = {axis: size for axis, size in plan.mesh.items() if axis not in MESH_ORDER and size > 1}
     if unpriced:
         raise PlanError(f"{caller}(): mesh axes {unpriced} split parameters by their own rules, which the estimate "

@@ -142,13 +142,19 @@ def _analyse(plan: Plan, model: Any, world_size: int | None) -> tuple[Mesh, list
     shards = _fsdp_shards(mesh)
     sliced = {name: (plan_axis, dim) for plan_axis in (report.facts.tensor_parallel.values() if report.facts else ())
               for name, dim in plan_axis.sliced}
+    experts = {f"{layer.name}.{p}" for layer in (report.facts.experts if report.facts else ()) for p in layer.params}
     rows = []
     for name, layout in layouts.items():
         if name in sliced:  # split with the activations it acts on, whatever its layout says
             axis, dim = sliced[name]
             layout = replace(layout, layout=tuple(axis.axis if d == dim else None for d in range(len(layout.shape))))
             mechanisms[name] = "sliced"
-        local, sharded = _local_shapes(layout, mesh, shards)
+        if name in experts:  # ep splits dim 0 (runtime/expert_parallel.py); FSDP then shards over the rest
+            expert_shards = shards // mesh.size_of("ep") if shards > 1 else 1
+            local, sharded = _local_shapes(layout, mesh, expert_shards, mesh.size_of("ep"))
+            mechanisms[name] = f"experts over ep ({mesh.size_of('ep')})"
+        else:
+            local, sharded = _local_shapes(layout, mesh, shards)
         rows.append(ParamRow(layout, mechanisms.get(name, _split_name(layout)), local, sharded,
                              dtypes.get(name, torch.float32).itemsize, notes.get(name, "")))
     patterns = list(plan.rules) if plan.rules is not None else []
@@ -184,19 +190,23 @@ def _notes(model: Any, facts: ModelFacts | None) -> dict[str, str]:
 
 
 def _fsdp_shards(mesh: Mesh) -> int:
-    """Ways FSDP2 shards a parameter: ``fsdp``, times ``sp`` when both are used (runtime.parallelize joins them)."""
+    """Ways FSDP2 shards a parameter: ``fsdp``, times ``sp`` and ``ep`` when used (runtime.meshes joins them)."""
     fsdp = mesh.size_of(FSDP_AXIS)
-    return fsdp * mesh.size_of("sp") if fsdp > 1 else 1
+    return fsdp * mesh.size_of("sp") * mesh.size_of("ep") if fsdp > 1 else 1
 
 
-def _local_shapes(layout: ParamLayout, mesh: Mesh, shards: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(shape after the model axes of the layout, shape after FSDP as well).
+def _local_shapes(layout: ParamLayout, mesh: Mesh, shards: int,
+                  experts_split: int = 1) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(shape after the model axes of the layout (and ``ep``'s split of dim 0 for an expert
+    parameter: ``experts_split``), shape after FSDP as well).
 
     FSDP shards the dim the layout gives to ``fsdp`` (dim 0 by default), padded: ceil.
     """
     entries = layout.layout or (None,) * len(layout.shape)
     local = tuple(size // math.prod(mesh.size_of(a) for a in axes_of(entry) if a != FSDP_AXIS)
                   for size, entry in zip(layout.shape, entries))
+    if local:
+        local = (local[0] // experts_split, *local[1:])
     if shards == 1 or not local:
         return local, local
     dim = layout.axis_dim(FSDP_AXIS) or 0

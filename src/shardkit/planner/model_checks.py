@@ -26,6 +26,7 @@ from ..families.modules import is_linear
 from ..plan import Plan, PlanError
 from ..plan.layout import ParamLayout
 from .dataflow import meta_tensors, run_on_meta, trace
+from .experts import ExpertsLayer
 from .one_rank import one_rank
 from .sequence_checks import CausalConv, context_parallel_checks, sequence_parallel_checks
 from .split_params import follow_axis
@@ -41,8 +42,9 @@ class ModelFacts:
     """What the checks learned that the runtime applies: the family, the tensor-parallel plan of
     every model axis, the parameters no forward uses (``None`` when the forward could not be
     run on meta: no example input known), and what activation recompute applies to: the
-    repeated blocks and the attention modules inside them (:func:`recompute_targets`), and the causal
-    convolutions context parallel gives their neighbours' positions (``causal_convs``)."""
+    repeated blocks and the attention modules inside them (:func:`recompute_targets`), the causal
+    convolutions context parallel gives their neighbours' positions (``causal_convs``), and the
+    experts modules ``ep`` splits (:mod:`shardkit.planner.experts`; empty without ``ep``)."""
 
     family: str
     tensor_parallel: dict[str, AxisPlan] = field(default_factory=dict)
@@ -50,6 +52,7 @@ class ModelFacts:
     blocks: tuple[str, ...] = ()
     attentions: tuple[str, ...] = ()
     causal_convs: tuple[CausalConv, ...] = ()
+    experts: tuple[ExpertsLayer, ...] = ()
 
 
 def analyse_model(plan: Plan, model: nn.Module, layouts: dict[str, ParamLayout],

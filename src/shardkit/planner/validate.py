@@ -11,7 +11,7 @@ straight to ``sk.launch`` + ``sk.shard`` gets the same :class:`PlanError` before
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from torch import nn
@@ -20,6 +20,7 @@ from ..plan import Mesh, Plan, PlanError, PlanWarning, UsageError, param_shapes,
 from ..plan.layout import LayoutResolution, axes_of
 from ..plan.mesh import is_model_axis
 from .batch_stats import batch_stats_problems
+from .experts import expert_problems
 from .model_checks import ModelFacts, analyse_model, recompute_problems
 from .stages import assign_stages
 from .tensor_parallel import aliases
@@ -81,6 +82,10 @@ def validate(plan: Plan, model: Any, world_size: int | None = None, *,
             problems.extend(_axes_splitting_nothing(plan, layouts))
             facts, found = analyse_model(plan, model, layouts.params, example_inputs)
             problems.extend(found)
+        experts, found = expert_problems(plan, model)
+        problems.extend(found)
+        if facts is not None and experts:
+            facts = replace(facts, experts=tuple(experts))
     if problems:
         raise PlanError(problems)
     assert layouts is not None

@@ -13,7 +13,9 @@ once per process and cached here; callers ask by axis name:
 - ``.axis(name)``: the 1-D mesh of one axis (tensor parallel, pipeline, sequence);
 - ``.data()``: the mesh FSDP2 / DDP reduce gradients over and whether it shards: ``fsdp``
   (with ``dp`` in front: HSDP), and ``sp`` joins the reduction, since context-parallel ranks
-  see different tokens of the same samples;
+  see different tokens of the same samples; so does ``ep``, whose ranks see different samples;
+- ``.expert_data()``: the same without ``ep``, for the experts ``ep`` splits (each rank's
+  experts are reduced over the data ranks that hold the same experts; ``None`` when there are none);
 - :func:`process_group`: a group for an arbitrary list of ranks (replica groups).
 
 Axis roles themselves are stated once, in :mod:`shardkit.plan.mesh`.
@@ -94,8 +96,7 @@ class Meshes:
         if plan.replicas is not None:
             names, ranks = grouped_mesh_ranks(mesh, plan.replicas)
             self.root = DeviceMesh(device_type, ranks, mesh_dim_names=names)
-        self._data: DataMesh | None = None
-        self._data_made = False
+        self._data: dict[str, DataMesh | None] = {}
 
     def axis(self, name: str):
         """The 1-D mesh of axis ``name`` on :attr:`root`; :class:`PlanError` naming the valid axes otherwise."""
@@ -106,11 +107,18 @@ class Meshes:
 
     def data(self) -> DataMesh | None:
         """FSDP2 / DDP's mesh (``None`` when there is nothing to reduce and no mixed precision)."""
-        if not self._data_made:
-            self._data, self._data_made = self._make_data(), True
-        return self._data
+        if "all" not in self._data:
+            self._data["all"] = self._make_data(("fsdp", "sp", "ep"))
+        return self._data["all"]
 
-    def _make_data(self) -> DataMesh | None:
+    def expert_data(self) -> DataMesh | None:
+        """The mesh the experts ``ep`` splits are reduced (or FSDP-sharded) over: :meth:`data`'s
+        without ``ep`` (``None`` when ``ep`` is the only data axis: nothing else holds the same experts)."""
+        if "experts" not in self._data:
+            self._data["experts"] = self._make_data(("fsdp", "sp"))
+        return self._data["experts"]
+
+    def _make_data(self, split_axes: tuple[str, ...]) -> DataMesh | None:
         mesh, m = self.root, self.plan.mesh
         dims = mesh.mesh_dim_names
         if self.plan.replicas is not None:
@@ -120,7 +128,7 @@ class Meshes:
             replicate = ["dp"]  # of size 1 only for mixed precision, applied through FSDP2's replicate
         else:
             replicate = []
-        others = sorted((a for a in ("fsdp", "sp") if m.size_of(a) > 1), key=dims.index)
+        others = sorted((a for a in split_axes if m.size_of(a) > 1), key=dims.index)
         if m.size_of("fsdp") > 1:
             if not replicate:
                 return DataMesh(mesh[others[0]] if len(others) == 1 else mesh[tuple(others)]._flatten("_".join(others)),

@@ -30,6 +30,7 @@ from ..plan.layout import ParamLayout
 from ..planner.model_checks import ModelFacts
 from .batch_stats import synchronise_batch_norms
 from .context import Context
+from .expert_parallel import apply_expert_parallel, wrap_experts
 from .materialize import WeightSource, load_weights, materialize
 from .meshes import DataMesh, meshes_for
 from .outputs import install_plain_outputs
@@ -77,6 +78,8 @@ def parallelize(module: nn.Module, plan: Plan, ctx: Context, layouts: dict[str, 
     for axis, axis_plan in facts.tensor_parallel.items():
         permutations.update(apply_tensor_parallel(module, axis_plan, meshes.axis(axis)))
     module._sk_permutations = permutations  # read by materialize, full_state_dict, checkpoints
+    if facts.experts:  # ep: experts split whole over it, before data parallel reduces the rest over it
+        apply_expert_parallel(module, facts.experts, meshes.axis("ep"))
     if plan.mesh.size_of("sp") > 1:
         from .context_parallel import enable_context_parallel
 
@@ -145,6 +148,8 @@ def _apply_data_parallel(module: nn.Module, plan: Plan, data: DataMesh, layouts:
     opts = plan.fsdp
     precision = Precision.of(opts)
     mp = MixedPrecisionPolicy(param_dtype=precision.param_dtype, reduce_dtype=precision.reduce_dtype)
+    experts = meshes_for(plan, data.mesh.device_type).expert_data() if facts.experts else None
+    ignored = wrap_experts(module, facts.experts, experts, mp, opts.reshard_after_forward) if facts.experts else set()
     if not data.shards:
         if ddp:
             # Plain replication: DDP itself (bucketed all-reduce overlapped with backward), applied in place.
@@ -158,7 +163,7 @@ def _apply_data_parallel(module: nn.Module, plan: Plan, data: DataMesh, layouts:
             # forward never uses (DDP's reducer waits for their gradients forever, then fails).
             from torch.distributed._composable.replicate_with_fsdp import replicate
 
-            replicate(module, mesh=data.mesh, mp_policy=mp)
+            replicate(module, mesh=data.mesh, mp_policy=mp, ignored_params=ignored)
         return
     by_param = {id(p): layouts.get(n) for n, p in module.named_parameters()}
 
@@ -168,7 +173,7 @@ def _apply_data_parallel(module: nn.Module, plan: Plan, data: DataMesh, layouts:
         return Shard(dim or 0)
 
     kwargs = dict(mesh=data.mesh, reshard_after_forward=opts.reshard_after_forward, mp_policy=mp,
-                  shard_placement_fn=placement)
+                  shard_placement_fn=placement, ignored_params=ignored)
     for unit in fsdp_units(module):
         fully_shard(unit, **kwargs)
     fully_shard(module, **kwargs)
