@@ -12,7 +12,6 @@ import torch
 from pipeline_zoo import build_qwen3_moe
 
 import shardkit as sk
-import shardkit.cli.generate as generate_cli
 from shardkit.cli import main
 
 
@@ -87,13 +86,15 @@ def test_generate_at_the_default_tp_1_matches_one_process(tmp_path, world, monke
     save_file({n: t.contiguous() for n, t in model.state_dict().items()}, str(folder / "model.safetensors"))
     (folder / "config.json").write_text(json.dumps(model.config.to_dict()))
     seen = []
-    launch = generate_cli.launch
+    import shardkit.runtime.world as world_module  # generate imports launch from there when it runs
+
+    launch = world_module.launch
 
     def borrowed(fn, plan, *args, world_size, timeout):
         seen.append(launch(fn, plan, *args, world=world(world_size), timeout=timeout))
         return seen[-1]
 
-    monkeypatch.setattr(generate_cli, "launch", borrowed)
+    monkeypatch.setattr(world_module, "launch", borrowed)
     prompt = torch.tensor([[5, 17, 42]])
     code = main(["generate", "--model", "pipeline_zoo:build_qwen3_moe", "--hf", str(folder),
                  "--prompt-ids", "5,17,42", "--max-new-tokens", "4", "--no-eos"])

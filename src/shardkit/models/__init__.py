@@ -5,7 +5,7 @@ names without importing torch.
 
 >>> from shardkit.models import MODELS, GPT_RULES
 >>> sorted(MODELS)
-['gpt-small', 'gpt-tiny', 'gpt2-tiny', 'llama-70b', 'llama-tiny']
+['gpt-moe', 'gpt-small', 'gpt-tiny', 'gpt2-tiny', 'llama-70b', 'llama-tiny']
 """
 
 from __future__ import annotations

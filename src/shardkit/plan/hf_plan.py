@@ -77,10 +77,13 @@ def rules_from_hf(model: Any, axis: str = "tp") -> list[tuple[str, Any]]:
     >>> class Config:                      # what transformers' configs hold, as plain data
     ...     _attn_implementation = "sdpa"
     ...     base_model_tp_plan = {"layers.*.proj": "colwise"}
+    >>> class Shaped:                      # a parameter, as far as its shape goes
+    ...     def __init__(self, shape):
+    ...         self.shape = shape
     >>> class Tiny:
     ...     config, base_model_prefix = Config(), ""
     ...     def named_parameters(self):
-    ...         return [("layers.0.proj.weight", None), ("layers.0.proj.bias", None)]
+    ...         return [("layers.0.proj.weight", Shaped((4, 2))), ("layers.0.proj.bias", Shaped((4,)))]
     >>> rules_from_hf(Tiny())
     [('layers\\\\.\\\\d+\\\\.proj\\\\.bias', ('tp',)), ('layers\\\\.\\\\d+\\\\.proj\\\\.weight', ('tp', None)), ('.*', None)]
     """

@@ -21,14 +21,16 @@ import types
 from typing import Any
 
 import torch
-from torch.distributed._functional_collectives import AsyncCollectiveTensor
-from torch.distributed.tensor import DTensor
 
 from ..plan import UsageError
 
 
 def finished(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` as a plain CPU tensor whose value is final (see the module docstring)."""
+    # imported here: only a tensor subclass comes this way, and every world's worker imports this module
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+    from torch.distributed.tensor import DTensor
+
     if isinstance(tensor, DTensor):
         if any(p.is_partial() for p in tensor.placements):
             raise UsageError(f"the job returned a DTensor of shape {list(tensor.shape)} with placements "

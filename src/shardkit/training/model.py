@@ -40,7 +40,7 @@ def check_model_name(text: str, valid: tuple[str, ...] | list[str] = TRAINABLE) 
     >>> check_model_name("gpt-huge")
     Traceback (most recent call last):
         ...
-    shardkit.plan.errors.UsageError: unknown model 'gpt-huge'; valid: gpt-small, gpt-tiny, gpt2-tiny, llama-tiny, or your builder as package.module:function, a transformers config.json, or a model folder holding one
+    shardkit.plan.errors.UsageError: unknown model 'gpt-huge'; valid: gpt-moe, gpt-small, gpt-tiny, gpt2-tiny, llama-tiny, or your builder as package.module:function, a transformers config.json, or a model folder holding one
     """
     if is_builder_path(text) or text in valid or text.endswith(".json") or is_model_folder(text):
         return text
