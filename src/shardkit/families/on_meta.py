@@ -125,6 +125,27 @@ def plain_batch_norms(model: nn.Module) -> Iterator[None]:
             del module.forward
 
 
+@contextmanager
+def module_stack(model: nn.Module, stack: list[str]) -> Iterator[None]:
+    """While open, ``stack`` holds the names of ``model``'s modules running, innermost last; a module
+    that raises stays on it, so after a failed run its last name says where it failed.
+
+    >>> net, stack = nn.Sequential(nn.Linear(2, 2)), []
+    >>> with module_stack(net, stack):
+    ...     _ = net[0].register_forward_pre_hook(lambda *_: print(stack)), net(torch.zeros(1, 2))
+    ['', '0']
+    """
+    handles = []
+    for name, module in model.named_modules():
+        handles.append(module.register_forward_pre_hook(lambda _m, _a, n=name: stack.append(n)))
+        handles.append(module.register_forward_hook(lambda _m, _a, _o: stack.pop() and None))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 def run_on_meta(model: nn.Module, tensors: dict[str, torch.Tensor], inputs: tuple) -> Any:
     """``model(*inputs)`` with ``tensors`` in place of its parameters and buffers, inputs on meta
     (every alias of a tied parameter or a shared module sees its canonical name's tensor), under
@@ -135,4 +156,4 @@ def run_on_meta(model: nn.Module, tensors: dict[str, torch.Tensor], inputs: tupl
 
 
 __all__ = ["BFLOAT16_ONLY_ON_META", "META_FALLBACK_DTYPE", "meta_call", "meta_kernels", "meta_tensors",
-           "plain_batch_norms", "run_on_meta", "swapped"]
+           "module_stack", "plain_batch_norms", "run_on_meta", "swapped"]

@@ -23,8 +23,6 @@ module, the rest under a split batch, and every one under micro-batches.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,7 +33,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.overrides import TorchFunctionMode
 
 from ..families import family_of
-from ..families.on_meta import meta_tensors, run_on_meta
+from ..families.on_meta import meta_tensors, module_stack, run_on_meta
 from ..plan import Mesh, Plan
 
 #: torch's batch-norm forwards: a ``_BatchNorm`` that keeps one of them is what the runtime synchronises.
@@ -85,17 +83,6 @@ class _BatchNormWatch(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-@contextmanager
-def _module_stack(model: nn.Module, stack: list[str]) -> Iterator[None]:
-    handles = []
-    for name, module in model.named_modules():
-        handles.append(module.register_forward_pre_hook(lambda _m, _a, n=name: stack.append(n)))
-        handles.append(module.register_forward_hook(lambda _m, _a, _o: stack.pop() and None, always_call=True))
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 def batch_statistics(model: nn.Module, example_inputs: tuple | None = None) -> BatchStats:
@@ -108,7 +95,7 @@ def batch_statistics(model: nn.Module, example_inputs: tuple | None = None) -> B
         stack: list[str] = []
         watch = _BatchNormWatch(stack)
         try:
-            with _module_stack(model, stack), watch, torch.no_grad():
+            with module_stack(model, stack), watch, torch.no_grad():
                 run_on_meta(model, meta_tensors(model), inputs)
         except Exception:  # the model's own error on meta is the dataflow checks' to report
             watch.found.clear()

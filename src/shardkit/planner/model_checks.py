@@ -13,8 +13,6 @@ and one line per problem.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +21,7 @@ from torch import nn
 
 from ..families import Family, family_of
 from ..families.modules import is_linear
+from ..families.on_meta import module_stack
 from ..plan import Plan, PlanError
 from ..plan.layout import ParamLayout
 from .dataflow import meta_tensors, run_on_meta, trace
@@ -139,18 +138,6 @@ def _coprime_length(limit: int, product: int) -> int:
     return 1
 
 
-@contextmanager
-def _module_stack(model: nn.Module, stack: list[str]) -> Iterator[None]:
-    """While open, ``stack`` holds the names of the modules running (innermost last)."""
-    handles = []
-    for name, module in model.named_modules():
-        handles.append(module.register_forward_pre_hook(lambda _m, _a, n=name: stack.append(n)))
-        handles.append(module.register_forward_hook(lambda _m, _a, _o: stack.pop() and None))
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 def shard_problems(model: nn.Module, family: Family, layouts: dict[str, ParamLayout], plans: list[AxisPlan],
@@ -177,7 +164,7 @@ def shard_problems(model: nn.Module, family: Family, layouts: dict[str, ParamLay
     stack: list[str] = []
     axes = ", ".join(f"{p.axis}={p.size}" for p in plans)
     try:
-        with one_rank(model, plans, local_weights=False), _module_stack(model, stack):
+        with one_rank(model, plans, local_weights=False), module_stack(model, stack):
             run_on_meta(model, tensors, inputs)
     except Exception as exc:
         where = stack[-1] if stack else ""

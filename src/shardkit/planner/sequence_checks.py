@@ -16,8 +16,7 @@ sequence it needs; one it has none for would fail in the workers, and is refused
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from typing import Any
 
 import torch
@@ -26,6 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..families import Family
+from ..families.on_meta import module_stack
 from ..plan import PlanError
 from .sequence_mixing import CausalConv, Mixer, SequenceTrace, SequenceWatch
 from .tensor_parallel import COLWISE, AxisPlan
@@ -66,17 +66,6 @@ def meta_copy(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model, memo)
 
 
-@contextmanager
-def _module_stack(model: nn.Module, stack: list[str]) -> Iterator[None]:
-    handles = []
-    for name, module in model.named_modules():
-        handles.append(module.register_forward_pre_hook(lambda _m, _a, n=name: stack.append(n)))
-        handles.append(module.register_forward_hook(lambda _m, _a, _o: stack.pop() and None, always_call=True))
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 def _meta_friendly(model: nn.Module) -> ExitStack:
@@ -145,7 +134,7 @@ def trace_sequence(model: nn.Module, inputs: tuple, length: int, *, positions: s
                 watch.mark(x)
     handles = _region_hooks(twin, watch, sources or set(), inside or set())
     try:
-        with _module_stack(twin, stack), _meta_friendly(twin), watch:
+        with module_stack(twin, stack), _meta_friendly(twin), watch:
             twin(*meta_inputs, **kwargs)
     except PlanError:  # the family refuses an argument of the forward under context parallel: as it would at run time
         raise
