@@ -186,17 +186,24 @@ class TensorMemoryPeak:
         from torch._C._profiler import _EventType
 
         self._profiler.__exit__(*exc)
-        allocations: list[tuple[int, int]] = []
+        allocations: list[tuple[int, int, int]] = []
         stack = list(self._profiler.profiler.kineto_results.experimental_event_tree())
         while stack:
             node = stack.pop()
             kind, fields = node.typed
             if kind == _EventType.Allocation and fields.device.type == self.device.type:
-                allocations.append((node.start_time_ns, fields.alloc_size))
+                allocations.append((node.start_time_ns, fields.ptr, fields.alloc_size))
             stack.extend(node.children)
+        # held by address: the profiler can miss a free (seen in a worker that has children of its own);
+        # a new allocation at a held address shows the old one was freed, a free of an address not
+        # allocated in the block frees what was there before it
+        by_address: dict[int, int] = {}
         held = peak = 0
-        for _, size in sorted(allocations):
-            held += size
+        for _, address, size in sorted(allocations):
+            held -= by_address.pop(address, 0)
+            if size > 0:
+                by_address[address] = size
+                held += size
             peak = max(peak, held)
         self._peak = peak
 

@@ -101,9 +101,12 @@ def full_parameter(tensor: torch.Tensor, permutation: Permutation | None = None)
     >>> full_parameter(torch.tensor([10., 30., 20.]), (0, torch.tensor([0, 2, 1])))
     tensor([10., 20., 30.])
     """
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
     from torch.distributed.tensor import DTensor
 
     full = (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach()
+    if isinstance(full, AsyncCollectiveTensor):  # waited here: pending gathers would pile up, one per parameter
+        full = full.wait()
     if permutation is None:
         return full
     dim, order = permutation
