@@ -45,6 +45,25 @@ def world():
     worlds.close()
 
 
+class _Lent:
+    """A shared world lent to a command that would start its own (and close it at the end)."""
+
+    def __init__(self, world):
+        self.world = world
+
+    def __enter__(self):
+        return self.world
+
+    def __exit__(self, *exc):
+        return None
+
+
+@pytest.fixture
+def lend_world(world, monkeypatch):
+    """``shardkit train`` and ``sk.train`` run on the session's shared worlds instead of starting their own."""
+    monkeypatch.setattr("shardkit.runtime.world.LocalWorld", lambda size: _Lent(world(size)))
+
+
 @pytest.fixture
 def no_processes(monkeypatch):
     """Fail the test if anything tries to start a world."""

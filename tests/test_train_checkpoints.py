@@ -26,24 +26,10 @@ warnings.filterwarnings("ignore", message=".*token_id.*")
 SMALL = ["--batch-size", "4", "--seq-len", "32", "--data-mb", "0.05"]
 
 
-class _Borrowed:
-    """The session's shared world, lent to ``shardkit train`` (which would start its own)."""
-
-    def __init__(self, world):
-        self.world = world
-
-    def __enter__(self):
-        return self.world
-
-    def __exit__(self, *exc):
-        return None
-
-
 @pytest.fixture
-def train(world, monkeypatch, capfd):
+def train(lend_world, monkeypatch, capfd):
     """``train(*argv)`` runs ``shardkit train`` on the shared worlds; returns (exit code, rank 0's
     losses, stdout)."""
-    monkeypatch.setattr("shardkit.runtime.world.LocalWorld", lambda size: _Borrowed(world(size)))
     seen = []
     original = report.print_summary
     monkeypatch.setattr(report, "print_summary", lambda stats, *a, **k: (seen.append(stats), original(stats, *a, **k)))

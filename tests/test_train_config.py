@@ -317,37 +317,22 @@ def test_the_first_logged_step_counts_only_its_own_communication(tmp_path):
     assert sent[0] == sent[2] and 0 <= sent[1] - sent[0] < 0.01 * sent[0], sent
 
 
-def test_the_docs_python_example_trains_with_sk_train(world, monkeypatch, capsys):
+def test_the_docs_python_example_trains_with_sk_train(lend_world, monkeypatch, capsys):
     """docs/train.md's ``sk.train`` example, as written (on the shared world): every rank trains every step,
     and its losses are those ``shardkit train`` reports for the same job."""
-    import shardkit.runtime.world as world_module
-
     match = re.search(r"<!-- sk\.train -->\n```python\n(.*?)```", DOC.read_text(), re.S)
     assert match, "docs/train.md lost its sk.train example"
-    monkeypatch.setattr(world_module, "LocalWorld", lambda size: _Lent(world(size)))
     scope: dict = {}
     exec(compile(match.group(1), "docs/train.md", "exec"), scope)
     result = scope["result"]
     assert len(result.stats) == 2 and len(result.losses) == 3 and result.tokens == 3 * 4 * 16
     assert capsys.readouterr().out.startswith("shardkit train: gpt-tiny on Mesh(fsdp=2) (2 processes), 3 steps")
-    seen = []  # the command finds LocalWorld (lent above) and print_summary where they live when it runs
+    seen = []  # the command finds print_summary where it lives when it runs
     monkeypatch.setattr("shardkit.observe.report.print_summary", lambda stats, *a, **k: seen.append(stats))
     assert main(["train", "--model", "gpt-tiny", "--mesh", "fsdp=2", "--steps", "3", "--batch-size", "4",
                  "--seq-len", "16", "--data-mb", "0.05", "--lr", "0.01"]) == 0
     assert seen[0][0].losses == result.losses
 
-
-class _Lent:
-    """A shared world lent to a run that would start its own."""
-
-    def __init__(self, world):
-        self.world = world
-
-    def __enter__(self):
-        return self.world
-
-    def __exit__(self, *exc):
-        return None
 
 
 def test_a_job_file_read_from_python_names_fields_by_their_python_names(tmp_path):
