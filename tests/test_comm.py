@@ -115,3 +115,93 @@ def _outside_scope(ctx):
         torch.ones(3).sum()
     dist.barrier()
     return comm.summary()
+
+
+WIDTH = 3  # float32 columns of every all-to-all row below
+
+
+def _all_to_alls(ctx):
+    """Every way to issue an all-to-all, each counted on its own: rank r sends ``r + p + 1`` rows to rank p."""
+    from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
+
+    n, r = ctx.world_size, ctx.rank
+    splits = [r + p + 1 for p in range(n)]  # symmetric: what p sends r is what r sends p
+    rows = torch.ones(sum(splits), WIDTH)
+    counted = {}
+    with CommCounter() as counted["uneven"]:
+        dist.all_to_all_single(torch.empty_like(rows), rows, splits, splits)
+    with CommCounter() as counted["even"]:
+        dist.all_to_all_single(torch.empty(2 * n, WIDTH), torch.ones(2 * n, WIDTH))
+    with CommCounter() as counted["list"]:
+        dist.all_to_all([torch.empty(2, WIDTH) for _ in range(n)], [torch.ones(2, WIDTH) for _ in range(n)])
+    leaf = rows.clone().requires_grad_()
+    with CommCounter() as counted["forward"]:
+        out = wait_tensor(all_to_all_single_autograd(leaf, splits, splits, dist.group.WORLD))
+    with CommCounter() as counted["backward"]:
+        out.sum().backward()
+    return {name: (c.summary(), c.remote()) for name, c in counted.items()}
+
+
+def test_all_to_all_bytes_and_what_leaves_the_rank(world):
+    """Eager and functional all-to-all (and its autograd backward): calls, payload bytes, and the
+    bytes addressed to other ranks (the payload less the rank's split to itself)."""
+    row = WIDTH * 4
+    for r, got in enumerate(world(4).run(_all_to_alls, plan=PLAN)):
+        sent = sum(r + p + 1 for p in range(4)) * row
+        own = (2 * r + 1) * row
+        assert got["uneven"] == ({"all_to_all_single": (1, sent)}, {"all_to_all_single": sent - own})
+        assert got["even"] == ({"all_to_all_single": (1, 8 * row)}, {"all_to_all_single": 6 * row})
+        assert got["list"] == ({"all_to_all": (1, 8 * row)}, {"all_to_all": 6 * row})  # gloo: equal tensors
+        assert got["forward"] == got["backward"] == got["uneven"]
+
+
+def _expert_step(ctx):
+    """One step of the tiny MoE GPT under ``dp=2,ep=2`` (ep-group ranks differ from world ranks): the
+    forward's and the backward's collectives, counted apart, and the rows each experts module sent."""
+    import shardkit as sk
+    from shardkit.models.gpt import build_tiny_gpt_moe, gpt_loss
+
+    plan = sk.Plan(mesh=sk.Mesh(dp=2, ep=2))
+    model = sk.shard(build_tiny_gpt_moe(), plan, ctx)
+    tokens = torch.randint(0, 256, (8, 17), generator=torch.Generator().manual_seed(3))
+    inputs, targets = (t.chunk(4)[plan.mesh.data_index(ctx.rank)] for t in (tokens[:, :-1], tokens[:, 1:]))
+    with CommCounter() as forward:
+        loss = gpt_loss(model(inputs), targets)
+    with CommCounter() as backward:
+        loss.backward()
+    rows = [(m._sk_rows, m._sk_expert_group.group.rank()) for m in model.modules() if hasattr(m, "_sk_rows")]
+    return forward.summary(), forward.remote(), backward.summary(), backward.remote(), rows
+
+
+def test_expert_exchanges_count_the_rows_sent_times_hidden_times_element_size(world):
+    """Per layer the forward sends its rows out and their results back (two ``all_to_all_single``,
+    after one of the int64 per-expert counts), and the backward the same rows' gradients both ways."""
+    experts, row = 4, 64 * 4  # gpt-moe: 4 experts, hidden 64, float32
+    results = world(4).run(_expert_step, plan=PLAN)
+    for forward, forward_remote, backward, backward_remote, rows in results:
+        assert len(rows) == 2 and all(sum(r.sent) > 0 for r, _ in rows)
+        moved = sum(sum(r.sent) + sum(r.received) for r, _ in rows) * row
+        left = sum(sum(r.sent) + sum(r.received) - r.sent[me] - r.received[me] for r, me in rows) * row
+        counts = len(rows) * experts * 8
+        assert forward["all_to_all_single"] == (3 * len(rows), moved + counts)
+        assert forward_remote == {"all_to_all_single": left + counts // 2}   # half the counts stay on ep=2
+        assert backward["all_to_all_single"] == (2 * len(rows), moved)
+        assert backward_remote == {"all_to_all_single": left}
+        assert left < moved
+    for layer in range(2):  # every (token, slot) of the batch was sent once: 8 x 16 tokens x top 2
+        assert sum(sum(rows[layer][0].sent) for *_, rows in results) == 8 * 16 * 2
+
+
+def test_shardkit_train_counts_the_expert_exchanges(world):
+    """``shardkit train``'s communication table (its ranks' ``comm``) holds the expert exchanges: per layer 3
+    all-to-alls forward and 2 backward; over the ranks, every (token, slot) row goes out and comes back
+    in both passes (4 x tokens x top_k x hidden x 4 bytes) and each rank sends its ``E`` int64 counts."""
+    import shardkit as sk
+
+    config = sk.TrainConfig(model="gpt-moe", plan=sk.Plan(mesh=sk.Mesh(ep=4)), steps=1, batch_size=4,
+                            seq_len=16, data_mb=0.05)
+    stats = sk.train(config, world=world(4)).stats
+    layers, experts, top_k, hidden = 2, 4, 2, 64
+    assert [s.comm["all_to_all_single"][0] for s in stats] == [5 * layers] * 4
+    total = sum(s.comm["all_to_all_single"][1] for s in stats)
+    assert total == layers * (4 * 4 * 16 * top_k * hidden * 4 + 4 * experts * 8)

@@ -18,6 +18,9 @@ tensor(s): the tensor for ``all_reduce`` / ``broadcast`` / ``send``, the local s
 all-gathers, the full input for reduce-scatters and all-to-all, the receive buffer for
 ``recv``; barriers count 0. This is a size of the data, not of the traffic on the wire
 (a ring all-reduce of n bytes over p ranks sends ``2 n (p-1)/p`` bytes per rank).
+For all-to-all (expert parallelism's exchanges) :meth:`CommCounter.remote` also gives the part
+of the payload addressed to other ranks: the input less the split a rank sends itself (from the
+op's own split sizes and the rank's place in its group), which is a local copy, not traffic.
 
 Only this thread is observed (dispatch modes are thread-local; autograd's backward on the
 same device inherits it), and only while the counter is entered.
@@ -87,6 +90,43 @@ def payload_bytes(value: Any) -> int:
     return 0
 
 
+#: (namespace, op name) of an all-to-all -> (index of its input, of its group, of its input split sizes or None)
+_ALL_TO_ALL: dict[tuple[str, str], tuple[int, int, int | None]] = {
+    ("c10d", "alltoall_base_"): (1, 2, 4),
+    ("c10d", "alltoall_"): (1, 2, None),
+    ("_c10d_functional", "all_to_all_single"): (0, 3, 2),
+    ("_c10d_functional_autograd", "all_to_all_single"): (0, 3, 2),
+}
+
+
+def _group(group: Any) -> Any:
+    """The ProcessGroup an op names: a boxed one (``c10d`` ops) or a group name (functional ops)."""
+    import torch.distributed as dist
+
+    if isinstance(group, str):
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        return _resolve_process_group(group)
+    return dist.ProcessGroup.unbox(group) if isinstance(group, torch.ScriptObject) else group
+
+
+def _own_split_bytes(spec: tuple[int, int, int | None], args: Sequence[Any]) -> int:
+    """Bytes of an all-to-all's input (``spec``: its :data:`_ALL_TO_ALL` entry) that this rank
+    addresses to itself: its split of one tensor (equal splits when no sizes are given), or its
+    tensor of a list."""
+    inputs, group, splits = spec
+    pg = _group(args[group])
+    rank, size = pg.rank(), pg.size()
+    if splits is None:
+        return payload_bytes(args[inputs][rank])
+    tensor, sizes = args[inputs], list(args[splits])
+    rows = tensor.shape[0] if tensor.dim() else 0
+    if not rows:
+        return 0
+    row = payload_bytes(tensor) // rows
+    return row * (int(sizes[rank]) if sizes else rows // size)
+
+
 class CommCounter(TorchDispatchMode):
     """Context manager counting collective calls and payload bytes per op kind in this process.
 
@@ -100,6 +140,7 @@ class CommCounter(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self._counts: dict[str, list[int]] = {}
+        self._own: dict[str, int] = {}
         from torch.distributed.tensor import DTensor
 
         self._dtensor = DTensor
@@ -108,18 +149,27 @@ class CommCounter(TorchDispatchMode):
         if any(issubclass(t, self._dtensor) for t in types):
             return NotImplemented  # let DTensor lower the op; its collectives come back through this mode
         kwargs = kwargs or {}
-        kind = _OPS.get(getattr(func, "namespace", ""), {}).get(getattr(func, "_opname", ""))
+        namespace, opname = getattr(func, "namespace", ""), getattr(func, "_opname", "")
+        kind = _OPS.get(namespace, {}).get(opname)
         if kind is not None:
             name, index = kind
             entry = self._counts.setdefault(name, [0, 0])
             entry[0] += 1
             if index is not None:
                 entry[1] += payload_bytes(args[index] if index < len(args) else None)
+            spec = _ALL_TO_ALL.get((namespace, opname))
+            if spec is not None:
+                self._own[name] = self._own.get(name, 0) + _own_split_bytes(spec, args)
         return func(*args, **kwargs)
 
     def summary(self) -> dict[str, tuple[int, int]]:
         """``{op kind: (calls, payload bytes)}``, kinds sorted by name."""
         return {name: (calls, size) for name, (calls, size) in sorted(self._counts.items())}
+
+    def remote(self) -> dict[str, int]:
+        """``{all-to-all kind: payload bytes addressed to other ranks}``: :meth:`summary`'s bytes
+        less the splits each call's rank sent itself (kinds sorted by name)."""
+        return {name: self._counts[name][1] - own for name, own in sorted(self._own.items())}
 
     def totals(self) -> tuple[int, int]:
         """``(calls, payload bytes)`` over all op kinds."""
@@ -127,3 +177,4 @@ class CommCounter(TorchDispatchMode):
 
     def reset(self) -> None:
         self._counts.clear()
+        self._own.clear()
