@@ -28,6 +28,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/recompute.py
 	$(PY) benchmarks/planner.py --steps 3
 	$(PY) benchmarks/generate.py --new 16 --rounds 1
+	$(PY) benchmarks/moe.py --steps 3
 	$(PY) benchmarks/cli_startup.py --repeats 5
 
 clean:
