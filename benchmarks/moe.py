@@ -10,13 +10,14 @@ so the routing is too).
 - **expert bytes / device**: the local bytes of every experts module's parameters on the rank,
   against the whole experts' bytes; theory ``1 / (ep x fsdp)`` (``ep`` splits the expert dim,
   FSDP the rest), which must match exactly.
-- **all-to-all bytes / rank / step**: counted by ``observe.comm.CommCounter`` over one step,
-  the part addressed to other ranks (:meth:`CommCounter.remote`: what stays on the rank is a local
-  copy). Theory for the routing that happened (each experts module's ``_sk_rows``): per layer the
-  rows this rank sends to other ranks and the rows it received from them, out and back, forward and
-  backward, ``2 x (sent elsewhere + received from elsewhere) x dim x 4`` bytes, plus the int64
-  per-expert counts sent elsewhere ``(E - E/ep) x 8``. "uniform" is what a perfectly even routing
-  would move: ``4 x tokens x top_k x (ep-1)/ep x dim x 4``.
+- **all-to-all bytes / rank / step**: counted by ``observe.comm.CommCounter`` over the first step
+  (whose initial weights route alike under every mesh): the part addressed to other ranks
+  (:meth:`CommCounter.remote`; what a rank sends itself is a local copy). Theory from the routing
+  that happened (each experts module's ``_sk_rows``): per layer, the rows this rank sends to other
+  ranks and those it received from them, each out and back, forward and backward:
+  ``2 x (sent elsewhere + received from elsewhere) x dim x 4`` bytes, plus the int64 per-expert
+  counts sent elsewhere, ``(E - E/ep) x 8``. "uniform": what an even routing would move,
+  ``layers x 4 x tokens per rank x top_k x (ep-1)/ep x dim x 4``.
 - **all-gather / reduce bytes / rank / step**: the payload of the same step's all-gathers (FSDP's
   weights, forward and backward) and of its reduce-scatters and all-reduces (the gradients), to set
   against the all-to-all (``CommCounter``'s convention: an all-gather counts the local shard, a
@@ -25,9 +26,10 @@ so the routing is too).
   over materialising, building the optimizer and 2 steps, largest rank. **step**: median wall time
   of ``--steps`` steps after the profiled ones, slowest rank; **CPU**: the rank's own process time
   (what it computes, which waiting for a core does not count), largest rank.
-- **routing** (``ep=4``): rows each rank's experts received in one forward (summed over layers)
-  with the model's own router, a balanced router (token ``t`` to experts ``t, t+1 mod E``), and a
-  router skewed to expert 0 (``--skew`` added to its logit); max / mean over ranks, and the step.
+- **routing** (``ep=4``): the (token, slot) rows each rank's experts received in the first forward
+  (summed over layers) with the model's own router, a balanced one (token ``t`` to experts ``t ..
+  t+k-1 mod E``) and one skewed to expert 0 (:data:`SKEW` added to its logit); max / mean over
+  ranks, the step time and each rank's CPU time.
 
     python benchmarks/moe.py [--steps 3] [--batch 8] [--seq 64] [--dim 256] [--experts 8] [--top-k 2]
 """
@@ -122,11 +124,10 @@ def _job(ctx, config: GPTConfig, batch: tuple, steps: int, router: type, profile
     with memory or nullcontext():
         model = sk.shard(_build(config, router), ctx.plan, ctx)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        for _ in range(2 if profile else 1):  # the first step allocates AdamW's state; the peak needs a second
+        with CommCounter() as comm:  # the first step: the initial weights' routing, the same under every mesh
             _step(model, optimizer, inputs, targets)
-    with CommCounter() as comm:
-        _step(model, optimizer, inputs, targets)
-    theory, received = _a2a_theory(model, config)
+        theory, received = _a2a_theory(model, config)
+        _step(model, optimizer, inputs, targets)  # the first allocated AdamW's state: the peak needs a second
     times, cpu = [], []
     for _ in range(steps):
         torch.distributed.barrier()
@@ -171,7 +172,7 @@ def main() -> None:
         routed = {name: runs["ep=4"] if router is Router else  # the model's own router: the ep=4 run above
                   world.run(_job, config, batch, args.steps, router, False, plan=sk.Plan(mesh=sk.Mesh(ep=4)))
                   for name, router in ROUTERS.items()}
-    console = Console(width=200)
+    console = Console(width=240)
     console.print(_mesh_table(config, args, runs, whole))
     console.print(_routing_table(routed))
     console.print(f"{os.cpu_count()} CPU cores, 4 processes, 1 torch thread each; whole experts: {whole / 2**20:.2f} MiB; "
