@@ -28,7 +28,8 @@ def expert_degrees(probe: nn.Module, axes: Sequence[str], data: int, base: Setti
     """``ep`` degrees of ``data`` data ranks that ``sk.validate`` allows on ``probe`` with ``base``'s
     ``tp``, ``pp`` and ``sp`` (1 always): the model has experts, ``E`` is divisible, the axes
     compose with ``ep``. Each other degree is refused, ``reject(family, reason)``, with the
-    validator's reason (``"ep > 1"`` once for a model without experts)."""
+    validator's reason (``"ep > 1"`` for a model without experts, ``"ep=3"`` for a degree ``E``
+    does not split, ``"ep with tp"`` for axes ``ep`` does not compose with)."""
     if "ep" not in axes:
         return [1]
     degrees = [1]
@@ -40,7 +41,7 @@ def expert_degrees(probe: nn.Module, axes: Sequence[str], data: int, base: Setti
         setting = replace(base, ep=ep)
         refusal = ep_refusal(setting)
         if refusal is not None:
-            reject(" ".join(f"{a}={setting.size(a)}" for a in ("tp", "pp", "sp", "ep") if setting.size(a) > 1), refusal)
+            reject("ep with " + ", ".join(a for a in ("tp", "pp", "sp") if setting.size(a) > 1), refusal)
             continue
         degrees.append(ep)
     return degrees
