@@ -340,7 +340,3 @@ def test_grouped_experts_equal_a_loop_over_experts(dtype, dim, grouped):
     for a, b in zip(mine, [hidden.grad] + [p.grad for p in experts.parameters()]):
         torch.testing.assert_close(a, b)
 
-
-def test_estimate_refuses_ep_by_name_rather_than_misprice_it():
-    with pytest.raises(sk.PlanError, match="mesh axis 'ep' \\(size 2\\): the estimate does not price expert parallelism"):
-        sk.estimate(meta_model(build_tiny_gpt_moe), sk.Plan(mesh=sk.Mesh(fsdp=2, ep=2)), batch_size=8, seq_len=32)

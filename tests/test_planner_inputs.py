@@ -89,7 +89,7 @@ def test_kv_cache_sizes_are_whole_numbers(kwargs):
 def test_an_axis_the_estimate_does_not_price_is_refused_by_name():
     rules = sk.LayoutMap([(r"lm_head\.weight", ("expert", None)), (r".*", None)])
     with pytest.raises(sk.PlanError, match=r"mesh axes \{'expert': 2\} split parameters by their own rules, which the "
-                                           r"estimate does not price; it prices pp, dp, fsdp, sp, tp"):
+                                           r"estimate does not price; it prices pp, dp, fsdp, ep, sp, tp"):
         _est(sk.Plan(sk.Mesh(dp=2, expert=2), rules))
     assert _est(sk.Plan(sk.Mesh(dp=2, expert=1), rules)).memory == _est(sk.Plan(sk.Mesh(dp=2))).memory
 

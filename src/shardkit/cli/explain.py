@@ -7,9 +7,12 @@ plan flags of ``shardkit train``, so a plan can be explained before it is traine
     shardkit explain --model gpt-tiny --plan plan.yaml
     shardkit explain --model mypkg.models:build --mesh fsdp=2,tp=2 --rules rules.yaml
 
-After the tables comes the plan's estimate (``sk.estimate``): memory per device by component,
-step time by part, tokens/s and MFU for ``--batch-size`` sequences of ``--seq-len`` tokens on
-``--hardware``.
+With ``ep``, the tables are followed by which experts each rank holds and every MoE layer's
+all-to-all (counts, rows out and back, their gradients: bytes per rank for ``--batch-size``
+sequences of ``--seq-len`` tokens at balanced routing). After them comes the plan's estimate
+(``sk.estimate``): memory per device by component, step time by part, tokens/s and MFU on
+``--hardware``, and for a mixture of experts its experts per device, active parameters and
+all-to-all per step.
 """
 
 from __future__ import annotations
@@ -53,10 +56,11 @@ def run(args: argparse.Namespace) -> int:
     entry = model_from_flag(args.model)
     plan, world_size = plan_from_args(args, entry)
     model = meta_model_from_flag(args.model, entry)
-    with rules_hint(args):
-        text = explain_plan(plan, model, world_size=world_size, width=args.width)
-    print(text, end="")
     positions = entry.seq_len if entry.seq_len is not None else token_sizes(model)[1]
+    with rules_hint(args):
+        text = explain_plan(plan, model, world_size=world_size, width=args.width, batch_size=args.batch_size,
+                            seq_len=args.seq_len or positions)
+    print(text, end="")
     print(estimate_text(args, plan, model, positions, world_size))
     return 0
 

@@ -44,6 +44,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "plan", help="rank the plans of a language model on N devices by estimated step time (no processes started)",
         description="Estimate every plan of a causal language model over token ids (dp, fsdp, tp, pp, sp degrees, "
+                    "and ep for a mixture of experts; "
                     "micro-batches, schedule, recompute, resharding) on N devices of a hardware and print the best, "
                     "with memory per device by component, step time, tokens/s and MFU, and the families refused and "
                     "why. Other models (encoders, vision models, other inputs) are refused by name: write their "

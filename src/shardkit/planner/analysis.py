@@ -33,8 +33,10 @@ from ..families.modules import is_linear, linear_dims
 from ..models.gpt import GPT, GPTConfig
 from ..plan import LayoutMap, PlanError, UsageError
 from .catalogue import catalogue_config
+from .expert_costs import ExpertCosts, block_experts, routing_watch
 from .measure import COMPONENTS, Measurement, Piece, Tally, block_names, first_blocks, measure
 from .model_rules import axis_plan, default_rules, fsdp_dims
+from .one_rank import sliced_parameters
 
 #: Blocks built from a config: two, so tensors every block saves alike can be told apart.
 BLOCKS_BUILT = 2
@@ -108,7 +110,9 @@ class ModelAnalysis:
 
     ``total_params``: the whole model at ``tp=1``, a tied output layer counted once. ``dtype``:
     the parameters'. ``notes``: what the numbers rest on that a reader should know (blocks that
-    differ, an attention kernel that saves ``[seq, seq]`` probabilities).
+    differ, an attention kernel that saves ``[seq, seq]`` probabilities). ``experts``: a mixture of
+    experts' experts in the block shown (``None`` without), whose FLOPs the block's count for
+    ``top_k`` experts per token, as the model computes them.
     """
 
     name: str
@@ -129,6 +133,7 @@ class ModelAnalysis:
     family: str
     head_dim: int = 0
     notes: tuple[str, ...] = ()
+    experts: ExpertCosts | None = None
     _rules: LayoutMap | None = field(default=None, repr=False, compare=False)
     _rules_problem: PlanError | None = field(default=None, repr=False, compare=False)
 
@@ -141,6 +146,12 @@ class ModelAnalysis:
         if self._rules_problem is not None:
             raise self._rules_problem
         return self._rules
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token uses: ``total_params`` less ``1 - top_k / E`` of every block's experts."""
+        e = self.experts
+        return self.total_params - (self.layers * (e.global_params - e.active_params) if e else 0)
 
     def flops_per_token(self) -> float:
         """Forward FLOPs per token of the whole model on one rank: embedding, every block, head."""
@@ -303,10 +314,13 @@ def _analyse_blocks(model: nn.Module, family: Family, blocks: list[str], name: s
                 raise PlanError([f"analyse(tp={tp}): {p}" for p in exc.problems]) from None
             rules_problem = exc
     plan = None if tp == 1 else axis_plan(model, family, rules, tp)
-    measured = measure(model, family, blocks, seq_len, dtype, plan, fsdp_dims(model, rules))
+    sharded_dims = fsdp_dims(model, rules)
+    with routing_watch(model) as top_k:
+        measured = measure(model, family, blocks, seq_len, dtype, plan, sharded_dims)
     _share(measured)
     notes = []
-    block, differ = _largest_block(measured)
+    index, block, differ = _largest_block(measured)
+    experts = block_experts(model, blocks[index], top_k, sliced_parameters(model, plan), tp, sharded_dims)
     if differ:
         notes.append(f"blocks differ ({differ}); the block shown is the largest")
     if measured.quadratic:
@@ -326,7 +340,7 @@ def _analyse_blocks(model: nn.Module, family: Family, blocks: list[str], name: s
         kv_heads=attention.kv_heads if attention else 0, vocab=family.vocab_size(model) or 0,
         intermediate=_intermediate(model, family, blocks[0]), dtype=dtype, tied=_tied(model, family), total_params=total,
         family=_family_label(model, family), head_dim=attention.head_dim if attention else 0,
-        notes=tuple(notes), _rules=rules, _rules_problem=rules_problem)
+        notes=tuple(notes), experts=experts, _rules=rules, _rules_problem=rules_problem)
 
 
 def _share(measured: Measurement) -> None:
@@ -347,7 +361,7 @@ def _share(measured: Measurement) -> None:
         del head.saved[key]
 
 
-def _largest_block(measured: Measurement) -> tuple[Tally, str]:
+def _largest_block(measured: Measurement) -> tuple[int, Tally, str]:
     blocks = [measured.parts[f"block.{i}"] for i in range(measured.blocks)]
     sizes = [(sum(b.saved_by_component().values()), sum(b.flops.values()), b.params, b.ops, b.traffic)
              for b in blocks]
@@ -355,7 +369,7 @@ def _largest_block(measured: Measurement) -> tuple[Tally, str]:
     differ = "" if len(set(sizes)) == 1 else \
         f"saved bytes, FLOPs, parameters, operator calls and traffic per block range over {sorted(set(sizes))[0]} " \
         f".. {sorted(set(sizes))[-1]}"
-    return blocks[largest], differ
+    return largest, blocks[largest], differ
 
 
 def _part(name: str, tally: Tally, seq_len: int) -> PartCost:

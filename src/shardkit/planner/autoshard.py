@@ -1,11 +1,13 @@
 """``sk.autoshard``: every plan the model allows on the devices, estimated, ranked, in seconds.
 
-The space: the degrees of ``dp``, ``fsdp``, ``tp``, ``pp`` and ``sp`` (context parallel) whose
-product is the device count, and per degree choice the options that trade memory for time:
-``reshard_after_forward``, pipeline schedule and micro-batches, and recompute. A choice is
-refused, with its reason, when a divisibility rule breaks (heads, KV heads, layers,
-vocabulary, sequence, batch), when ``tp`` would leave a node, or when even its leanest
-option needs more memory than a device has.
+The space: the degrees of ``dp``, ``fsdp``, ``tp``, ``pp``, ``sp`` (context parallel) and ``ep``
+(expert parallel, for a mixture of experts) whose product is the device count, and per degree
+choice the options that trade memory for time: ``reshard_after_forward``, pipeline schedule and
+micro-batches, and recompute. A choice is refused, with its reason, when a divisibility rule
+breaks (heads, KV heads, layers, vocabulary, sequence, batch, experts), when ``tp`` would leave
+a node, when ``sk.validate`` would refuse it (``ep`` on a model without experts, ``ep`` with what
+it does not compose with: :func:`~shardkit.planner.experts.composition_problems`), or when even
+its leanest option needs more memory than a device has.
 
 Why it is fast: the model is measured once per tensor-parallel degree on the meta device
 (:func:`shardkit.planner.analysis.analyse`, cached), and a candidate's estimate is then plain
@@ -32,6 +34,7 @@ from ..plan.text import format_bytes
 from .analysis import ModelAnalysis, probe_model
 from .costs import MESH_ORDER, OPTIMIZER_STATES, Costs, Setting, mesh_of
 from .estimate import Estimate, estimate_of, evaluate
+from .expert_search import ep_refusal, expert_degrees
 from .hardware import Hardware
 from .hardware import hardware as as_hardware
 from .memory import memory_of
@@ -175,14 +178,16 @@ class _Search:
                                      f"{data} data-parallel replicas")
                         continue
                     found = None
-                    for dp in _divisors(data):
-                        fsdp = data // dp
-                        if (dp > 1 and "dp" not in self.axes) or (fsdp > 1 and "fsdp" not in self.axes):
-                            continue
-                        option = self._best_option(costs, Setting(dp=dp, fsdp=fsdp, tp=tp, pp=pp, sp=sp))
-                        if option is not None:
-                            best.append(option)
-                            found = option
+                    for ep in expert_degrees(self.probe, self.axes, data, Setting(tp=tp, pp=pp, sp=sp),
+                                             self._reject):
+                        for dp in _divisors(data // ep):
+                            fsdp = data // ep // dp
+                            if (dp > 1 and "dp" not in self.axes) or (fsdp > 1 and "fsdp" not in self.axes):
+                                continue
+                            option = self._best_option(costs, Setting(dp=dp, fsdp=fsdp, tp=tp, pp=pp, sp=sp, ep=ep))
+                            if option is not None:
+                                best.append(option)
+                                found = option
                     if found is None and self.leanest is not None:
                         family = f"tp={tp} pp={pp} sp={sp}"
                         if family not in self.rejected:
@@ -274,11 +279,16 @@ class _Search:
                 else:
                     pipelines.append(("gpipe", m, 1))
         # Megatron sequence parallel whenever tp splits the blocks (not inside a pipeline: refused there)
-        mixed = self.compute_dtype != self.whole.dtype  # then gradients are reduced in float32, as plan_of says
-        common = dict(sequence_parallel=base.tp > 1 and base.pp == 1 and self.sequence_parallel[base.tp],
-                      compute_dtype=self.compute_dtype, reduce_dtype=torch.float32 if mixed else None,
-                      order=MESH_ORDER)
+        compute = self.compute_dtype
         recomputes = [r for r in _RECOMPUTE if r == "none" or self.allowed[r]]
+        if base.ep > 1:  # what ep does not compose with yet: in the parameters' dtype, without that recompute
+            compute = self._expert_precision(base)
+            recomputes = [r for r in recomputes if r == "none" or self._expert_option(base, f"recompute={r}",
+                                                                                      recompute=r)]
+        mixed = compute != self.whole.dtype  # then gradients are reduced in float32, as plan_of says
+        common = dict(sequence_parallel=base.tp > 1 and base.pp == 1 and self.sequence_parallel[base.tp],
+                      compute_dtype=compute, reduce_dtype=torch.float32 if mixed else None,
+                      order=MESH_ORDER)
         for reshard in reshards:
             if base.pp > 1:  # within a pipeline setting: recompute from none to full
                 for schedule, m, v in pipelines:
@@ -289,6 +299,23 @@ class _Search:
                 for recompute in recomputes:
                     for steps in _accumulation(local):
                         yield replace(base, accumulation=steps, recompute=recompute, reshard=reshard, **common)
+
+    def _expert_option(self, base: Setting, what: str, **options: Any) -> bool:
+        """Whether ``ep`` composes with ``options``; when not, ``ep with {what}`` is refused with why."""
+        refusal = ep_refusal(base, **options)
+        if refusal is not None:
+            self._reject(f"ep with {what}", refusal)
+        return refusal is None
+
+    def _expert_precision(self, base: Setting) -> torch.dtype:
+        """The compute dtype of ``ep`` options: the search's, or the parameters' own where ``ep`` does
+        not compose with a mixed-precision policy."""
+        if self.compute_dtype == self.whole.dtype:
+            return self.compute_dtype
+        name = str(self.compute_dtype).removeprefix("torch.")
+        policy = FSDPOptions(param_dtype=name, reduce_dtype="float32")
+        return self.compute_dtype if self._expert_option(base, f"param_dtype={name}", fsdp=policy) \
+            else self.whole.dtype
 
     def _best_option(self, costs: Costs, base: Setting):
         best = None
@@ -321,8 +348,8 @@ class _Search:
         return Candidate(plan, estimate, _reason(setting, estimate, fastest))
 
     def plan_of(self, s: Setting, analysis: ModelAnalysis) -> Plan:
-        dtype = None if self.compute_dtype is None or self.compute_dtype == self.whole.dtype else str(
-            self.compute_dtype).removeprefix("torch.")
+        dtype = None if s.compute_dtype is None or s.compute_dtype == self.whole.dtype else str(
+            s.compute_dtype).removeprefix("torch.")
         pipeline = (Pipeline(schedule=s.schedule, microbatches=s.microbatches, virtual_stages=s.virtual)
                     if s.pp > 1 else None)
         return Plan(mesh_of(s), rules=analysis.tp_rules() if s.tp > 1 else None,

@@ -14,6 +14,7 @@ import torch
 from ..plan import LayoutMap, Mesh, Plan
 from ..plan.dtypes import torch_dtype
 from .analysis import ModelAnalysis, analyse
+from .expert_costs import without
 from .measure import Piece
 from .space import MESH_ORDER, OPTIMIZER_STATES
 
@@ -27,6 +28,7 @@ class Setting:
     tp: int = 1
     pp: int = 1
     sp: int = 1
+    ep: int = 1
     sequence_parallel: bool = False
     schedule: str = "1f1b"
     microbatches: int = 1
@@ -41,15 +43,22 @@ class Setting:
 
     @property
     def devices(self) -> int:
-        return self.dp * self.fsdp * self.tp * self.pp * self.sp
+        return self.dp * self.fsdp * self.tp * self.pp * self.sp * self.ep
 
     @property
     def data(self) -> int:
-        return self.dp * self.fsdp
+        """Data-parallel replicas: each sees different samples (``ep`` is a data axis for all but the experts)."""
+        return self.dp * self.fsdp * self.ep
 
     @property
     def shards(self) -> int:
-        """Ways FSDP2 shards a parameter: ``fsdp``, times ``sp`` when both are used (1 without ``fsdp``)."""
+        """Ways FSDP2 shards a parameter that is not an expert: ``fsdp``, times ``sp`` and ``ep`` when
+        used (1 without ``fsdp``; ``runtime/meshes.py``'s data mesh)."""
+        return self.fsdp * self.sp * self.ep if self.fsdp > 1 else 1
+
+    @property
+    def expert_shards(self) -> int:
+        """Ways FSDP2 shards an expert parameter, after ``ep`` split its experts: ``fsdp`` times ``sp``."""
         return self.fsdp * self.sp if self.fsdp > 1 else 1
 
     def size(self, axis: str) -> int:
@@ -62,7 +71,7 @@ class Setting:
         pipeline = plan.pipeline
         return cls(
             dp=mesh.size_of("dp"), fsdp=mesh.size_of("fsdp"), tp=mesh.size_of("tp"), pp=mesh.size_of("pp"),
-            sp=mesh.size_of("sp"), sequence_parallel=plan.sequence_parallel,
+            sp=mesh.size_of("sp"), ep=mesh.size_of("ep"), sequence_parallel=plan.sequence_parallel,
             schedule=pipeline.schedule if pipeline else "1f1b",
             microbatches=pipeline.microbatches if pipeline else 1,
             virtual=pipeline.virtual_stages if pipeline else 1,
@@ -73,7 +82,7 @@ class Setting:
 
 
 def mesh_of(s: Setting) -> Mesh:
-    """The mesh of a setting in the canonical order (pp, dp, fsdp, sp, tp: tp innermost, within a node)."""
+    """The mesh of a setting in the canonical order (pp, dp, fsdp, ep, sp, tp: tp innermost, within a node)."""
     return Mesh(**{a: s.size(a) for a in MESH_ORDER if s.size(a) > 1} or {"dp": 1})
 
 
@@ -113,6 +122,16 @@ class Numbers:
     embedding_pieces: tuple[Piece, ...]
     head_pieces: tuple[Piece, ...]
     head_borrowed: tuple[Piece, ...]  # a tied weight the head uses: a pipeline's last stage holds a copy
+    moe_modules: int = 0  # experts modules per block (0: no mixture of experts)
+    num_experts: int = 0
+    top_k: int = 0
+    expert_params: int = 0  # elements of one block's experts (all E), per tp rank
+    expert_pieces: tuple[Piece, ...] = ()  # (E, elements per expert) each: ep splits E, FSDP shards the rest
+    dense_pieces: tuple[Piece, ...] = ()  # block_pieces less the experts'
+
+    def block_params_at(self, ep: int) -> int:
+        """Elements of one block a rank holds before FSDP: its experts split over ``ep``."""
+        return self.block_params - self.expert_params + self.expert_params // ep
 
     @classmethod
     def of(cls, a: ModelAnalysis) -> Numbers:
@@ -121,13 +140,16 @@ class Numbers:
         share = core / a.block.flops if a.block.flops else 0.0  # the attention core's share, for traffic and ops
         head_dim = a.head_dim or (a.hidden // a.heads if a.heads else 0)  # 0: a model without attention heads
         qkvo = 2 * (a.heads + a.kv_heads) // a.tp * head_dim * a.dtype.itemsize
+        e = a.experts
+        experts = (e.modules, e.num_experts, e.top_k, e.params, e.pieces, without(a.block.pieces, e.measured)) \
+            if e is not None else (0, 0, 0, 0, (), a.block.pieces)
         return cls(a.layers, a.hidden, a.vocab, 2 * a.kv_heads * head_dim, a.dtype.itemsize,
                    a.block.params, a.embedding.params, a.head.params, a.tied, a.block.flops, core,
                    a.embedding.flops, a.head.flops, a.block.traffic_per_token, share * a.block.traffic_per_token,
                    a.embedding.traffic_per_token, a.head.traffic_per_token, a.block.ops, round(share * a.block.ops),
                    a.embedding.ops, a.head.ops, a.block.activations, acts["norm"] + acts["other"],
                    acts["attention_core"], max(0.0, acts["attention_core"] - qkvo), a.embedding.activations,
-                   a.head.activations, a.block.pieces, a.embedding.pieces, a.head.pieces, a.head.borrowed)
+                   a.head.activations, a.block.pieces, a.embedding.pieces, a.head.pieces, a.head.borrowed, *experts)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -25,12 +25,13 @@ import torch
 
 from ..plan import Plan, PlanError, UsageError
 from ..plan.text import format_bytes, format_seconds
-from .analysis import analyse
+from .analysis import analyse, probe_model
 from .costs import MESH_ORDER, OPTIMIZER_STATES, Costs, Setting
+from .experts import expert_problems
 from .hardware import Hardware
 from .hardware import hardware as as_hardware
-from .memory import MEMORY_KEYS, memory_of
-from .step_time import time_of
+from .memory import MEMORY_KEYS, blocks_per_device, memory_of, stored_experts, tokens_per_microbatch
+from .step_time import layer_exchanges, time_of
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,7 @@ class Estimate:
     mfu: float
     notes: tuple[str, ...] = ()
     grad_accum: int = 1
+    experts: ExpertsEstimate | None = None
 
     @property
     def fits(self) -> bool:
@@ -70,7 +72,37 @@ class Estimate:
                  f"{format_bytes(self.hardware.memory, digits=2)} on {self.hardware.name} ({memory})",
                  f"step time: {format_seconds(self.step_time)} ({parts}); {self.tokens_per_s:,.0f} tokens/s; "
                  f"MFU {100 * self.mfu:.1f}%"]
+        if self.experts is not None:
+            lines.append(self.experts.summary())
         return "\n".join(lines + list(self.notes))
+
+
+@dataclass(frozen=True)
+class ExpertsEstimate:
+    """A mixture of experts under a plan: ``layers`` MoE layers (experts modules) of ``num_experts``
+    experts, ``top_k`` per token; ``local`` experts of each a device holds (``E / ep``) and their
+    parameter ``bytes`` per device (after FSDP); ``total_params`` and ``active_params`` (those one
+    token uses) of the whole model; ``all_to_all_bytes``: what a device sends to the other ``ep``
+    ranks per step at balanced routing, and ``all_to_all_time`` (the step time's ``ep`` part)."""
+
+    layers: int
+    num_experts: int
+    top_k: int
+    local: int
+    bytes: int
+    total_params: int
+    active_params: int
+    all_to_all_bytes: int
+    all_to_all_time: float
+
+    def summary(self) -> str:
+        share = 100 * self.active_params / self.total_params
+        exchange = f"; all-to-all {format_bytes(self.all_to_all_bytes, digits=2)} per step per device " \
+            f"({format_seconds(self.all_to_all_time)}, balanced routing)" if self.local < self.num_experts else ""
+        return (f"experts: {self.local} of {self.num_experts} per device in each of {self.layers} MoE layers, "
+                f"{format_bytes(self.bytes, digits=2)} of expert parameters per device; top {self.top_k}: "
+                f"{self.active_params:,} of {self.total_params:,} parameters active per token ({share:.0f}%)"
+                f"{exchange}")
 
 
 def estimate(model: Any, plan: Plan, *, batch_size: int, seq_len: int, hardware: str | Hardware = "h100-80g",
@@ -110,6 +142,8 @@ def estimate(model: Any, plan: Plan, *, batch_size: int, seq_len: int, hardware:
         problems.append(f"batch of {batch_size} samples does not split into {grad_accum} accumulation steps over "
                         f"{plan.mesh.data_size} data-parallel replicas; use a multiple of "
                         f"{plan.mesh.data_size * grad_accum}")
+    if not problems and plan.mesh.size_of("ep") > 1:  # experts to split, E divisible, what ep composes with
+        problems += expert_problems(plan, probe_model(model))[1]
     if problems:
         raise PlanError(problems)
     costs = Costs.of(model, seq_len, setting.tp, None, rules=plan.rules)
@@ -133,9 +167,6 @@ def priced_plan(plan: Any, world_size: Any, caller: str) -> Plan:
         multiple = f", a multiple of {known}" if known > 1 else ""
         raise PlanError(f"{caller}(): mesh axis {unresolved[0]!r} is -1, to be inferred from the number of devices; "
                         f"pass world_size=N (the number of devices{multiple}), or give the axis its size")
-    if plan.mesh.size_of("ep") > 1:
-        raise PlanError(f"{caller}(): mesh axis 'ep' (size {plan.mesh['ep']}): the estimate does not price expert "
-                        f"parallelism yet (experts split over ep, their all-to-all); estimate the plan without 'ep'")
     unpriced = {axis: size for axis, size in plan.mesh.items() if axis not in MESH_ORDER and size > 1}
     if unpriced:
         raise PlanError(f"{caller}(): mesh axes {unpriced} split parameters by their own rules, which the estimate "
@@ -164,7 +195,22 @@ def estimate_of(costs: Costs, plan: Plan, setting: Setting, batch_size: int, hw:
         notes.append(f"does not fit: needs {format_bytes(memory['total'], digits=2)} of "
                      f"{format_bytes(hw.memory, digits=2)} per device")
     return Estimate(plan, batch_size, costs.seq_len, hw, memory, step, parts, tokens / step,
-                    model_flops / (step * peak), tuple(notes), setting.accumulation)
+                    model_flops / (step * peak), tuple(notes), setting.accumulation,
+                    _experts(costs, setting, batch_size, parts))
+
+
+def _experts(costs: Costs, s: Setting, batch_size: int, parts: Mapping[str, float]) -> ExpertsEstimate | None:
+    n = costs.numbers
+    if not n.moe_modules:
+        return None
+    blocks = blocks_per_device(n, s)
+    dtype = s.compute_dtype if s.compute_dtype is not None else costs.local.dtype
+    tokens = tokens_per_microbatch(s, batch_size, costs.seq_len)
+    sent = sum(runs * e.bytes for e, runs in layer_exchanges(n, s, tokens, dtype.itemsize)) if s.ep > 1 else 0
+    return ExpertsEstimate(n.layers * n.moe_modules, n.num_experts, n.top_k, n.num_experts // s.ep,
+                           blocks * stored_experts(n, s) * n.itemsize, costs.whole.total_params,
+                           costs.whole.active_params, s.microbatches * s.accumulation * blocks * n.moe_modules * sent,
+                           parts.get("ep", 0.0))
 
 
 def kv_cache_bytes(model: Any, *, tp: int = 1, pp: int = 1, batch_size: int, seq_len: int,
@@ -196,4 +242,4 @@ def kv_cache_bytes(model: Any, *, tp: int = 1, pp: int = 1, batch_size: int, seq
     return 2 * layers * batch_size * seq_len * (a.kv_heads // tp) * head_dim * (dtype or a.dtype).itemsize
 
 
-__all__ = ["Estimate", "estimate", "estimate_of", "evaluate", "kv_cache_bytes", "priced_plan"]
+__all__ = ["Estimate", "ExpertsEstimate", "estimate", "estimate_of", "evaluate", "kv_cache_bytes", "priced_plan"]

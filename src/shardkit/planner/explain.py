@@ -37,6 +37,7 @@ from ..plan.layout import ParamLayout, axes_of
 from ..plan.mesh import axis_role
 from ..plan.text import format_bytes
 from .batch_stats import batch_stats_lines
+from .experts import ExpertsLayer
 from .hardware import Hardware
 from .model_checks import ModelFacts
 from .tensor_parallel import COLWISE, ROWWISE, aliases
@@ -65,14 +66,17 @@ class ParamRow:
         return math.prod(self.sharded) * self.itemsize
 
 
-def explain_plan(plan: Plan, model: Any, world_size: int | None = None, *, width: int = 180) -> str:
+def explain_plan(plan: Plan, model: Any, world_size: int | None = None, *, width: int = 180,
+                 batch_size: int | None = None, seq_len: int | None = None) -> str:
     """Validate ``plan`` against ``model`` and describe, as plain text, what every device holds.
 
     Raises :class:`~shardkit.plan.PlanError` for a bad plan: every problem
     :func:`~shardkit.planner.validate.validate` finds.
     Identical rows of repeated layers are shown once, e.g. ``layers.{0..79}.mlp.up_proj.weight x80``.
+    With ``ep``, which experts each rank holds and every MoE layer's all-to-all for ``batch_size``
+    sequences of ``seq_len`` tokens (:mod:`shardkit.planner.explain_experts`).
     """
-    mesh, rows, unused = _analyse(plan, model, world_size)
+    mesh, rows, unused, experts = _analyse(plan, model, world_size)
     console = Console(record=True, width=width, file=io.StringIO(), color_system=None, markup=False, highlight=False)
     total = sum(math.prod(r.layout.shape) for r in rows)
     what = type(model).__name__ if isinstance(model, nn.Module) else "parameter shapes"
@@ -90,6 +94,11 @@ def explain_plan(plan: Plan, model: Any, world_size: int | None = None, *, width
             console.print(line)
     for index, pattern in unused:
         console.print(f"unused rule #{index} {pattern!r} matches no parameter (a typo or a renamed module?)")
+    if experts and mesh.size_of("ep") > 1:
+        from .explain_experts import explain_experts
+
+        console.print("\n" + explain_experts(plan.resolved(mesh.size), model, experts, batch_size=batch_size,
+                                               seq_len=seq_len))
     if plan.pipeline is not None and isinstance(model, nn.Module):
         from .explain_stages import explain_stages
 
@@ -130,7 +139,8 @@ def estimate_memory(plan: Plan, model: Any, world_size: int | None = None, *, ba
 
 # -- analysis ---------------------------------------------------------------------------------
 
-def _analyse(plan: Plan, model: Any, world_size: int | None) -> tuple[Mesh, list[ParamRow], list[tuple[int, str]]]:
+def _analyse(plan: Plan, model: Any,
+             world_size: int | None) -> tuple[Mesh, list[ParamRow], list[tuple[int, str]], list[ExpertsLayer]]:
     with warnings.catch_warnings():  # unused rules are reported in the text instead
         warnings.simplefilter("ignore", PlanWarning)
         report = validate(plan, model, world_size=world_size)
@@ -142,7 +152,8 @@ def _analyse(plan: Plan, model: Any, world_size: int | None) -> tuple[Mesh, list
     shards = _fsdp_shards(mesh)
     sliced = {name: (plan_axis, dim) for plan_axis in (report.facts.tensor_parallel.values() if report.facts else ())
               for name, dim in plan_axis.sliced}
-    experts = {f"{layer.name}.{p}" for layer in (report.facts.experts if report.facts else ()) for p in layer.params}
+    layers = list(report.facts.experts) if report.facts else []
+    experts = {f"{layer.name}.{p}" for layer in layers for p in layer.params}
     rows = []
     for name, layout in layouts.items():
         if name in sliced:  # split with the activations it acts on, whatever its layout says
@@ -159,7 +170,7 @@ def _analyse(plan: Plan, model: Any, world_size: int | None) -> tuple[Mesh, list
                              dtypes.get(name, torch.float32).itemsize, notes.get(name, "")))
     patterns = list(plan.rules) if plan.rules is not None else []
     unused = [(patterns.index(p), p) for p in report.layouts.unused_rules]
-    return mesh, rows, unused
+    return mesh, rows, unused, layers
 
 
 def _notes(model: Any, facts: ModelFacts | None) -> dict[str, str]:

@@ -10,7 +10,8 @@ list with the reasons):
   parameters, in the parameters' dtype: FSDP2 (``fsdp x sp`` shards) pads each tensor's
   sharded dim to ``ceil(size / shards)``; a pipeline's last stage holds its own copy of an
   embedding tied to the LM head. FSDP2 keeps sharded parameters and gradients in that dtype
-  under mixed precision.
+  under mixed precision. With ``ep``, a rank holds ``E / ep`` experts of every MoE layer, which
+  FSDP shards ``fsdp x sp`` ways, and the rest ``fsdp x sp x ep`` ways (:func:`stored_block`).
 - ``optimizer``: the optimizer's states per parameter (AdamW: 2) in the parameters' dtype;
   under ZeRO stage 1 (``Plan(zero=1)``) divided over the ``dp`` ranks, whose parameters and
   gradients stay whole (stages 2 and 3 are FSDP, counted as such).
@@ -34,6 +35,7 @@ list with the reasons):
 from __future__ import annotations
 
 from .costs import OPTIMIZER_STATES, Costs, Numbers, Setting, sharded_elements
+from .expert_costs import split_experts
 from .hardware import Hardware
 
 #: Allocator slack over the tensors' own bytes (CUDA's caching allocator rounds and fragments;
@@ -51,7 +53,24 @@ def blocks_per_device(n: Numbers, s: Setting) -> int:
 def tokens_per_microbatch(s: Setting, batch_size: int, seq_len: int) -> float:
     """Tokens one device computes per micro-batch: the global batch over the data replicas, the
     micro-batches, the accumulation steps and the ``sp`` chunks."""
-    return batch_size / (s.dp * s.fsdp) / s.microbatches / s.accumulation * seq_len / s.sp
+    return batch_size / s.data / s.microbatches / s.accumulation * seq_len / s.sp
+
+
+def stored_block(n: Numbers, s: Setting) -> int:
+    """Elements of one block a device stores: FSDP's shard of the dense parameters (``s.shards``
+    ways) and of its ``E / ep`` experts (``s.expert_shards`` ways), or all of them without FSDP."""
+    if s.shards == 1:
+        return n.block_params_at(s.ep)
+    if s.ep == 1:
+        return sharded_elements(n.block_pieces, s.shards)
+    return sharded_elements(n.dense_pieces, s.shards) + stored_experts(n, s)
+
+
+def stored_experts(n: Numbers, s: Setting) -> int:
+    """Elements of one block's experts a device stores: ``E / ep`` of them, FSDP's shard of those."""
+    if s.shards == 1:
+        return n.expert_params // s.ep
+    return sharded_elements(split_experts(n.expert_pieces, s.ep), s.expert_shards)
 
 
 def _inflight(s: Setting, device: int) -> float:
@@ -104,13 +123,13 @@ def memory_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer
     for first, last in ((True, False), (False, True)) if s.pp > 1 else ((True, True),):
         copy = n.head_borrowed if last and not first else ()  # a tied embedding's copy on the last stage
         head = n.head_params + sum(size * rest for size, rest in copy)
-        params = blocks * n.block_params + (n.embedding_params if first else 0) + (head if last else 0)
+        params = blocks * n.block_params_at(s.ep) + (n.embedding_params if first else 0) + (head if last else 0)
         stored = params * master
         gathered = 0
         if shards > 1:
             pieces = (n.embedding_pieces if first else ()) + ((n.head_pieces + copy) if last else ())
-            stored = (blocks * sharded_elements(n.block_pieces, shards) + sharded_elements(pieces, shards)) * master
-            unit = max(n.block_params, n.embedding_params if first else 0, head if last else 0)
+            stored = (blocks * stored_block(n, s) + sharded_elements(pieces, shards)) * master
+            unit = max(n.block_params_at(s.ep), n.embedding_params if first else 0, head if last else 0)
             # a pipeline, or gradient accumulation, turns gradient sync off until the last micro-batch: the
             # stage's gradients accumulate unsharded
             accumulating = s.pp > 1 or s.accumulation > 1
@@ -133,5 +152,5 @@ def memory_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer
     return best
 
 
-__all__ = ["ALLOCATOR_OVERHEAD", "MEMORY_KEYS", "block_saved", "blocks_per_device", "memory_of",
-           "tokens_per_microbatch"]
+__all__ = ["ALLOCATOR_OVERHEAD", "MEMORY_KEYS", "block_saved", "blocks_per_device", "memory_of", "stored_block",
+           "stored_experts", "tokens_per_microbatch"]

@@ -27,7 +27,12 @@ are consecutive and fit in one, else across nodes:
 - ``pp``: point-to-point of each micro-batch's hidden states, forward and backward; with an
   embedding tied to the LM head, one all-reduce of its gradient between the first and the last
   device a step (none under ``zbv``, which puts both ends on one device);
-- ``sp``: ring attention's key/value passes, ``overlap`` of them behind the attention core.
+- ``sp``: ring attention's key/value passes, ``overlap`` of them behind the attention core;
+- ``ep``: per MoE layer and micro-batch, the all-to-alls of expert parallelism at balanced routing
+  (counts, rows out, rows back forward; their gradients backward: :func:`all_to_all_seconds`), not
+  overlapped (the experts wait for their rows). With ``ep``, FSDP gathers and reduces each experts
+  module as its own unit over the data axes but ``ep``, and DDP reduces the dense parameters over
+  every data rank, the experts over ``dp``.
 """
 
 from __future__ import annotations
@@ -35,7 +40,8 @@ from __future__ import annotations
 import functools
 import math
 
-from .costs import OPTIMIZER_STATES, Costs, Setting
+from .costs import OPTIMIZER_STATES, Costs, Numbers, Setting
+from .expert_costs import Exchange, exchanges
 from .hardware import Hardware, Link, ring_terms
 from .memory import blocks_per_device, tokens_per_microbatch
 
@@ -70,12 +76,14 @@ def time_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer: 
     compute = m * (tokens * (flops / flops_rate + traffic / hw.memory_bandwidth) + ops * hw.op_overhead)
     parts = {"compute": compute, "bubble": 0.0 if hw.shared_compute else _bubble(s) * compute}
     hidden_bytes = tokens * n.hidden * itemsize
-    stage_params = blocks * n.block_params + max(n.embedding_params, n.head_params)
+    stage_params = blocks * n.block_params_at(s.ep) + max(n.embedding_params, n.head_params)
+    experts = blocks * (n.expert_params // s.ep) if s.ep > 1 else 0  # E / ep of each MoE layer, FSDP units apart
+    dense = stage_params - experts
     # the optimizer reads each parameter, gradient and state and writes the parameter and states
     shards = s.shards
-    parts["optimizer"] = stage_params / shards * n.itemsize * (3 + 2 * OPTIMIZER_STATES[optimizer]) \
-        / hw.memory_bandwidth
-    shape = (s.order, s.dp, s.fsdp, s.tp, s.pp, s.sp)
+    stored = dense / shards + experts / s.expert_shards
+    parts["optimizer"] = stored * n.itemsize * (3 + 2 * OPTIMIZER_STATES[optimizer]) / hw.memory_bandwidth
+    shape = (s.order, s.dp, s.fsdp, s.tp, s.pp, s.sp, s.ep)
     # tensor parallel: 2 all-reduces forward + 2 backward per block (+2 when the forward runs again), not hidden
     if s.tp > 1:
         all_reduce = _collective("all_reduce", hidden_bytes, s.tp, _link(hw, shape, ("tp",), "all_reduce"))
@@ -86,19 +94,33 @@ def time_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer: 
     reduce = s.reduce_dtype.itemsize if s.reduce_dtype is not None else itemsize
     if s.fsdp > 1:
         units = blocks + 1
-        link = _link(hw, shape, ("fsdp", "sp"), "all_gather")
-        gather = _collective("all_gather", stage_params * itemsize, shards, link, calls=units)
-        comm = (2 if s.reshard else 1) * gather * (m if s.reshard and m > 1 else 1)
-        comm += _collective("reduce_scatter", stage_params * reduce, shards, link, calls=units)
+        link = _link(hw, shape, ("fsdp", "sp", "ep"), "all_gather")
+        gather = _collective("all_gather", dense * itemsize, shards, link, calls=units)
+        scatter = _collective("reduce_scatter", dense * reduce, shards, link, calls=units)
+        if experts:  # each experts module its own unit, over the data axes but ep
+            link = _link(hw, shape, ("fsdp", "sp"), "all_gather")
+            units += blocks * n.moe_modules
+            gather += _collective("all_gather", experts * itemsize, s.expert_shards, link, calls=blocks * n.moe_modules)
+            scatter += _collective("reduce_scatter", experts * reduce, s.expert_shards, link,
+                                   calls=blocks * n.moe_modules)
+        comm = (2 if s.reshard else 1) * gather * (m if s.reshard and m > 1 else 1) + scatter
         if s.dp > 1:
-            comm += _collective("all_reduce", stage_params * reduce / shards, s.dp,
-                                _link(hw, shape, ("dp",), "all_reduce"), calls=units)
+            comm += _collective("all_reduce", stored * reduce, s.dp, _link(hw, shape, ("dp",), "all_reduce"),
+                                calls=units)
         parts["fsdp"] = _exposed(comm, compute, hw) + gather / units  # the first unit's gather waits
-    elif s.dp > 1:
-        size = stage_params * reduce
+    elif s.dp * s.ep > 1:  # DDP (or replicate) over every data rank; the experts over dp only
+        size = dense * reduce
         buckets = max(1, math.ceil(size / DDP_BUCKET_BYTES))
-        comm = _collective("all_reduce", size, s.dp, _link(hw, shape, ("dp",), "all_reduce"), calls=buckets)
+        comm = _collective("all_reduce", size, s.dp * s.ep, _link(hw, shape, ("dp", "ep"), "all_reduce"),
+                           calls=buckets)
+        if experts and s.dp > 1:
+            comm += _collective("all_reduce", experts * reduce, s.dp, _link(hw, shape, ("dp",), "all_reduce"),
+                                calls=max(1, math.ceil(experts * reduce / DDP_BUCKET_BYTES)))
         parts["dp"] = _exposed(comm - comm / buckets, compute * 2 / 3, hw) + comm / buckets  # the last bucket waits
+    # expert parallel: per MoE layer the exchanges of expert_costs.exchanges, on the critical path
+    if s.ep > 1 and n.moe_modules:
+        parts["ep"] = m * blocks * n.moe_modules * all_to_all_seconds(n, s, tokens, itemsize, _link(
+            hw, shape, ("ep",), "p2p"))
     # pipeline: each micro-batch's hidden states sent forward and their gradients back
     if p > 1:
         link = _link(hw, shape, ("pp",), "p2p")
@@ -114,6 +136,24 @@ def time_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer: 
         core = 3 * tokens * n.core_flops / flops_rate
         parts["sp"] = m * blocks * _exposed(ring, core, hw)
     return parts
+
+
+def layer_exchanges(n: Numbers, s: Setting, tokens: float, itemsize: int) -> list[tuple[Exchange, int]]:
+    """One MoE layer's all-to-alls for one micro-batch of ``tokens`` tokens per rank at balanced
+    routing (:func:`~shardkit.planner.expert_costs.exchanges`), each with the times it runs (the
+    forward's twice under full recompute)."""
+    return [(e, 2 if s.recompute == "full" and not e.backward else 1)
+            for e in exchanges(tokens=tokens, top_k=n.top_k, hidden=n.hidden, itemsize=itemsize,
+                               num_experts=n.num_experts, ep=s.ep)]
+
+
+def all_to_all_seconds(n: Numbers, s: Setting, tokens: float, itemsize: int, link: Link) -> float:
+    """Seconds of one MoE layer's all-to-alls for one micro-batch (:func:`layer_exchanges`): each
+    exchange ``ep - 1`` point-to-point messages, pairwise as NCCL and gloo run an all-to-all, of
+    the bytes that leave the rank, on the link's point-to-point figures (the hardware model has no
+    all-to-all bandwidth of its own)."""
+    return sum(runs * ((s.ep - 1) * link.latency + e.bytes / link.bandwidth)
+               for e, runs in layer_exchanges(n, s, tokens, itemsize))
 
 
 def _exposed(comm: float, window: float, hw: Hardware) -> float:
@@ -134,8 +174,8 @@ def _bubble(s: Setting) -> float:
 def _link(hw: Hardware, shape: tuple, axes: tuple[str, ...], collective: str) -> Link:
     """The link a group over ``axes`` uses: within a node when its ranks are consecutive and fit in one.
 
-    ``shape``: ``(mesh axis order, dp, fsdp, tp, pp, sp)``."""
-    order, sizes = shape[0], dict(zip(("dp", "fsdp", "tp", "pp", "sp"), shape[1:]))
+    ``shape``: ``(mesh axis order, dp, fsdp, tp, pp, sp, ep)``."""
+    order, sizes = shape[0], dict(zip(("dp", "fsdp", "tp", "pp", "sp", "ep"), shape[1:]))
     order = [a for a in order if a in sizes]
     present = [order.index(a) for a in axes if a in order]
     innermost = max(present) if present else len(order) - 1
@@ -152,4 +192,4 @@ def _collective(name: str, size: float, n: int, link: Link, calls: int = 1) -> f
     return link.seconds(size, factor=factor, steps=steps * calls)
 
 
-__all__ = ["DDP_BUCKET_BYTES", "time_of"]
+__all__ = ["DDP_BUCKET_BYTES", "all_to_all_seconds", "layer_exchanges", "time_of"]
