@@ -178,4 +178,14 @@ def routing_problems(plan: Plan, model: nn.Module, example_inputs: tuple | None 
     return problems
 
 
-__all__ = ["AUX_LOSS", "RouterLoss", "computes_load_balancing", "router_losses", "routing_problems"]
+def micro_batch_problems(model: nn.Module, parts: int, what: str) -> list[str]:
+    """A router auxiliary loss the forward computes, under ``what`` (a step of ``parts`` > 1 micro-batches)."""
+    if parts <= 1:
+        return []
+    return [f"{what}: {type(model).__name__}'s forward computes a router auxiliary loss ({loss.where}), nonlinear "
+            f"in the means over the batch, so each of the {parts} micro-batches' would differ from one step over the "
+            f"whole batch; use one micro-batch per step" for loss in router_losses(model) if loss.called]
+
+
+__all__ = ["AUX_LOSS", "RouterLoss", "computes_load_balancing", "micro_batch_problems", "router_losses",
+           "routing_problems"]
