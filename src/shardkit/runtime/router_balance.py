@@ -8,7 +8,8 @@ all-reduce (sum) over the data mesh FSDP2 / DDP reduce gradients over, and the n
   reference GPT's) becomes :func:`shardkit.models.routing.load_balancing_loss_func`, which is
   transformers' formula value for value in one process (the validator checked it); while the
   sharded model's forward runs, the batch total is current, so the per-expert counts, probability
-  sums and rows are all-reduced (detached: one all-reduce of ``2E + 1`` numbers per forward) and
+  sums and rows are all-reduced (detached: one all-reduce of ``2E + 1`` numbers per training
+  forward; in eval mode each rank computes its own, with no collective) and
   every rank returns the whole batch's value, with a gradient that averages over the data ranks
   to one process's. Each rank's loss ``CE_rank + coef * aux`` therefore averages to one process's
   (what ``model.step`` reports), and so do the gradients. A step of several micro-batches is
@@ -74,8 +75,10 @@ def balance_routers(module: nn.Module, data_mesh: Any) -> BatchTotal | None:
 
 
 def _enter(module: nn.Module, args: Any) -> None:
+    """The batch total in force for this forward: in training mode only (evaluation and generation
+    compute each rank's own, with no collective, so ranks need not run their forwards in lockstep)."""
     stack = ExitStack()
-    stack.enter_context(batch_total(module._sk_batch_total))
+    stack.enter_context(batch_total(module._sk_batch_total if module.training else ONE_PROCESS))
     module._sk_totals.append(stack)
 
 
