@@ -27,8 +27,10 @@ from torch import nn
 
 from ..plan import LayoutMap
 from .experts import local_experts_forward
+from .routing import ONE_PROCESS, BatchTotal, WithAuxLoss, load_balancing_loss_func
 
 INIT_STD = 0.02  # normal init of Linear and Embedding weights (GPT-2's choice)
+BALANCES = ("none", "bias")  # GPTConfig.balance
 
 
 @dataclass(frozen=True)
@@ -43,12 +45,19 @@ class GPTConfig:
     mlp_ratio: int = 4
     experts: int = 0  # 0: a dense MLP per block; E > 0: a mixture of E experts, top_k of them per token
     top_k: int = 2
+    router_aux_loss_coef: float = 0.0  # > 0: Mixtral's load-balancing loss over every layer joins the backward
+    balance: str = "none"  # "bias": DeepSeek-V3's auxiliary-loss-free balancing (a bias on the choice only)
+    bias_update_rate: float = 1e-3  # the bias moves by this much per optimizer step (balance="bias")
 
     def __post_init__(self) -> None:
         if self.dim % self.heads:
             raise ValueError(f"GPTConfig: dim={self.dim} is not divisible by heads={self.heads}")
         if self.experts and not 1 <= self.top_k <= self.experts:
             raise ValueError(f"GPTConfig: top_k={self.top_k} must be between 1 and experts={self.experts}")
+        if self.balance not in BALANCES:
+            raise ValueError(f"GPTConfig: balance={self.balance!r} is not one of {list(BALANCES)}")
+        if (self.router_aux_loss_coef or self.balance != "none") and not self.experts:
+            raise ValueError("GPTConfig: router_aux_loss_coef and balance need experts > 0 (a router to balance)")
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -145,18 +154,44 @@ class MLP(nn.Module):
 
 class Router(nn.Module):
     """Mixtral's top-k router: softmax over ``weight [experts, dim]`` logits (in float32), the
-    ``top_k`` largest kept and renormalised. ``forward(x [T, dim]) -> (logits, top_k_weights, top_k_index)``."""
+    ``top_k`` largest kept and renormalised. ``forward(x [T, dim]) -> (logits, top_k_weights, top_k_index)``.
+
+    With ``balance="bias"`` (DeepSeek-V3's auxiliary-loss-free balancing) the buffer ``expert_bias``
+    is added to the probabilities for the choice only (the weights stay the chosen experts'
+    probabilities), training forwards count the choices in ``expert_load``, and :meth:`update_bias`
+    (after each optimizer step: :func:`~shardkit.models.routing.update_expert_biases`) moves the bias
+    towards the experts chosen less than the mean."""
 
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.top_k = config.top_k
         self.weight = nn.Parameter(torch.empty(config.experts, config.dim))
+        if config.balance == "bias":
+            self.bias_update_rate = config.bias_update_rate
+            self.register_buffer("expert_bias", torch.zeros(config.experts))
+            self.register_buffer("expert_load", torch.zeros(config.experts), persistent=False)
+            self.load_total: BatchTotal = ONE_PROCESS  # the whole batch's load: shardkit sums it over the data ranks
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         logits = F.linear(x, self.weight)
-        weights, index = torch.topk(F.softmax(logits.float(), dim=-1), self.top_k, dim=-1)
+        probs = F.softmax(logits.float(), dim=-1)
+        if hasattr(self, "expert_bias"):
+            index = torch.topk(probs + self.expert_bias, self.top_k, dim=-1).indices
+            weights = probs.gather(-1, index)
+            if self.training and torch.is_grad_enabled():  # a training step's choices (not evaluation's)
+                self.expert_load += torch.bincount(index.reshape(-1), minlength=self.expert_load.shape[0])
+        else:
+            weights, index = torch.topk(probs, self.top_k, dim=-1)
         weights = weights / weights.sum(dim=-1, keepdim=True)
         return logits, weights.to(x.dtype), index
+
+    @torch.no_grad()
+    def update_bias(self) -> None:
+        """``expert_bias += rate * sign(mean load - load)`` over the load since the last update (of the
+        whole batch: ``load_total``), then the count starts again."""
+        load = self.load_total(self.expert_load)
+        self.expert_bias += self.bias_update_rate * torch.sign(load.mean() - load)
+        self.expert_load.zero_()
 
 
 class Experts(nn.Module):
@@ -189,10 +224,14 @@ class MoE(nn.Module):
         super().__init__()
         self.gate = Router(config)
         self.experts = Experts(config)
+        self.keeps_logits = config.router_aux_loss_coef > 0
+        self.router_logits: torch.Tensor | None = None  # a training forward's, for the auxiliary loss
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        _, weights, index = self.gate(flat)
+        logits, weights, index = self.gate(flat)
+        if self.keeps_logits and self.training:
+            self.router_logits = logits
         return self.experts(flat, index, weights).reshape(x.shape)
 
 
@@ -218,6 +257,12 @@ class GPT(nn.Module):
     cached ones with a ``cache``); a sequence-parallel rank holding a slice of the sequence
     passes its own. ``cache`` (from :meth:`kv_cache`) keeps every layer's keys and values, so a
     decode step runs only the new tokens.
+
+    With ``router_aux_loss_coef > 0`` a training forward computes Mixtral's load-balancing loss
+    over every layer's router logits (:func:`~shardkit.models.routing.load_balancing_loss_func`),
+    keeps it as ``aux_loss`` and adds ``coef * aux_loss`` to the backward of whatever loss the
+    logits feed (:class:`~shardkit.models.routing.WithAuxLoss`): the returned logits, and so the
+    loss's value, are unchanged.
     """
 
     def __init__(self, config: GPTConfig):
@@ -228,6 +273,7 @@ class GPT(nn.Module):
         self.layers = nn.ModuleList(Block(config) for _ in range(config.layers))
         self.norm_f = nn.LayerNorm(config.dim)
         self.lm_head = nn.Linear(config.dim, config.vocab, bias=False)
+        self.aux_loss: torch.Tensor | None = None  # the last training forward's load-balancing loss
         self.apply(self._init_weights)
 
     @staticmethod
@@ -247,7 +293,19 @@ class GPT(nn.Module):
         x = self.embed(idx) + self.pos_embed(positions)
         for i, layer in enumerate(self.layers):
             x = layer(x) if cache is None else layer(x, cache.layers[i])
-        return self.lm_head(self.norm_f(x))
+        logits = self.lm_head(self.norm_f(x))
+        if self.config.router_aux_loss_coef and self.training:
+            self.aux_loss = load_balancing_loss_func(self._take_router_logits(), self.config.experts, self.config.top_k)
+            logits = WithAuxLoss.apply(logits, self.config.router_aux_loss_coef * self.aux_loss)
+        return logits
+
+    def _take_router_logits(self) -> tuple[torch.Tensor, ...]:
+        """Every MoE layer's router logits of this forward (each layer's reference dropped)."""
+        found = []
+        for layer in self.layers:
+            found.append(layer.mlp.router_logits)
+            layer.mlp.router_logits = None
+        return tuple(found)
 
 
 def _init_weights(module: nn.Module) -> None:
@@ -257,6 +315,9 @@ def _init_weights(module: nn.Module) -> None:
         nn.init.zeros_(module.bias)
     if isinstance(module, Router):
         nn.init.normal_(module.weight, std=INIT_STD)
+        for name in ("expert_bias", "expert_load"):
+            if hasattr(module, name):
+                nn.init.zeros_(getattr(module, name))
     if isinstance(module, Experts):
         nn.init.normal_(module.gate_up_proj, std=INIT_STD)
         nn.init.normal_(module.down_proj, std=INIT_STD)

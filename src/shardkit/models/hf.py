@@ -148,10 +148,13 @@ def build_llama_70b() -> nn.Module:
         return build_llama(llama_70b_config())
 
 
-def hf_loss(output: Any, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of ``output.logits`` (or of ``output`` if it is a tensor) against ``targets``.
+def hf_loss(output: Any, targets: torch.Tensor, aux_loss_coef: float = 0.0) -> torch.Tensor:
+    """Mean cross-entropy of ``output.logits`` (or of ``output`` if it is a tensor) against ``targets``,
+    plus ``aux_loss_coef * output.aux_loss`` when given (a MoE model's router loss, as transformers adds
+    ``router_aux_loss_coef * aux_loss`` with labels: ``functools.partial(hf_loss, aux_loss_coef=...)``).
 
     ``targets`` are already the next tokens (no shift here), as for :func:`shardkit.models.gpt.gpt_loss`.
     """
     logits = output if isinstance(output, torch.Tensor) else output.logits
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    return loss + aux_loss_coef * output.aux_loss if aux_loss_coef else loss

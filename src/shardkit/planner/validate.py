@@ -22,6 +22,7 @@ from ..plan.mesh import is_model_axis
 from .batch_stats import batch_stats_problems
 from .experts import expert_problems
 from .model_checks import ModelFacts, analyse_model, recompute_problems
+from .routing import routing_problems
 from .stages import assign_stages
 from .tensor_parallel import aliases
 
@@ -71,6 +72,7 @@ def validate(plan: Plan, model: Any, world_size: int | None = None, *,
     if isinstance(model, nn.Module):
         problems += recompute_problems(model, plan.recompute)
         problems += batch_stats_problems(plan, model, example_inputs)
+        problems += routing_problems(plan, model, example_inputs)
         if plan.pipeline is not None:
             try:
                 assign_stages(model, plan.pipeline, mesh, example_inputs)

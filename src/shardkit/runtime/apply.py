@@ -30,6 +30,7 @@ from .context import Context, current_context
 from .materialize import WeightSource, open_weights
 from .parallelize import parallelize, with_mixin
 from .pieces import full_parameter
+from .router_balance import micro_batches as router_micro_batches
 
 
 class ShardedModule:
@@ -55,10 +56,11 @@ class ShardedModule:
         refuse_micro_batches(self, accumulate)
         *first, last = micro_batches(inputs, targets, accumulate)
         losses = []
-        if first:
-            with gradient_sync_deferred(self):
-                losses += [self._micro_step(x, y, loss_fn, accumulate) for x, y in first]
-        losses.append(self._micro_step(*last, loss_fn, accumulate))
+        with router_micro_batches(self, accumulate):  # a router loss over a micro-batch is refused
+            if first:
+                with gradient_sync_deferred(self):
+                    losses += [self._micro_step(x, y, loss_fn, accumulate) for x, y in first]
+            losses.append(self._micro_step(*last, loss_fn, accumulate))
         return mean_over_world(torch.stack(losses).sum())
 
     def evaluate(self, inputs: Any, targets: Any, loss_fn) -> torch.Tensor:

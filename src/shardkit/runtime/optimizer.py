@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
+from ..models.routing import bias_balanced, update_expert_biases
 from ..plan import UsageError
 
 
@@ -75,14 +76,22 @@ def optimizer(model: nn.Module, optimizer_class: type[torch.optim.Optimizer], **
                          f"class such as torch.optim.AdamW, got {optimizer_class!r}")
     plan = getattr(model, "_sk_plan", None)
     if plan is None or plan.zero != 1:
-        return optimizer_class(model.parameters(), **options)
+        return _balancing(model, optimizer_class(model.parameters(), **options))
     from .meshes import meshes_for
 
     device = next(model.parameters()).device
     data = meshes_for(plan, device.type).data()
     assert data is not None and not data.shards  # Plan.problems(): zero=1 needs dp > 1 and no fsdp
-    return PartitionedOptimizer(model.parameters(), optimizer_class=optimizer_class,
-                                process_group=data.mesh.get_group(), **options)
+    return _balancing(model, PartitionedOptimizer(model.parameters(), optimizer_class=optimizer_class,
+                                                  process_group=data.mesh.get_group(), **options))
+
+
+def _balancing(model: nn.Module, opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """``opt``, which after each step updates the biases of ``model``'s bias-balanced routers (DeepSeek-V3's
+    auxiliary-loss-free balancing: :func:`~shardkit.models.routing.update_expert_biases`)."""
+    if bias_balanced(model):
+        opt.register_step_post_hook(lambda *_: update_expert_biases(model))
+    return opt
 
 
 __all__ = ["PartitionedOptimizer", "optimizer"]

@@ -36,6 +36,7 @@ from .meshes import DataMesh, meshes_for
 from .outputs import install_plain_outputs
 from .precision import Precision
 from .recompute import apply_recompute
+from .router_balance import balance_routers
 from .tensor_parallel import apply_tensor_parallel
 
 _MIXINS: dict[tuple[type, type], type] = {}
@@ -90,6 +91,7 @@ def parallelize(module: nn.Module, plan: Plan, ctx: Context, layouts: dict[str, 
     data = meshes.data()
     # batch norms see the whole batch: statistics all-reduced over the ranks it is split over
     synchronise_batch_norms(module, None if data is None else data.mesh)
+    balance_routers(module, None if data is None else data.mesh)  # router losses and load over the whole batch too
     ddp = data is not None and _uses_ddp(module, plan, data, facts)
     if on_meta and (data is None or ddp):
         materialize(module, ctx.device, seed=seed, source=source)

@@ -19,6 +19,7 @@ from ..io.batch_stream import BatchStream
 from ..models.registry import ModelEntry
 from ..plan import Plan, PlanError, UsageError
 from ..planner.initialisation import uninitialised
+from ..planner.routing import micro_batch_problems
 from ..planner.validate import validate
 from ..runtime.materialize import open_weights
 from .config import TrainConfig
@@ -84,6 +85,7 @@ def check_job(config: TrainConfig, plan: Plan, world_size: int) -> CheckedJob:
                         f"into {config.named('grad_accum')} micro-batches; valid: a batch size that is a multiple "
                         f"of {config.grad_accum}")
     problems += step_problems(config) + held_out_problems(config)
+    problems += micro_batch_problems(model, config.grad_accum, config.named("grad_accum"))
     if problems:
         raise JobError(problems)
     _check_batch(config, plan, world_size, seq_len)
