@@ -225,3 +225,42 @@ def test_an_expert_of_the_wrong_shape_or_one_too_many_is_named(tmp_path, folders
             "[64, 128]") in text
     assert ("the checkpoint holds '.experts.*.w2.weight' for expert(s) [4], but the model's "
             "'model.layers.0.mlp.experts.down_proj' [4, 64, 128] has 4 experts") in text
+
+
+# -- transformers' expert-parallel plan ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("build", [build_tiny_mixtral, build_tiny_qwen2_moe])
+def test_from_hf_with_ep_leaves_the_experts_to_ep_and_splits_attention(build):
+    model = meta_model(build)
+    with_ep, tensor_parallel = sk.LayoutMap.from_hf(model, ep=True), sk.LayoutMap.from_hf(model)
+    for name, _ in model.named_parameters():
+        if STACKED.search(name):  # base_model_ep_plan's grouped_gemm: whole over tp, ep splits dim 0
+            assert with_ep.lookup(name)[1] is None and tensor_parallel.lookup(name)[1] is not None
+        elif ".self_attn." in name:
+            assert with_ep.lookup(name)[1] == tensor_parallel.lookup(name)[1]
+    report = sk.validate(sk.Plan(mesh=sk.Mesh(ep=2)), model)
+    assert [layer.name for layer in report.facts.experts] == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+
+
+def test_sk_infer_tp_rules_resolves_like_the_expert_parallel_plan():
+    """Inferred from the dataflow: attention split, the grouped-GEMM experts left whole for ``ep``."""
+    from shardkit.plan.layout import resolve_layouts
+    from shardkit.plan.plan import param_shapes
+
+    model = meta_model(build_tiny_mixtral)
+    shapes, mesh = param_shapes(model), sk.Mesh(tp=2)
+    inferred = resolve_layouts(shapes, sk.infer_tp_rules(model), mesh).params
+    planned = resolve_layouts(shapes, sk.LayoutMap.from_hf(model, ep=True), mesh).params
+    assert {n: p.layout for n, p in inferred.items()} == {n: p.layout for n, p in planned.items()}
+    assert inferred["model.layers.0.self_attn.q_proj.weight"].layout == ("tp", None)
+
+
+def test_a_model_without_an_ep_plan_or_with_an_unknown_style_is_refused(monkeypatch):
+    from shardkit.models.hf import build_tiny_llama
+
+    with pytest.raises(sk.PlanError, match="LlamaForCausalLM has no expert-parallel plan in transformers"):
+        sk.LayoutMap.from_hf(meta_model(build_tiny_llama), ep=True)
+    model = meta_model(build_tiny_mixtral)
+    monkeypatch.setattr(model, "_ep_plan", {"model.layers.*.mlp.experts": "ep_router"})
+    with pytest.raises(sk.PlanError, match="plan entry 'model.layers.*.mlp.experts' of MixtralForCausalLM has style "
+                                           "'ep_router', which has no shardkit equivalent"):
+        sk.LayoutMap.from_hf(model, ep=True)
