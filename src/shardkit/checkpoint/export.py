@@ -37,6 +37,7 @@ from ..families.base import WeightNames
 from ..io.folders import FolderWrite
 from ..io.hf_weights import INDEX, SINGLE
 from ..io.safetensors import SafetensorsWriter
+from ..io.stacked import Stacking, unstacked
 from ..plan import UsageError
 from ..plan.text import parse_bytes
 from ..runtime.pieces import full_parameter
@@ -53,16 +54,20 @@ def _rank_world() -> tuple[int, int]:
 def _local_tensors(model: nn.Module) -> dict[str, tuple[torch.Tensor, bool]]:
     """``{name: (tensor, is parameter)}`` this rank holds: parameters (each tied one once, also
     across pipeline stages) and persistent buffers, in the model's order."""
+    state = model.state_dict(keep_vars=True)  # first: FSDP2 reshards here a model a forward left unsharded
     copies = getattr(model, "tied_copies", {})
     out = {name: (p, True) for name, p in model.named_parameters() if name not in copies}
     params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
-    for name, value in model.state_dict(keep_vars=True).items():
+    for name, value in state.items():
         if name not in params and name not in out and isinstance(value, torch.Tensor):
             out[name] = (value, False)
     return out
 
 
 Entry = tuple[str, tuple[int, ...], torch.dtype]  # name, full shape, dtype written
+#: One tensor of the files: its name there, shape and dtype, the model tensor it comes from, and
+#: its box of that tensor (an expert's part of stacked experts; ``None``: all of it).
+Written = tuple[str, tuple[int, ...], torch.dtype, str, "tuple[int, slice] | None"]
 
 
 def _gather_catalogue(local: dict[str, tuple[torch.Tensor, bool]], dtype: torch.dtype | None,
@@ -86,10 +91,27 @@ def _written(stored: torch.dtype, asked: torch.dtype | None) -> torch.dtype:
     return stored if asked is None or not stored.is_floating_point else asked
 
 
-def _groups(entries: list[Entry], limit: int) -> list[list[Entry]]:
+def _as_written(entries: list[Entry], names: WeightNames) -> list[Written]:
+    """The tensors of the files, in order, named as the model's library writes them: stacked
+    experts as one tensor per expert where the library's files hold them so
+    (:func:`~shardkit.io.stacked.unstacked`), each other tensor whole."""
+    stackings = [Stacking(target, sources) for target, sources in names.stacked]
+    out: list[Written] = []
+    for name, shape, kind in entries:
+        pieces = unstacked(name, shape, stackings)
+        if pieces is None:
+            out.append((names.to_checkpoint(name), shape, kind, name, None))
+            continue
+        for piece in pieces:
+            out.append((names.to_checkpoint(piece.key), (piece.rows.stop - piece.rows.start, *shape[2:]), kind, name,
+                        (piece.expert, piece.rows)))
+    return out
+
+
+def _groups(entries: list, limit: int) -> list[list]:
     """``entries`` per file: in order, a new file when the next tensor would pass ``limit``
     bytes (a tensor larger than ``limit`` gets a file of its own), as transformers does."""
-    groups: list[list[Entry]] = [[]]
+    groups: list[list] = [[]]
     size = 0
     for entry in entries:
         nbytes = _nbytes(entry)
@@ -130,28 +152,34 @@ def _prepared(path: Path, overwrite: bool, source: tuple[str, Path] | None = Non
 def _write_folder(write: FolderWrite, entries: list[Entry], max_shard_size: str | int,
                   tensors: Callable[[list[Entry]], Iterator[torch.Tensor | None]], finish: Callable[[Path], None],
                   progress: Callable[[str, int], None] | None, names: WeightNames) -> Path:
-    """Write a HuggingFace folder: ``tensors(file's entries)`` yields each file's tensors in order
-    (on rank 0; other ranks' iterations do their part of gathering them and yield None); then
-    the index and ``finish(folder)``. Rank 0 writes into a hidden folder that takes the place of
+    """Write a HuggingFace folder: ``tensors(entries)`` yields the model's tensors in order (on
+    rank 0; other ranks' iterations do their part of gathering them and yield None); then the
+    index and ``finish(folder)``. Rank 0 writes into a hidden folder that takes the place of
     ``write.path`` whole when complete (a kill at any moment leaves the old export or the new
-    one). Tensors are written under the names the model's library writes (``names.to_checkpoint``)."""
+    one). Tensors are written under the names the model's library writes (``names.to_checkpoint``),
+    stacked experts one tensor per expert where its files hold them so (``names.stacked``)."""
     rank, world = _rank_world()
-    groups = _groups(entries, parse_bytes(max_shard_size))
+    groups = _groups(_as_written(entries, names), parse_bytes(max_shard_size))
     files = [SINGLE] if len(groups) == 1 else [f"model-{k:05d}-of-{len(groups):05d}.safetensors"
                                               for k in range(1, len(groups) + 1)]
+    coming = tensors(entries)
+    held: tuple[str, torch.Tensor | None] = ("", None)  # the model tensor being written (stacked: piece by piece)
     with write.open() if rank == 0 else nullcontext() as staging:
         for file_name, group in zip(files, groups):
-            header = {names.to_checkpoint(name): (shape, kind) for name, shape, kind in group}
+            header = {key: (shape, kind) for key, shape, kind, _, _ in group}
             with SafetensorsWriter(staging / file_name, header) if rank == 0 else nullcontext() as writer:
-                for (name, _, kind), tensor in zip(group, tensors(group)):
+                for key, _, kind, name, box in group:
+                    if held[0] != name:
+                        held = ("", None)  # freed before the next one is gathered
+                        held = (name, next(coming))
+                    tensor = held[1] if box is None or held[1] is None else held[1][box]
                     if writer is not None and tensor is not None:
-                        writer.write(names.to_checkpoint(name), tensor.to(kind).cpu())
+                        writer.write(key, tensor.to(kind).cpu())
                         if progress is not None:
-                            progress(name, tensor.numel() * tensor.element_size())
+                            progress(key, tensor.numel() * tensor.element_size())
         if rank == 0:
             if len(groups) > 1:
-                weight_map = {names.to_checkpoint(name): file_name for file_name, group in zip(files, groups)
-                              for name, _, _ in group}
+                weight_map = {key: file_name for file_name, group in zip(files, groups) for key, *_ in group}
                 index = {"metadata": {"total_size": sum(map(_nbytes, entries))}, "weight_map": weight_map}
                 (staging / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
             finish(staging)
@@ -185,7 +213,7 @@ def export_hf(path: str | os.PathLike, model: nn.Module, *, max_shard_size: str 
     entries, holders = _gather_catalogue(local, dtype, world)
 
     def tensors(group: list[Entry]) -> Iterator[torch.Tensor | None]:
-        for name, shape, kind in group:
+        for name, shape, kind in group:  # every tensor of the model, in order
             tensor = None
             if rank in holders[name]:  # a collective among the ranks holding it
                 value, is_param = local[name]
@@ -231,16 +259,17 @@ def convert_to_hf(checkpoint: str | os.PathLike, path: str | os.PathLike, *, max
                for name, (shape, kind) in manifest.parameters.items()]
     stored = {name: getattr(torch, kind) for name, (_, kind) in manifest.parameters.items()}
 
-    def tensors(group: list[Entry]) -> Iterator[torch.Tensor]:
-        state = {name: torch.empty(shape, dtype=stored[name]) for name, shape, _ in group}
-        load_model_tensors(folder, state)
-        for name, _, _ in group:
-            tensor = state.pop(name)
-            permutation = manifest.permutations.get(name)
-            if permutation is not None:
-                dim, order = permutation
-                tensor = tensor.index_select(dim, torch.argsort(torch.tensor(order)))
-            yield tensor
+    def tensors(everything: list[Entry]) -> Iterator[torch.Tensor]:
+        for group in _groups(everything, parse_bytes(max_shard_size)):  # read a file's worth at a time
+            state = {name: torch.empty(shape, dtype=stored[name]) for name, shape, _ in group}
+            load_model_tensors(folder, state)
+            for name, _, _ in group:
+                tensor = state.pop(name)
+                permutation = manifest.permutations.get(name)
+                if permutation is not None:
+                    dim, order = permutation
+                    tensor = tensor.index_select(dim, torch.argsort(torch.tensor(order)))
+                yield tensor
 
     def finish(staging: Path) -> None:
         for name in CONFIG_FILES:

@@ -33,8 +33,11 @@ class WeightNames:
 
     ``to_model(key)``: the model's name for a checkpoint's tensor; ``to_checkpoint(name)``: the
     name a checkpoint written the way the model's library writes it gives a model's tensor.
-    ``merged``: patterns of checkpoint tensors the library merges into one tensor on loading
-    (e.g. one tensor per expert stacked into one): they cannot be read box by box.
+    ``merged``: patterns of checkpoint tensors the library merges into one tensor on loading in a
+    way shardkit cannot read box by box. ``stacked``: ``(target, sources)`` of the experts the
+    library stacks on loading (``(".experts.gate_up_proj", (".experts.*.w1.weight",
+    ".experts.*.w3.weight"))``: one tensor per expert ``*`` in the files, each expert's sources
+    concatenated on their dim 0), read box by box by :mod:`shardkit.io.stacked`.
 
     >>> WeightNames().to_model("lm_head.weight"), WeightNames().merged
     ('lm_head.weight', ())
@@ -43,6 +46,7 @@ class WeightNames:
     to_model: Callable[[str], str] = field(default=str)
     to_checkpoint: Callable[[str], str] = field(default=str)
     merged: tuple[str, ...] = ()
+    stacked: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,16 @@ def _config_value(model: nn.Module, *fields: str) -> Any:
     return None
 
 
+def _stacks_experts(converter: Any) -> bool:
+    """Whether a transformers ``WeightConverter`` stacks one tensor per expert: one target, sources
+    with ``*`` for the expert, ``MergeModulelist(dim=0)`` then (several sources) ``Concatenate(dim=1)``."""
+    ops = [(type(op).__name__, getattr(op, "dim", None)) for op in converter.operations]
+    sources = list(converter.source_patterns)
+    expected = [("MergeModulelist", 0)] + ([("Concatenate", 1)] if len(sources) > 1 else [])
+    return (ops == expected and len(converter.target_patterns) == 1
+            and all(p.count("*") == 1 and "(" not in p for p in sources))
+
+
 class HFFamily(Family):
     """Any transformers model: attention modules are the ``*Attention`` classes holding a config."""
 
@@ -64,8 +74,10 @@ class HFFamily(Family):
     def weight_names(self, model: nn.Module) -> WeightNames:
         """transformers' own renamings between checkpoints and models (v5's conversion mapping:
         GPT-NeoX files hold ``embed_out`` for ``lm_head``), applied as ``from_pretrained`` and
-        ``save_pretrained`` apply them; its converters (tensors merged on loading) are named in
-        ``merged``."""
+        ``save_pretrained`` apply them. Its converters that stack one tensor per expert
+        (``MergeModulelist(dim=0)``, then ``Concatenate(dim=1)`` for several sources: Mixtral's
+        ``experts.*.w1``/``w3`` into ``gate_up_proj``) are ``stacked``; any other converter (tensors
+        merged on loading in another way) is named in ``merged``."""
         try:
             from transformers.conversion_mapping import get_model_conversion_mapping
             from transformers.core_model_loading import (
@@ -82,10 +94,12 @@ class HFFamily(Family):
         back = [t for t in saving if isinstance(t, WeightRenaming) and type(t).__name__ != "PrefixChange"]
         if not renamings and not converters:
             return WeightNames()
-        merged = tuple(str(p) for c in converters for p in c.source_patterns)
+        stacks = [c for c in converters if _stacks_experts(c)]
+        merged = tuple(str(p) for c in converters if c not in stacks for p in c.source_patterns)
+        stacked = tuple((str(c.target_patterns[0]), tuple(map(str, c.source_patterns))) for c in stacks)
         return WeightNames(to_model=lambda key: rename_source_key(key, renamings, [])[0],
                            to_checkpoint=lambda name: rename_source_key(name, back, [], reverse=True)[0],
-                           merged=merged)
+                           merged=merged, stacked=stacked)
 
     def example_inputs(self, model: nn.Module, seq_len: int | None = None) -> tuple | None:
         if not self.takes_token_ids(model):

@@ -33,6 +33,7 @@ import torch
 from ..plan import UsageError
 from .folders import interrupted_replacement
 from .safetensors import SafetensorsError, SafetensorsFile
+from .stacked import Stacking, collect_stacked, read_stacked, stacked_problems
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -56,6 +57,7 @@ class HFWeights:
         self.keys: dict[str, tuple[Path, tuple[int, ...], torch.dtype]] = {}
         self._open: dict[Path, SafetensorsFile] = {}
         self._names: dict[str, str] = {}
+        self._stacks: dict[str, tuple[dict[tuple[int, int], str], int, int]] = {}  # name: pieces, sources, rows
         problems = []
         for file, expected in self.files.items():
             try:
@@ -76,7 +78,7 @@ class HFWeights:
     def check(self, expected: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
               ties: Iterable[Iterable[str]] = (), ignore: Iterable[str] = (), prefix: str = "",
               buffers: Mapping[str, tuple[int, ...]] | None = None, rename: Callable[[str], str] = str,
-              merged: Iterable[str] = ()) -> None:
+              merged: Iterable[str] = (), stacked: Iterable[tuple[str, Iterable[str]]] = ()) -> None:
         """Match the checkpoint with a model: ``expected`` is ``{parameter: (shape, dtype)}``.
 
         A parameter is found under its own name, or under its name with the model's ``prefix``
@@ -89,9 +91,13 @@ class HFWeights:
         checkpoint when it holds them, with their shapes (persistent buffers, like BERT's
         ``position_ids``). ``rename``: a checkpoint name to the model's (transformers' renamings,
         see :class:`~shardkit.families.base.WeightNames`); ``merged``: patterns of tensors the
-        model's library merges on loading, named in the error when tensors are missing.
+        model's library merges on loading, named in the error when tensors are missing; ``stacked``:
+        ``(target, sources)`` of experts the model stacks and the checkpoint may hold one tensor per
+        expert (:mod:`shardkit.io.stacked`): every expert's tensors must be there, with their shapes.
         """
         spelled = {rename(key): key for key in self.keys}  # the model's names for the checkpoint's tensors
+        stackings = [Stacking(target, tuple(sources)) for target, sources in stacked]
+        per_expert = collect_stacked(spelled, stackings)
         groups = {name: [name] for name in expected}
         for group in ties:
             members = list(group)
@@ -100,6 +106,11 @@ class HFWeights:
         problems, used = [], set()
         for name, (shape, dtype) in expected.items():
             key = next((spelled[k] for member in groups[name] for k in _spellings(member, prefix) if k in spelled), None)
+            parts = next((per_expert[k] for k in _spellings(name, prefix) if k in per_expert), None)
+            if key is None and parts is not None:
+                problems += self._stack(name, shape, dtype, parts, stackings, spelled)
+                used.update(spelled[k] for k in parts.values())
+                continue
             if key is None:
                 problems.append(f"parameter {name!r} {_shape(shape)} is not in the checkpoint"
                                 + _nearest(name, self.keys))
@@ -135,13 +146,32 @@ class HFWeights:
         if problems:
             raise WeightsError(f"the weights at {self.path} do not fit this model:\n  - " + "\n  - ".join(problems))
 
+    def _stack(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, parts: dict[tuple[int, int], str],
+               stackings: list[Stacking], spelled: dict[str, str]) -> list[str]:
+        """Match the stacked parameter ``name`` with its per-expert tensors ``parts`` (model spellings)."""
+        def where(key: str) -> str:
+            return f"{spelled[key]!r} in {self.keys[spelled[key]][0].name}"
+
+        problems = stacked_problems(name, shape, parts, stackings, lambda key: self.keys[spelled[key]][1], where)
+        problems += [f"{where(key)} holds {self.keys[spelled[key]][2]}; the model's {name!r} is {dtype}"
+                     for key in parts.values() if self.keys[spelled[key]][2].is_floating_point != dtype.is_floating_point]
+        sources = len(next(s for s in stackings if s.stacks(name)).sources)
+        self._stacks[name] = ({k: spelled[v] for k, v in parts.items()}, sources, shape[1] // sources if len(shape) > 1 else 0)
+        return problems
+
     def holds(self, name: str) -> bool:
         """Whether :meth:`check` matched ``name`` with a tensor of the checkpoint."""
-        return name in self._names
+        return name in self._names or name in self._stacks
 
     def read(self, name: str, box: tuple[slice, ...], dtype: torch.dtype) -> torch.Tensor:
-        """Box ``box`` of parameter ``name`` (matched by :meth:`check`), as ``dtype``."""
-        key = self._names.get(name, name)
+        """Box ``box`` of parameter ``name`` (matched by :meth:`check`), as ``dtype``; a parameter
+        stacked from one tensor per expert is read from the tensors of the experts in ``box`` only."""
+        if name in self._stacks:
+            pieces, sources, rows = self._stacks[name]
+            return read_stacked(pieces, sources, box, dtype, lambda key, part: self._read(key, part, dtype), rows)
+        return self._read(self._names.get(name, name), box, dtype)
+
+    def _read(self, key: str, box: tuple[slice, ...], dtype: torch.dtype) -> torch.Tensor:
         file, _, _ = self.keys[key]
         return self._open[file].read(key, box).to(dtype)
 

@@ -26,6 +26,22 @@ outputs are combined, which :func:`shardkit.validate` decides from the layouts) 
 parameter whose entry has a style with no equivalent is refused, naming the parameter, the entry
 and the axis. A mesh whose ``tp`` axis has size 1 splits nothing and needs no rules: the command
 line reads the plan only when ``tp`` > 1.
+
+**Mixtures of experts under ``ep``** (``from_hf(model, ep=True)``): transformers' MoE configs
+carry a second plan, ``base_model_ep_plan``, which its expert-parallel mode uses in place of the
+tensor-parallel one. Its styles mean, for shardkit:
+
+- ``grouped_gemm`` on a stacked expert weight (``experts.gate_up_proj``, ``experts.down_proj``):
+  split on its expert dim 0 by the ``ep`` axis, which finds the experts modules by itself
+  (``sk.validate``; no layout rule names ``ep``), so the rule is ``None`` over ``axis`` (whole on
+  ``tp``, each rank's experts whole);
+- ``ep_dispatch_experts`` on the experts module: its tokens are sent to their experts' ranks by
+  all-to-all, which shardkit's ``ep`` does for every experts module: no rule;
+- any tensor-parallel style (Gemma-4's plan splits its dense MLP ``colwise`` / ``rowwise``): the
+  layout of the table above over ``axis``, in place of the tensor-parallel plan's entry.
+
+The tensor-parallel plan's other entries (attention) are kept. A model without an ep plan, or an
+ep-plan style with no meaning here, is refused by name.
 """
 
 from __future__ import annotations
@@ -43,17 +59,41 @@ REPLICATED_STYLES = ("sequence_parallel", "replicate", "replicated_with_grad_all
 EMBEDDING_STYLES = {"embedding_rowwise": 0, "embedding_colwise": 1}
 
 
-def hf_tp_plan(model: Any) -> dict[str, str]:
-    """The model's merged transformers tensor-parallel plan (``{}`` when it has none)."""
-    plan = getattr(model, "tp_plan", None)
+#: ``base_model_ep_plan`` styles of the experts themselves: what shardkit's ``ep`` does by itself.
+EXPERT_STYLES = ("grouped_gemm", "ep_dispatch_experts")
+
+
+def hf_tp_plan(model: Any, kind: str = "tp") -> dict[str, str]:
+    """The model's merged transformers tensor-parallel plan (``kind="ep"``: its expert-parallel
+    plan, ``base_model_ep_plan``), ``{}`` when it has none."""
+    plan = getattr(model, f"{kind}_plan", None)
     if isinstance(plan, Mapping):
         return dict(plan)
     config = getattr(model, "config", None)
-    base = dict(getattr(config, "base_model_tp_plan", None) or {})
+    base = dict(getattr(config, f"base_model_{kind}_plan", None) or {})
     prefix = getattr(model, "base_model_prefix", "")
     merged = {f"{prefix}.{k}" if prefix and hasattr(model, prefix) else k: v for k, v in base.items()}
-    merged.update(getattr(type(model), "_tp_plan", None) or {})
+    merged.update(getattr(type(model), f"_{kind}_plan", None) or {})
     return merged
+
+
+def _with_ep_plan(model: Any, plan: dict[str, str], axis: str) -> dict[str, str]:
+    """``plan`` with the model's ``base_model_ep_plan`` entries in place of its own (see the module
+    docstring): expert entries become ``replicate`` over ``axis`` (``ep`` splits them)."""
+    ep_plan = hf_tp_plan(model, "ep")
+    if not ep_plan:
+        raise PlanError(f"{type(model).__name__} has no expert-parallel plan in transformers (config."
+                        f"base_model_ep_plan is empty): call LayoutMap.from_hf(model) for its tensor-parallel rules; "
+                        f"an 'ep' axis finds experts modules by their stacked gate_up_proj / down_proj by itself")
+    unknown = {key: style for key, style in ep_plan.items() if style not in EXPERT_STYLES and not _known(style)}
+    if unknown:
+        raise PlanError([f"transformers' expert-parallel plan entry {key!r} of {type(model).__name__} has style "
+                         f"{style!r}, which has no shardkit equivalent over axis {axis!r} or 'ep'; write layout "
+                         f"rules for it yourself" for key, style in unknown.items()])
+    experts = [key for key, style in ep_plan.items() if style == "ep_dispatch_experts"]
+    out = {key: style for key, style in plan.items() if not any(key == e or key.startswith(e + ".") for e in experts)}
+    out.update({key: "replicate" if style in EXPERT_STYLES else style for key, style in ep_plan.items()})
+    return out
 
 
 def plan_pattern(key: str) -> str:
@@ -70,9 +110,10 @@ def _stored_transposed(model: Any, module_name: str) -> bool:
     return type(module).__name__ == "Conv1D"
 
 
-def rules_from_hf(model: Any, axis: str = "tp") -> list[tuple[str, Any]]:
+def rules_from_hf(model: Any, axis: str = "tp", ep: bool = False) -> list[tuple[str, Any]]:
     """``[(regex, layout), ...]`` for ``model``'s transformers plan, one rule per parameter kind,
-    sorted by pattern, then the catch-all ``(".*", None)``; see the module docstring.
+    sorted by pattern, then the catch-all ``(".*", None)``; ``ep``: with its expert-parallel plan
+    (experts whole over ``axis``, split by ``ep``); see the module docstring.
 
     >>> class Config:                      # what transformers' configs hold, as plain data
     ...     _attn_implementation = "sdpa"
@@ -95,6 +136,8 @@ def rules_from_hf(model: Any, axis: str = "tp") -> list[tuple[str, Any]]:
                          f"transformers config), so it has no transformers tensor-parallel plan; write layout rules "
                          f"for it, see docs/your-model.md")
     plan = hf_tp_plan(model)
+    if ep:
+        plan = _with_ep_plan(model, plan, axis)
     if not plan:
         raise PlanError(f"{type(model).__name__} has no tensor-parallel plan in transformers (config."
                         f"base_model_tp_plan / _tp_plan are empty): write layout rules for it, see "
@@ -152,4 +195,4 @@ def _layout(style: str, kind: str, ndim: int, axis: str) -> Any:
     return None if kind == "bias" else split(-1)  # row-parallel
 
 
-__all__ = ["hf_tp_plan", "plan_pattern", "rules_from_hf"]
+__all__ = ["EXPERT_STYLES", "hf_tp_plan", "plan_pattern", "rules_from_hf"]

@@ -148,11 +148,13 @@ class LayoutMap(MutableMapping[str, Layout]):
                 for p, lay in self._rules.items()]
 
     @classmethod
-    def from_hf(cls, model: object, axis: str = "tp") -> LayoutMap:
+    def from_hf(cls, model: object, axis: str = "tp", ep: bool = False) -> LayoutMap:
         """Rules from transformers' own tensor-parallel plan of ``model`` (its config's
         ``base_model_tp_plan`` and the head's ``_tp_plan``), over ``axis``; packed and
         gather-output entries included. A model with no plan is a :class:`PlanError` saying to
-        write rules. See :mod:`shardkit.plan.hf_plan` for the style -> layout table.
+        write rules. ``ep=True``: a mixture of experts' rules beside an ``ep`` axis, from its
+        ``base_model_ep_plan`` (experts whole over ``axis``: ``ep`` splits them). See
+        :mod:`shardkit.plan.hf_plan` for the style -> layout table.
 
         >>> from shardkit.models.hf import LLAMA_RULES, build_tiny_llama
         >>> LayoutMap.from_hf(build_tiny_llama()) == LLAMA_RULES
@@ -160,7 +162,7 @@ class LayoutMap(MutableMapping[str, Layout]):
         """
         from .hf_plan import rules_from_hf
 
-        return cls(rules_from_hf(model, axis))
+        return cls(rules_from_hf(model, axis, ep))
 
     @classmethod
     def from_list(cls, data: Iterable[Iterable[object]], strict: bool = True) -> LayoutMap:

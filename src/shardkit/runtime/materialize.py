@@ -200,7 +200,7 @@ def open_weights(weights: str | Path | WeightSource, model: nn.Module) -> Weight
                  ties=[g for g in groups.values() if len(g) > 1],
                  ignore=getattr(model, "_keys_to_ignore_on_load_unexpected", None) or (),
                  prefix=getattr(model, "base_model_prefix", "") or "",
-                 buffers=persistent, rename=names.to_model, merged=names.merged)
+                 buffers=persistent, rename=names.to_model, merged=names.merged, stacked=names.stacked)
     return source
 
 
