@@ -89,7 +89,7 @@ def runs(world, tmp_path_factory):
     root = tmp_path_factory.mktemp("expert-checkpoints")
     saved_ep2 = world(2).run(_world2_saves, root, plan=plan_of("ep=2"))
     loaded_ep2, saved_both = zip(*world(4).run(_world4, root, plan=plan_of("fsdp=2,ep=2")))
-    loaded_both = world(2).run(_world2_loads, root, plan=plan_of("ep=2"))
+    loaded_both = world(2).run(_world2_loads, root, plan=plan_of("pp=2"))  # a pipeline takes its mesh from the job
     return root, {"ep=2": (saved_ep2, loaded_ep2), "fsdp=2,ep=2": (saved_both, loaded_both)}
 
 
@@ -132,3 +132,24 @@ def test_dcp_holds_the_experts_at_their_global_shape_each_rank_its_rows(runs, fo
     assert all(tuple(c.sizes[1:]) == (512, 64) for c in entry.chunks)
     moment = metadata.state_dict_metadata[f"optimizer.state.{EXPERT.removeprefix('model.')}.exp_avg"]
     assert tuple(moment.size) == (4, 512, 64) and len(moment.chunks) == len(boxes)
+
+
+def test_shardkit_generate_under_ep_reads_the_checkpoint_as_one_process(runs, world, monkeypatch):
+    """``shardkit generate --mesh ep=2`` from the checkpoint saved under fsdp=2 x ep=2: every rank makes
+    the tokens one process makes with the weights loaded (which differ from the initial weights')."""
+    import shardkit.runtime.world as world_module
+    from shardkit.cli import main
+    from shardkit.runtime.generate import generate
+
+    ranks, launch = [], world_module.launch
+    monkeypatch.setattr("shardkit.runtime.world.launch",  # on the shared world, keeping each rank's tokens
+                        lambda fn, plan, *args, world_size, timeout: ranks.extend(
+                            launch(fn, plan, *args, world=world(world_size), timeout=timeout)))
+    folder = runs[0] / "fsdp2ep2"
+    assert main(["generate", "--model", "gpt-moe", "--checkpoint", str(folder), "--mesh", "ep=2",
+                 "--prompt-ids", "3,141,59,26", "--max-new-tokens", "6"]) == 0
+    model = build_tiny_gpt_moe()
+    initial = generate(model, torch.tensor([[3, 141, 59, 26]]), max_new_tokens=6)[0, 4:].tolist()
+    sk.load(folder, model)
+    loaded = generate(model, torch.tensor([[3, 141, 59, 26]]), max_new_tokens=6)[0, 4:].tolist()
+    assert ranks == [loaded, loaded] and loaded != initial

@@ -83,6 +83,14 @@ def _generate_cases(ctx, cases):
             call()
         except UsageError as exc:
             out[key] = str(exc)
+    if ctx.rank == 1:  # rank 1's output head made nan: its logits only (its experts, serving the others, are sound)
+        with torch.no_grad():
+            weight = model.lm_head.weight
+            (weight.to_local() if hasattr(weight, "to_local") else weight).fill_(float("nan"))
+    try:
+        generate(model, prompts(0), max_new_tokens=NEW)
+    except UsageError as exc:
+        out["nan"] = str(exc)
     return out
 
 
@@ -118,11 +126,13 @@ def test_greedy_tokens_under_ep_equal_one_process(runs, case):
 
 
 @pytest.mark.parametrize("size", sorted(CASES))
-def test_a_call_refused_on_one_rank_is_refused_on_every_rank(runs, size):
-    """No rank enters a step that another has refused (which would leave it waiting forever)."""
+def test_a_call_refused_or_failing_on_one_rank_stops_every_rank(runs, size):
+    """No rank enters a step that another has refused or stopped at (it would wait there forever)."""
     outs = runs[size]
     assert "input_ids holds ids from" in outs[1]["ids"]
     for rank, out in enumerate(outs):
         if rank != 1:
             assert out["ids"].startswith("sk.generate: rank 1's call was refused, so no rank generates: ")
         assert f"max_new_tokens differs between ranks ({list(range(2, 2 + size))}, by rank)" in out["steps"]
+        where = "prompt(s) [0]" if rank == 1 else "rank 1's prompt(s)"  # every rank stops at the first token
+        assert f"logits for new token 1 of {where} are nan or +inf" in out["nan"], out["nan"]
