@@ -206,8 +206,9 @@ def test_gqa_with_fewer_kv_heads_than_tp_ranks_is_refused_before_launch():
 
 
 @pytest.mark.parametrize("plan,expected", [
-    (Plan(mesh=Mesh(fsdp=2, tp=2)), r"mesh axis 'fsdp' has size 2"),
-    (Plan(mesh=Mesh(dp=2, pp=2), pipeline=Pipeline(microbatches=2)), r"mesh axis 'dp' has size 2"),
+    (Plan(mesh=Mesh(sp=2, tp=2)), r"mesh axis 'sp' has size 2"),
+    (Plan(mesh=Mesh(dp=2, pp=2), pipeline=Pipeline(microbatches=2)), r"pipeline for one data rank: mesh axis 'dp' "
+                                                                       r"has size 2"),
     (Plan(mesh=Mesh(tp=2), sequence_parallel=True), r"sequence_parallel=True\) .* one token"),
 ])
 def test_plans_generate_cannot_run_are_refused_with_the_reason(plan, expected):
@@ -482,7 +483,7 @@ def test_cli_generates_under_a_pipeline_from_a_checkpoint_and_a_hf_folder(tp_res
 @pytest.mark.parametrize("argv,expected", [
     (["--model", "llama-tiny", "--mesh", "tp=4", "--prompt-ids", "1,2"],
      r"invalid plan: .*2 key/value heads, but each rank must hold whole heads; valid tp sizes: \[1, 2\]"),
-    (["--model", "llama-tiny", "--mesh", "fsdp=2", "--prompt-ids", "1,2"], r"--mesh fsdp=2: .*axis 'fsdp' has size 2"),
+    (["--model", "llama-tiny", "--mesh", "sp=2", "--prompt-ids", "1,2"], r"--mesh sp=2: .*axis 'sp' has size 2"),
     (["--model", "llama-tiny", "--mesh", "pp=4", "--prompt-ids", "1,2"], r"pipeline has 4 stages but the model has only 2"),
     (["--model", "llama-tiny", "--mesh", "tp=-1", "--prompt-ids", "1"], r"--mesh tp=-1: give every axis its size"),
     (["--model", "llama-tiny", "--prompt-ids", "1,256"], r"--prompt-ids holds id 256.*valid ids: 0 to 255"),

@@ -1,4 +1,4 @@
-"""``shardkit generate``: continue a prompt with a tensor- or pipeline-parallel model, streaming tokens as they come::
+"""``shardkit generate``: continue a prompt with a sharded model, streaming tokens as they come::
 
     shardkit generate --model gpt-small --checkpoint runs/gpt --mesh tp=2 --prompt "def " --max-new-tokens 80
     shardkit generate --model llama-tiny --hf exported --mesh pp=2,tp=2 --prompt-ids 1,15,27 --max-new-tokens 20
@@ -10,7 +10,8 @@ for a byte-level model (vocabulary 256, as ``shardkit train`` trains: token = by
 as text; ``--prompt-ids`` gives token ids, printed back as ids. Generation stops at the model's
 end-of-sequence token (``generation_config.eos_token_id``), at ``--eos-token-id ID`` instead, or
 never with ``--no-eos``. Everything is checked before any process starts: the plan against the
-model (whole KV heads per ``tp`` rank), the plan against generation (``tp`` and ``pp`` only), the
+model (whole KV heads per ``tp`` rank), the plan against generation (``tp``, ``pp`` and the data axes:
+with ``dp``, ``fsdp`` or ``ep`` every data rank continues the same prompt), the
 weights' names and shapes, the prompt and ``--eos-token-id`` against the vocabulary, the positions.
 """
 
@@ -67,8 +68,9 @@ class GenerateJob:
 def register(subparsers: argparse._SubParsersAction) -> None:
     usable = MODELS.buildable()
     parser = subparsers.add_parser(
-        "generate", help="continue a prompt with a tensor- or pipeline-parallel model, streaming the tokens",
-        description="Generate tokens with a model split over 'tp' and 'pp' across a local world, weights from a "
+        "generate", help="continue a prompt with a sharded model, streaming the tokens",
+        description="Generate tokens with a model split over 'tp', 'pp' or the data axes ('dp', 'fsdp', 'ep': "
+                    "experts split over 'ep') across a local world, weights from a "
                     "checkpoint (sk.save) or a HuggingFace folder; greedy unless --temperature is given. "
                     "Everything is checked before any process starts.")
     add_model_option(parser, "gpt-tiny", usable)
@@ -78,8 +80,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                               "complete one is read), or one checkpoint folder")
     weights.add_argument("--hf", type=path, metavar="DIR", help="a HuggingFace model folder (safetensors)")
     parser.add_argument("--mesh", default=DEFAULT_MESH, metavar="AXES",
-                        help=f"the mesh; only 'tp' and 'pp' (pipeline stages, split evenly) may be larger than 1 "
-                             f"(default: {DEFAULT_MESH})")
+                        help=f"the mesh; only 'tp', 'pp' (pipeline stages, split evenly) and, without 'pp', the data axes "
+                             f"'dp', 'fsdp', 'ep' may be larger than 1 (default: {DEFAULT_MESH})")
     add_rules_option(parser)
     prompt = parser.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", metavar="TEXT",

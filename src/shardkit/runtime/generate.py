@@ -22,6 +22,15 @@ the model before launch (:func:`check_generation` with the plan) and when the pi
 
 A row stops at an end-of-sequence token as in transformers' ``generate`` (later positions get the
 pad token); every rank decides from the broadcast tokens, so all of them leave the loop at the same step.
+
+The data axes (``dp``, ``fsdp``, ``ep``; without a pipeline) split the prompts: each data rank
+continues its own (any batch, any length). Its steps still need the others: FSDP gathers
+parameters at every forward, and ``ep`` sends every token to the ranks holding its experts, so
+each rank of the world joins every collective of every step. After each step the ranks agree
+(one ``all_reduce``) whether any of them still has an unfinished row; a rank whose rows have all
+finished keeps running its batch (the tokens discarded, its result cut where one process would
+have stopped) until none has, so no rank leaves a collective the others wait in. Its checks
+are agreed before the first step too: a call refused on one rank is refused on all.
 """
 
 from __future__ import annotations
@@ -38,6 +47,7 @@ from torch import nn
 from ..families import family_of, model_layout
 from ..families.hf import is_hf_model
 from ..plan import Plan, PlanError, UsageError
+from ..plan.mesh import DATA_AXES
 from ..planner.pipeline_proof import decode_problems
 from .pipeline import PipelinedModule
 
@@ -64,18 +74,26 @@ def generation_problems(plan: Plan) -> list[str]:
     """Why ``plan`` cannot run :func:`generate` (empty: it can); pure data, checked before launch.
 
     >>> from shardkit.plan import Mesh
-    >>> generation_problems(Plan(mesh=Mesh(tp=2)))
-    []
-    >>> print(generation_problems(Plan(mesh=Mesh(fsdp=2, tp=2)))[0])
-    sk.generate runs tensor- and pipeline-parallel models: mesh axis 'fsdp' has size 2, but every axis other than 'tp' and 'pp' (with a pipeline) must have size 1 (e.g. Mesh(tp=4) or Mesh(pp=2, tp=2))
+    >>> generation_problems(Plan(mesh=Mesh(tp=2))), generation_problems(Plan(mesh=Mesh(fsdp=2, ep=2)))
+    ([], [])
+    >>> print(generation_problems(Plan(mesh=Mesh(sp=2, tp=2)))[0])
+    sk.generate splits a model over 'tp', 'pp' (with a pipeline) and the data axes 'dp', 'fsdp', 'ep' (each data rank its own prompts): mesh axis 'sp' has size 2, but every other axis must have size 1 (e.g. Mesh(tp=4), Mesh(pp=2, tp=2) or Mesh(fsdp=2, ep=2))
     """
     problems = []
-    allowed = (GENERATION_AXIS, "pp") if plan.pipeline is not None else (GENERATION_AXIS,)
+    pipelined = plan.pipeline is not None
+    allowed = (GENERATION_AXIS, "pp") if pipelined else (GENERATION_AXIS, *DATA_AXES)
     for axis, size in zip(plan.mesh.names, plan.mesh.shape):
-        if axis not in allowed and size > 1:
-            problems.append(f"sk.generate runs tensor- and pipeline-parallel models: mesh axis {axis!r} has size "
-                            f"{size}, but every axis other than 'tp' and 'pp' (with a pipeline) must have size 1 "
-                            f"(e.g. Mesh(tp=4) or Mesh(pp=2, tp=2))")
+        if axis in allowed or size == 1:
+            continue
+        if axis in DATA_AXES:
+            problems.append(f"sk.generate runs a pipeline for one data rank: mesh axis {axis!r} has size {size}, "
+                            f"but with 'pp' every data axis ({', '.join(map(repr, DATA_AXES))}) must have size 1 "
+                            f"(e.g. Mesh(pp=2, tp=2))")
+        else:
+            problems.append(f"sk.generate splits a model over 'tp', 'pp' (with a pipeline) and the data axes "
+                            f"{', '.join(map(repr, DATA_AXES))} (each data rank its own prompts): mesh axis "
+                            f"{axis!r} has size {size}, but every other axis must have size 1 (e.g. Mesh(tp=4), "
+                            f"Mesh(pp=2, tp=2) or Mesh(fsdp=2, ep=2))")
     if plan.sequence_parallel:
         problems.append("Plan(sequence_parallel=True) splits the sequence over 'tp', but a decode step has one "
                         "token; generate with sequence_parallel=False (the weights are the same)")
@@ -142,35 +160,29 @@ def generate(model: nn.Module, input_ids: torch.Tensor, *, max_new_tokens: int, 
     less than ``max_new_tokens``. Runs in eval mode (the model's mode is restored after) without
     gradients. ``on_token([batch] ids)`` is called after each step (streaming; pad for finished
     rows). Call it on every rank of a model from ``sk.shard`` with a plan whose only split axes are
-    ``tp`` and ``pp``, or on an unsharded model in any process.
+    ``tp``, ``pp`` and the data axes, or on an unsharded model in any process. The ranks of one
+    data rank (its ``tp`` and ``pp`` ranks) pass the same ``input_ids``; each data rank its own,
+    and every rank the same ``max_new_tokens`` (refused otherwise, on every rank).
 
     >>> from shardkit.models.gpt import build_tiny_gpt
     >>> generate(build_tiny_gpt(), torch.tensor([[104, 105]]), max_new_tokens=3).shape
     torch.Size([1, 5])
     """
-    _check_arguments(input_ids, max_new_tokens, temperature, top_k, seed, eos_token_id)
     plan = getattr(model, "plan", None)  # a model from sk.shard, pipelined or not, has its plan
     if isinstance(plan, Plan):
-        problems = generation_problems(plan)
+        problems = generation_problems(plan)  # the same on every rank: each raises before any collective
         if problems:
             raise PlanError(problems)
-    check_generation(model, input_ids.shape[1], max_new_tokens)
-    vocab = family_of(model).vocab_size(model)
-    if vocab is not None and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab):
-        raise UsageError(f"sk.generate: input_ids holds ids from {int(input_ids.min())} to {int(input_ids.max())}, "
-                         f"but the model's vocabulary is {vocab}; valid ids: 0 to {vocab - 1}")
-    if vocab is not None and top_k is not None and top_k > vocab:
-        raise UsageError(f"sk.generate: top_k={top_k} is more than the model's vocabulary of {vocab}; valid: 1 to "
-                         f"{vocab}, or None for every token")
-    if vocab is not None and eos_token_id not in (None, MODEL_EOS):
-        outside = [i for i in ([eos_token_id] if _is_int(eos_token_id) else eos_token_id) if i >= vocab]
-        if outside:
-            raise UsageError(f"sk.generate: eos_token_id={eos_token_id!r} holds id {outside[0]}, but the model's "
-                             f"vocabulary is {vocab}; valid ids: 0 to {vocab - 1}")
-    stop = stop_tokens(model, eos_token_id)
+    together = isinstance(plan, Plan) and plan.mesh.data_size > 1 and dist.is_initialized()
+    try:
+        problem, stop = None, _checked_call(model, input_ids, max_new_tokens, temperature, top_k, seed, eos_token_id)
+    except (UsageError, PlanError) as exc:
+        problem, stop = exc, None
+    if together:  # data ranks pass their own prompts: a call refused on one is refused on all
+        _agree(problem, max_new_tokens)
+    if problem is not None:
+        raise problem
     pipeline = model._sk_runtime if isinstance(model, PipelinedModule) else None
-    if pipeline is not None and pipeline.decode_problems:  # proven when the pipeline was built: every rank stops
-        raise PlanError(list(pipeline.decode_problems))
     group = _tp_group(plan)
     # the rank choosing each token: the first tp rank (of the last pipeline stage)
     leader = (group is None or dist.get_rank(group) == 0) and (pipeline is None or pipeline.has_last)
@@ -184,7 +196,7 @@ def generate(model: nn.Module, input_ids: torch.Tensor, *, max_new_tokens: int, 
     try:
         with torch.no_grad():
             decoder = Decoder(model)
-            tokens, new = input_ids.to(device), []
+            tokens, new, done = input_ids.to(device), [], False
             finished = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=device)
             eos = None if stop is None else torch.tensor(stop[0], device=device)
             for step in range(max_new_tokens):
@@ -195,25 +207,80 @@ def generate(model: nn.Module, input_ids: torch.Tensor, *, max_new_tokens: int, 
                     dist.broadcast(token, group=group, group_src=0)
                 if pipeline is not None:
                     dist.broadcast(token, group=pipeline.pp_group, group_src=pipeline.last_pp_rank)
-                if bool((token < 0).any()):  # every rank sees the flag, so every rank stops here
-                    rows = (token < 0).nonzero().flatten().tolist()
-                    raise UsageError(f"sk.generate: the model's logits for new token {step + 1} of prompt(s) {rows} "
-                                     f"are nan or +inf: its weights or activations are not finite (check the "
-                                     f"weights it loaded); stopped after {step} new tokens")
-                # a finished row goes on with the token chosen for it, not the pad (which some configs set outside
-                # the vocabulary): rows do not see each other, so the other rows' tokens are transformers'
-                tokens = token[:, None]
-                if eos is not None:  # from the broadcast token: every rank finishes the same rows at the same step
-                    token = token.masked_fill(finished, stop[1])
-                    finished |= torch.isin(token, eos)
-                new.append(token)
-                if on_token is not None:
-                    on_token(token)
-                if bool(finished.all()):
+                bad = not done and bool((token < 0).any())  # every rank of this data rank sees the flag
+                if not done and not bad:
+                    # a finished row goes on with the token chosen for it, not the pad (which some configs set
+                    # outside the vocabulary): rows do not see each other, so the other rows' tokens are transformers'
+                    tokens = token[:, None]
+                    if eos is not None:  # from the broadcast token: every rank finishes the same rows at one step
+                        token = token.masked_fill(finished, stop[1])
+                        finished |= torch.isin(token, eos)
+                    new.append(token)
+                    if on_token is not None:
+                        on_token(token)
+                    done = bool(finished.all())
+                # a rank whose rows are done runs its last tokens again, its results discarded, until every rank is
+                running, bad_rank = _step_together(done, bad) if together else (not done, 0 if bad else None)
+                if bad_rank is not None:  # every rank sees the flag, so every rank stops here
+                    where = f"prompt(s) {(token < 0).nonzero().flatten().tolist()}" if bad else \
+                        f"rank {bad_rank}'s prompt(s)"
+                    raise UsageError(f"sk.generate: the model's logits for new token {step + 1} of {where} are nan "
+                                     f"or +inf: its weights or activations are not finite (check the weights it "
+                                     f"loaded); stopped after {step} new tokens")
+                if not running:
                     break
     finally:
         model.train(training)
     return torch.cat([input_ids, torch.stack(new, dim=1).to(input_ids.device)], dim=1)
+
+
+def _checked_call(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int, temperature: float,
+                  top_k: int | None, seed: int | None, eos_token_id: int | Sequence[int] | None | ModelEos
+                  ) -> tuple[list[int], int] | None:
+    """:func:`generate`'s checks of its arguments against the model; returns :func:`stop_tokens`."""
+    _check_arguments(input_ids, max_new_tokens, temperature, top_k, seed, eos_token_id)
+    check_generation(model, input_ids.shape[1], max_new_tokens)
+    vocab = family_of(model).vocab_size(model)
+    if vocab is not None and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab):
+        raise UsageError(f"sk.generate: input_ids holds ids from {int(input_ids.min())} to {int(input_ids.max())}, "
+                         f"but the model's vocabulary is {vocab}; valid ids: 0 to {vocab - 1}")
+    if vocab is not None and top_k is not None and top_k > vocab:
+        raise UsageError(f"sk.generate: top_k={top_k} is more than the model's vocabulary of {vocab}; valid: 1 to "
+                         f"{vocab}, or None for every token")
+    if vocab is not None and eos_token_id not in (None, MODEL_EOS):
+        outside = [i for i in ([eos_token_id] if _is_int(eos_token_id) else eos_token_id) if i >= vocab]
+        if outside:
+            raise UsageError(f"sk.generate: eos_token_id={eos_token_id!r} holds id {outside[0]}, but the model's "
+                             f"vocabulary is {vocab}; valid ids: 0 to {vocab - 1}")
+    pipeline = model._sk_runtime if isinstance(model, PipelinedModule) else None
+    if pipeline is not None and pipeline.decode_problems:  # proven when the pipeline was built: every rank stops
+        raise PlanError(list(pipeline.decode_problems))
+    return stop_tokens(model, eos_token_id)
+
+
+def _agree(problem: Exception | None, max_new_tokens: object) -> None:
+    """Every rank's outcome of its checks and its ``max_new_tokens`` (a collective): raises on every
+    rank when one was refused (its own error where it was) or the ranks would make different numbers of steps."""
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (None if problem is None else str(problem), max_new_tokens))
+    if problem is not None:
+        raise problem
+    refused = next(((r, message) for r, (message, _) in enumerate(every) if message is not None), None)
+    if refused is not None:
+        raise UsageError(f"sk.generate: rank {refused[0]}'s call was refused, so no rank generates: {refused[1]}")
+    asked = [n for _, n in every]
+    if len(set(asked)) > 1:
+        raise UsageError(f"sk.generate: max_new_tokens differs between ranks ({asked}, by rank), but the ranks of a "
+                         f"plan with data axes step together; pass the same max_new_tokens on every rank")
+
+
+def _step_together(done: bool, bad: bool) -> tuple[bool, int | None]:
+    """After a step, over every rank (one ``all_reduce``): whether any rank has an unfinished row,
+    and the first rank whose logits were not finite (``None``: none)."""
+    world = dist.get_world_size()
+    flags = torch.tensor([0 if done else 1, world - dist.get_rank() if bad else 0])
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    return bool(flags[0]), (world - int(flags[1])) if int(flags[1]) else None
 
 
 def _check_arguments(input_ids: object, max_new_tokens: object, temperature: object, top_k: object,
