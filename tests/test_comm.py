@@ -6,8 +6,10 @@ import torch
 import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from rich.console import Console
 
 from shardkit.observe.comm import CommCounter
+from shardkit.observe.report import comm_table
 from shardkit.plan import Mesh, Plan
 
 PLAN = Plan(mesh=Mesh(fsdp=4))
@@ -205,3 +207,8 @@ def test_shardkit_train_counts_the_expert_exchanges(world):
     assert [s.comm["all_to_all_single"][0] for s in stats] == [5 * layers] * 4
     total = sum(s.comm["all_to_all_single"][1] for s in stats)
     assert total == layers * (4 * 4 * 16 * top_k * hidden * 4 + 4 * experts * 8)
+    assert all(0 < s.comm_remote["all_to_all_single"] < s.comm["all_to_all_single"][1] for s in stats)
+    console = Console(record=True, width=400)
+    console.print(comm_table(stats))
+    row = next(line for line in console.export_text().splitlines() if "all_to_all_single" in line)
+    assert row.count("to others)") == 4 and f"{5 * layers} / " in row

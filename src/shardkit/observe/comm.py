@@ -128,7 +128,8 @@ def _own_split_bytes(spec: tuple[int, int, int | None], args: Sequence[Any]) -> 
 
 
 class CommCounter(TorchDispatchMode):
-    """Context manager counting collective calls and payload bytes per op kind in this process.
+    """Context manager counting collective calls and payload bytes per op kind in this process
+    (:meth:`summary`), and for all-to-all the bytes addressed to other ranks (:meth:`remote`).
 
     >>> import torch.distributed as dist
     >>> with CommCounter() as comm:        # doctest: +SKIP

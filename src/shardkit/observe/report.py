@@ -18,7 +18,8 @@ class RankStats:
 
     ``step_seconds``: wall time of the timed steps; ``comm``: ``{op kind: (calls, payload
     bytes)}`` of one step (``shardkit train`` counts its last step, untimed, because the
-    counter slows the ops it watches); ``losses``: the loss of every step.
+    counter slows the ops it watches); ``losses``: the loss of every step; ``comm_remote``:
+    ``{all-to-all kind: bytes of that step addressed to other ranks}``.
     """
 
     rank: int
@@ -29,6 +30,7 @@ class RankStats:
     step_seconds: list[float]
     comm: dict[str, tuple[int, int]] = field(default_factory=dict)
     losses: list[float] = field(default_factory=list)
+    comm_remote: dict[str, int] = field(default_factory=dict)
 
     @property
     def mean_step_seconds(self) -> float:
@@ -95,7 +97,8 @@ def device_table(stats: list[RankStats], title: str = "per device") -> Table:
 
 
 def comm_table(stats: list[RankStats], title: str = "communication per step (calls / payload bytes)") -> Table:
-    """Rows: collective kinds; columns: ranks; cells: calls and payload bytes."""
+    """Rows: collective kinds; columns: ranks; cells: calls and payload bytes (for all-to-all, also
+    the bytes addressed to other ranks)."""
     table = Table(title=title)
     table.add_column("op")
     for s in stats:
@@ -104,7 +107,8 @@ def comm_table(stats: list[RankStats], title: str = "communication per step (cal
         cells = []
         for s in stats:
             calls, size = s.comm.get(kind, (0, 0))
-            cells.append(f"{calls} / {format_bytes(size)}")
+            remote = f" ({format_bytes(s.comm_remote[kind])} to others)" if kind in s.comm_remote else ""
+            cells.append(f"{calls} / {format_bytes(size)}{remote}")
         table.add_row(kind, *cells)
     return table
 

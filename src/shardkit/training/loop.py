@@ -97,7 +97,8 @@ def train_rank(ctx: Context, job: CheckedJob) -> tuple[RankStats, list]:
                                   extra={"data": batch.position, "loss": losses[-1]}, keep_last=config.keep_last)
                 progress.say(f"saved {folder} in {time.perf_counter() - began:.1f} s")
     spans = [s for s in timeline.collect() if s.step != last or config.steps == 1] if config.profile is not None else []
-    stats = RankStats(ctx.rank, ctx.coordinates(), held, memory.peak_bytes(), memory.method, times, comm.summary(), losses)
+    stats = RankStats(ctx.rank, ctx.coordinates(), held, memory.peak_bytes(), memory.method, times, comm.summary(), losses,
+                      comm.remote())
     return stats, spans
 
 
