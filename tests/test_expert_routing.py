@@ -93,7 +93,9 @@ def _batch(samples: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _biases(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {n: b.detach().clone().cpu() for n, b in model.named_buffers() if n.endswith("expert_bias")}
+    """Every router's bias: the GPT's (updated each step) and DeepSeek-V3's (fixed in transformers)."""
+    return {n: b.detach().clone().cpu() for n, b in model.named_buffers()
+            if n.endswith(("expert_bias", "e_score_correction_bias"))}
 
 
 class _Recording:
