@@ -93,7 +93,9 @@ def _batch(samples: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _biases(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {n: b.detach().clone().cpu() for n, b in model.named_buffers() if n.endswith("expert_bias")}
+    """Every router's bias: the GPT's (updated each step) and DeepSeek-V3's (fixed in transformers)."""
+    return {n: b.detach().clone().cpu() for n, b in model.named_buffers()
+            if n.endswith(("expert_bias", "e_score_correction_bias"))}
 
 
 class _Recording:
@@ -138,6 +140,7 @@ def _train_cases(ctx, cases):
         inputs, targets = (t.chunk(plan.mesh.data_size)[plan.mesh.data_index(ctx.rank)] for t in _batch(*shape))
         found = _run(model, loss_fn, inputs, targets, lambda m, x, y, f: m.step(x, y, f))
         found["weights"] = full_state_dict(model)
+        found["received"] = sum(sum(m._sk_rows.received) for m in model.modules() if hasattr(m, "_sk_rows"))
         if ctx.rank != 0:
             found["grads"] = found["weights"] = None
         if i == 0:
@@ -236,6 +239,8 @@ def test_the_checks_are_sensitive():
 
 
 def test_experts_idle_and_one_expert_pair_take_every_token_with_balancing_on(results):
+    """Experts 0 and 1 take every token: the ranks holding 2 and 3 receive no rows (and match one process above)."""
+    assert [rank["received"] > 0 for rank in results["one-sided", "ep=4", (8, 16)]] == [True, True, False, False]
     ref = _one_process("one-sided", (8, 16))
     assert all(b[:2].min() > 29 and float(b[2:].max()) == pytest.approx(STEPS * 1e-3) for b in ref["biases"].values())
 

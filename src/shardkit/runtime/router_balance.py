@@ -54,24 +54,21 @@ def _install_known_losses(module: nn.Module) -> bool:
     return bool(known)
 
 
-def balance_routers(module: nn.Module, data_mesh: Any) -> BatchTotal | None:
+def balance_routers(module: nn.Module, data_mesh: Any) -> None:
     """Make ``module``'s router losses and bias balancing sum over ``data_mesh`` (a DeviceMesh whose
     every dim splits the batch; ``None`` or one rank: nothing to reduce, but micro-batches are still
-    refused). Returns the total installed (``None`` when the model has neither)."""
+    refused)."""
     total = ONE_PROCESS
     if data_mesh is not None and data_mesh.size() > 1:
         groups = [data_mesh.get_group(dim) for dim in range(data_mesh.ndim) if data_mesh.size(dim) > 1]
         total = BatchTotal(partial(_summed, groups), ranks=data_mesh.size())
-    routers = bias_balanced(module)
-    for _, router in routers:
+    for _, router in bias_balanced(module):
         router.load_total = total
-    known = _install_known_losses(module)
-    if known:
+    if _install_known_losses(module):
         module._sk_batch_total = total
         module._sk_totals = []
         module.register_forward_pre_hook(_enter)
         module.register_forward_hook(_leave, always_call=True)
-    return total if known or routers else None
 
 
 def _enter(module: nn.Module, args: Any) -> None:
