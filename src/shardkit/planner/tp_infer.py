@@ -23,11 +23,9 @@ Then:
 - the embedding that looks up the model's input ids, and a linear layer as wide as the
   vocabulary whose output is the model's output (the LM head), are split over the vocabulary,
   as transformers' own plans split ``embed_tokens`` and ``lm_head``;
-- everything else (norms, position embeddings, row layers' biases) is replicated; so are a
-  mixture of experts' stacked experts (3-D ``gate_up_proj`` / ``down_proj`` computed by grouped
-  GEMM, not linear layers): the rules leave them whole over the axis for ``ep`` to split on their
-  expert dim, and resolve to the layouts of ``LayoutMap.from_hf(model, ep=True)`` where
-  transformers has an expert-parallel plan (Mixtral: attention split, experts whole).
+- everything else (norms, position embeddings, row layers' biases) is replicated; so are stacked
+  experts (grouped GEMM, no linear layers), left whole for ``ep`` to split on their expert dim:
+  the layouts of ``LayoutMap.from_hf(model, ep=True)`` (Mixtral: attention split, experts whole).
 
 A column layer's bias is split with its output. Layouts are those of
 :meth:`~shardkit.plan.LayoutMap.from_hf` (``Conv1D`` stores ``[in, out]``: dims swapped), so
