@@ -195,6 +195,8 @@ def test_expert_parallel_composed_matches_one_process(results, case):
     assert grad_diff <= 1e-5 + grad_rel * scale, (grad_diff, where)
     assert any(float(g.abs().max()) > 0 for n, g in sharded_grads.items() if ".experts." in n)
     sharded_weights = _merged(ranks, 2)
+    print(f"{case}: loss {max(abs(a - b) for a, b in zip(ranks[0][0], losses)):.1e}, grad {grad_diff:.1e} "
+          f"(largest {scale:.2f}), weight {_max_diff(sharded_weights, weights)[0]:.1e}")
     for weight, value in weights.items():  # bf16 weights: also one rounding step of their own (2^-7 of |w|)
         bound = weight_tol + (2 ** -7 * value.abs() if value.dtype == torch.bfloat16 else 0)
         assert ((sharded_weights[weight] - value).abs() <= bound).all(), weight
@@ -261,7 +263,3 @@ def test_what_ep_does_not_compose_with_yet_is_refused_by_name():
     text = _problems(sk.Plan(mesh=sk.Mesh(dp=2, ep=2), replicas=sk.ReplicaGrouping(2, group_size=2)),
                      build_tiny_gpt_moe)
     assert "replica groups with ep=2: gradients of experts are not averaged within groups" in text
-    for plan in (sk.Plan(mesh=sk.Mesh(tp=2, ep=2), rules=GPT_RULES), sk.Plan(mesh=sk.Mesh(ep=2), recompute="full"),
-                 sk.Plan(mesh=sk.Mesh(ep=2), fsdp=POLICY),
-                 sk.Plan(mesh=sk.Mesh(pp=2, ep=2), pipeline=sk.Pipeline(microbatches=2))):
-        sk.validate(plan, meta_model(build_tiny_gpt_moe))  # what composes now passes
