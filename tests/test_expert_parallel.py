@@ -256,16 +256,6 @@ def test_experts_not_divisible_by_ep_name_the_layer_and_valid_sizes():
     assert "MoE layer 'model.layers.0.mlp.experts' has 4 experts, not divisible by ep=8" in text
 
 
-def test_what_ep_does_not_compose_with_yet_is_refused_by_name():
-    text = _problems(sk.Plan(mesh=sk.Mesh(tp=2, ep=2), rules=LayoutMap([(r".*q_proj\.weight", ("tp", None))])),
-                     build_tiny_gpt_moe)
-    assert "mesh axes ['tp'] with ep=2" in text
-    assert "recompute='full' with ep=2" in _problems(sk.Plan(mesh=sk.Mesh(ep=2), recompute="full"),
-                                                     build_tiny_gpt_moe)
-    plan = sk.Plan(mesh=sk.Mesh(ep=2), fsdp=sk.FSDPOptions(param_dtype="bfloat16"))
-    assert "mixed precision (param_dtype='bfloat16'" in _problems(plan, build_tiny_gpt_moe)
-
-
 def test_a_layout_rule_naming_ep_is_refused():
     text = _problems(sk.Plan(mesh=sk.Mesh(ep=2), rules=LayoutMap([(r".*gate_up_proj", ("ep", None, None)),
                                                                   (".*", None)])), build_tiny_gpt_moe)

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from torch import nn
 
 from ..plan import Plan
+from ..plan.layout import axes_of
+from ..plan.mesh import is_model_axis
 
 #: The stacked weights an experts module must hold (transformers' ``base_model_ep_plan`` names).
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
@@ -104,23 +106,44 @@ def _divisors(n: int) -> list[int]:
 
 
 def composition_problems(plan: Plan) -> list[str]:
-    """What an ``ep`` axis does not compose with yet (known from the plan alone), each by name."""
+    """What an ``ep`` axis does not compose with yet (known from the plan alone), each by name.
+
+    ``tp`` and user model axes, ``pp``, ``dp`` and ``fsdp`` (HSDP too), activation recompute and
+    mixed-precision policies compose (:mod:`shardkit.runtime.expert_parallel`)."""
     mesh, ep = plan.mesh, plan.mesh.size_of("ep")
     problems = []
-    others = [a for a in mesh.names if mesh[a] > 1 and a not in ("dp", "fsdp", "ep")]
-    if others:
-        problems.append(f"mesh axes {others} with ep={ep}: expert parallelism composes with the data axes 'dp' "
-                        f"and 'fsdp' only so far; use a mesh of dp, fsdp and ep")
+    if mesh.size_of("sp") > 1:
+        problems.append(f"mesh axis 'sp' (size {mesh['sp']}) with ep={ep}: context parallel gives each rank chunks "
+                        f"of the sequence, and shardkit's checks cannot yet follow positions through the experts' "
+                        f"dispatch (sort, exchange, combine); valid: sp=1 with 'ep' (split the batch with dp / "
+                        f"fsdp, or attention with tp)")
+    if plan.sequence_parallel:
+        problems.append(f"sequence_parallel=True with ep={ep}: the MoE layers would receive the residual stream "
+                        f"split along the sequence over 'tp' as DTensors, which the router and the experts' exchange "
+                        f"do not take yet; use sequence_parallel=False with 'ep' (tp still splits attention and the "
+                        f"dense layers)")
     if plan.replicas is not None:
         problems.append(f"replica groups with ep={ep}: gradients of experts are not averaged within groups; "
                         f"use replicas=None with 'ep'")
-    if plan.fsdp.mixed_precision:
-        problems.append(f"mixed precision (param_dtype={plan.fsdp.param_dtype!r}, reduce_dtype="
-                        f"{plan.fsdp.reduce_dtype!r}) with ep={ep}: the experts' own precision policy is not "
-                        f"applied yet; build the model in the dtype to train in, without a policy")
-    if plan.recompute != "none":
-        problems.append(f"recompute={plan.recompute!r} with ep={ep}: recomputing a block would repeat its "
-                        f"all-to-all exchanges, which is not verified yet; use recompute='none' with 'ep'")
+    return problems
+
+
+def expert_layout_problems(plan: Plan, layers: list[ExpertsLayer]) -> list[str]:
+    """Expert weights a layout rule splits over another axis: ``ep`` holds each expert whole and
+    replicates it over ``tp`` (parallel folding: attention over ``tp``, experts over ``ep``)."""
+    if plan.rules is None:
+        return []
+    problems = []
+    for layer in layers:
+        for param in layer.params:
+            found = plan.rules.lookup(f"{layer.name}.{param}")
+            layout = found[1] if found else None
+            axes = [a for e in (layout or ()) for a in axes_of(e) if is_model_axis(a) and plan.mesh.size_of(a) > 1]
+            if axes:
+                problems.append(f"parameter '{layer.name}.{param}' of MoE layer {layer.name!r} is split over {axes} by "
+                                f"layout {layout!r}, but with ep={plan.mesh.size_of('ep')} each "
+                                f"expert is held whole on its 'ep' rank and replicated over the other axes; give the "
+                                f"experts' weights layout None (a rule (r'.*experts.*', None) before the others)")
     return problems
 
 
@@ -139,7 +162,7 @@ def expert_problems(plan: Plan, model: nn.Module) -> tuple[list[ExpertsLayer], l
     if ep == 1:
         return [], []
     layers = find_experts(model)
-    problems = composition_problems(plan) + experts_structure_problems(model)
+    problems = composition_problems(plan) + experts_structure_problems(model) + expert_layout_problems(plan, layers)
     if not layers and not problems:
         problems.append(f"mesh axis 'ep' (size {ep}) splits the experts of MoE layers, but {type(model).__name__} "
                         f"has none (no module with stacked {list(EXPERT_WEIGHTS)} and a forward taking "
@@ -151,5 +174,5 @@ def expert_problems(plan: Plan, model: nn.Module) -> tuple[list[ExpertsLayer], l
     return layers, problems
 
 
-__all__ = ["EXPERTS_FORWARD", "EXPERT_WEIGHTS", "ExpertsLayer", "composition_problems", "expert_problems",
-           "experts_structure_problems", "find_experts"]
+__all__ = ["EXPERTS_FORWARD", "EXPERT_WEIGHTS", "ExpertsLayer", "composition_problems", "expert_layout_problems",
+           "expert_problems", "experts_structure_problems", "find_experts"]

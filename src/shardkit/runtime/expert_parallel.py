@@ -15,8 +15,8 @@ DTensors sharded on dim 0 (the expert dim) over ``ep``, so rank ``j`` holds expe
 3. the results travel back by the reverse exchange and are combined at their source rank with
    the router's weights in a fixed order (:func:`shardkit.models.experts.combine`).
 
-The exchanges are torch's ``all_to_all_single_autograd`` (:func:`exchange`), whose gradient is
-the reverse exchange. The router stays replicated: it is reduced over every data rank, ``ep``
+The exchanges are one autograd function (:class:`Exchange`), whose gradient is the reverse
+exchange. The router stays replicated: it is reduced over every data rank, ``ep``
 included, like any other parameter.
 
 Gradient scale: each rank's loss is the mean over its own tokens and data parallelism averages
@@ -31,7 +31,7 @@ one-process gradient of the mean loss.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -43,12 +43,37 @@ from ..planner.experts import ExpertsLayer
 from .meshes import DataMesh
 
 
+class Exchange(torch.autograd.Function):
+    """``rows`` split ``in_splits`` to the ranks of ``group``, ``out_splits`` rows received from
+    each (``dist.all_to_all_single``); its backward is the reverse exchange.
+
+    Ours rather than torch's ``all_to_all_single_autograd``: torchtitan #1467 found that one
+    keeping recomputed exchanges' buffers alive under activation checkpointing (torch 2.6), and
+    its reporter's fix is this plain autograd function, which holds only the split sizes (on
+    torch 2.13, CPU, we measured neither keeping a buffer; the tests check ours)."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, out_splits: list[int], in_splits: list[int],  # type: ignore[override]
+                group: Any) -> torch.Tensor:
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        return _all_to_all(rows, out_splits, in_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
+        out_splits, in_splits = ctx.splits
+        return _all_to_all(grad, in_splits, out_splits, ctx.group), None, None, None
+
+
+def _all_to_all(rows: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any) -> torch.Tensor:
+    out = rows.new_empty((sum(out_splits), *rows.shape[1:]))
+    dist.all_to_all_single(out, rows.contiguous(), out_splits, in_splits, group=group)
+    return out
+
+
 def exchange(rows: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any) -> torch.Tensor:
     """``rows`` split ``in_splits`` to the ranks of ``group``, ``out_splits`` rows received from
-    each: torch's ``all_to_all_single_autograd`` (its backward is the reverse exchange), waited for."""
-    from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
-
-    return wait_tensor(all_to_all_single_autograd(rows.contiguous(), out_splits, in_splits, group))
+    each, differentiably (:class:`Exchange`)."""
+    return Exchange.apply(rows, out_splits, in_splits, group)
 
 
 class ScaleGrad(torch.autograd.Function):
@@ -67,33 +92,39 @@ class ScaleGrad(torch.autograd.Function):
 @dataclass(frozen=True)
 class RowCounts:
     """The (token, slot) rows one rank sent to / received from each ``ep`` rank in its experts
-    module's last forward (kept on the module as ``_sk_rows``: how balanced the routing was)."""
+    module's last forward, and their ``dtype`` (kept on the module as ``_sk_rows``: how balanced
+    the routing was, and that the exchange carried the compute dtype)."""
 
     sent: tuple[int, ...]
     received: tuple[int, ...]
+    dtype: torch.dtype
 
 
 @dataclass(frozen=True)
 class ExpertGroup:
-    """The ``ep`` group of one rank: its process group, its size, and ``E``."""
+    """The ``ep`` group of one rank: its process group, its size, and ``E``; ``compute_dtype``: the
+    dtype its local experts compute in when no FSDP2 unit casts them (a mixed-precision policy's
+    ``param_dtype`` with ``ep`` the only data axis)."""
 
     group: Any
     size: int
     num_experts: int
+    compute_dtype: torch.dtype | None = None
 
     @property
     def local_experts(self) -> int:
         return self.num_experts // self.size
 
 
-def _local_weights(experts: nn.Module, scale: float) -> dict[str, torch.Tensor]:
-    """This rank's slices of the experts' parameters as plain tensors, gradients scaled by ``scale``."""
+def _local_weights(experts: nn.Module, scale: float, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """This rank's slices of the experts' parameters as plain tensors in ``dtype`` (when given),
+    gradients scaled by ``scale``."""
     from torch.distributed.tensor import DTensor
 
     out = {}
     for name, param in experts.named_parameters(recurse=False):
         local = param.to_local() if isinstance(param, DTensor) else param
-        out[name] = ScaleGrad.apply(local, scale)
+        out[name] = ScaleGrad.apply(local if dtype is None else local.to(dtype), scale)
     return out
 
 
@@ -107,12 +138,12 @@ def expert_parallel_forward(experts: nn.Module, hidden_states: torch.Tensor, top
     dist.all_to_all_single(received_counts, routed.counts, group=ep.group)
     send = routed.counts.view(ep.size, local).sum(dim=1).tolist()
     receive = received_counts.view(ep.size, local).sum(dim=1).tolist()
-    experts._sk_rows = RowCounts(tuple(send), tuple(receive))
+    experts._sk_rows = RowCounts(tuple(send), tuple(receive), rows.dtype)
     arrived = exchange(rows, receive, send, ep.group)  # by source rank, then local expert
     expert_of_row = torch.arange(local, device=rows.device).repeat(ep.size).repeat_interleave(
         received_counts, output_size=arrived.shape[0])
     by_expert = torch.argsort(expert_of_row, stable=True)  # by local expert, then source rank
-    weights = _local_weights(experts, 1.0 / ep.size)
+    weights = _local_weights(experts, 1.0 / ep.size, ep.compute_dtype)
     computed = expert_mlp(experts, arrived[by_expert], received_counts.view(ep.size, local).sum(dim=0), weights)
     returned = exchange(torch.empty_like(computed).index_copy(0, by_expert, computed), send, receive, ep.group)
     return combine(returned, routed.order, top_k_weights).to(hidden_states.dtype)
@@ -159,8 +190,13 @@ def wrap_experts(model: nn.Module, layers: Iterable[ExpertsLayer], data: DataMes
     ``data`` (:meth:`Meshes.expert_data <shardkit.runtime.meshes.Meshes.expert_data>`): FSDP2's
     ``fully_shard`` when it shards, its ``replicate`` when not. Returns the parameters the
     model-wide wrapping must leave alone: every expert's when ``data`` is ``None`` (``ep`` is the
-    only data axis, so no other rank holds the same experts and nothing reduces them)."""
+    only data axis, so no other rank holds the same experts and nothing reduces them; a
+    mixed-precision policy's ``param_dtype`` is then applied by the forward itself)."""
     if data is None:
+        dtype = getattr(mp_policy, "param_dtype", None)
+        for layer in layers:
+            experts = model.get_submodule(layer.name)
+            experts._sk_expert_group = replace(experts._sk_expert_group, compute_dtype=dtype)
         return expert_parameters(model, layers)
     for layer in layers:
         experts = model.get_submodule(layer.name)
@@ -176,4 +212,4 @@ def wrap_experts(model: nn.Module, layers: Iterable[ExpertsLayer], data: DataMes
 
 
 __all__ = ["ExpertGroup", "ExpertParallelExperts", "RowCounts", "ScaleGrad", "apply_expert_parallel",
-           "exchange", "expert_parallel_forward", "expert_parameters", "wrap_experts"]
+           "Exchange", "exchange", "expert_parallel_forward", "expert_parameters", "wrap_experts"]

@@ -158,6 +158,8 @@ def build_pipeline(model: nn.Module, plan: Plan, ctx: Context, layouts: dict[str
     layouts = dict(layouts)
     for tie in assignment.ties:  # a tied parameter's copy in a later stage is laid out as its first name
         layouts.update({name: replace(layouts[tie.names[0]], name=name) for name in tie.names[1:]})
+    # each stage splits over ep the experts it holds (the others' layers were pruned with their stages)
+    facts = replace(facts, experts=tuple(e for e in facts.experts if any(n.startswith(f"{e.name}.") for n in held)))
     model = parallelize(model, plan, ctx, {n: lay for n, lay in layouts.items() if n in held}, facts, seed, source)
     runtime.build(model)
     runtime.connect_ties(model)
