@@ -212,8 +212,8 @@ def export_hf(path: str | os.PathLike, model: nn.Module, *, max_shard_size: str 
     local = _local_tensors(model)
     entries, holders = _gather_catalogue(local, dtype, world)
 
-    def tensors(group: list[Entry]) -> Iterator[torch.Tensor | None]:
-        for name, shape, kind in group:  # every tensor of the model, in order
+    def tensors(everything: list[Entry]) -> Iterator[torch.Tensor | None]:
+        for name, shape, kind in everything:  # every tensor of the model, in order
             tensor = None
             if rank in holders[name]:  # a collective among the ranks holding it
                 value, is_param = local[name]
