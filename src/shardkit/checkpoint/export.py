@@ -9,7 +9,8 @@ Writes what ``save_pretrained`` writes, so ``AutoModelForCausalLM.from_pretraine
 Streaming: parameters are taken one at a time, in the model's order; the ranks holding one
 gather it whole (``full_tensor`` within its mesh, packed-projection permutations undone), the
 first of them sends it to rank 0, and rank 0 appends its bytes to the open file. No rank holds
-more than its shards and one whole tensor (rank 0: two, the one written and the one arriving).
+more than its shards and one whole tensor (rank 0: two, the one written and the one arriving);
+stacked experts travel one expert at a time, from the rank holding it whole.
 Names are the unsharded model's; a tied parameter is written once under its first name, as
 transformers does (``lm_head.weight`` is left out when tied to the embedding).
 
