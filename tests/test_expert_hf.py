@@ -82,6 +82,7 @@ def _held_experts(model) -> dict[str, set[int]]:
 def _load_and_export(ctx, cases):
     """Each case: load under its plan counting every box read, then the full weights (rank 0),
     the experts read and held, logits, and the export / checkpoint where asked."""
+    import shardkit.checkpoint.export as export
     from shardkit.io.safetensors import SafetensorsFile
     from shardkit.runtime.apply import full_state_dict
 
@@ -93,7 +94,14 @@ def _load_and_export(ctx, cases):
         reads.append((name, box, out.numel() * out.element_size()))
         return out
 
-    SafetensorsFile.read = counting
+    received: list[tuple[int, ...]] = []  # the shapes rank 0 receives while exporting
+    receive = export._receive
+
+    def counting_receive(source, shape, dtype):
+        received.append(tuple(shape))
+        return receive(source, shape, dtype)
+
+    SafetensorsFile.read, export._receive = counting, counting_receive
     results = []
     try:
         for build_name, folder, mesh, out, convert in cases:
@@ -103,13 +111,14 @@ def _load_and_export(ctx, cases):
             weights = full_state_dict(model)
             with torch.no_grad():
                 logits = model(TOKENS).logits
+            received.clear()
             if out is not None:
                 sk.export_hf(out + "/export", model, max_shard_size="60KB")
             if convert:
                 sk.save(out + "/checkpoint", model, step=1)
-            results.append((weights if ctx.rank == 0 else None, read, _held_experts(model), logits))
+            results.append((weights if ctx.rank == 0 else None, read, _held_experts(model), logits, list(received)))
     finally:
-        SafetensorsFile.read = original
+        SafetensorsFile.read, export._receive = original, receive
     return results
 
 
@@ -142,7 +151,7 @@ def test_each_rank_reads_its_own_experts_into_exact_shards(loaded, folders, case
     experts = source.config.num_local_experts if model == "mixtral" else source.config.num_experts
     share = experts // len(ranks)  # experts a rank holds: E / ep, split further by fsdp in fsdp=2,ep=2
     expert_bytes = sum(p.numel() * p.element_size() for n, p in expected.items() if STACKED.search(n))
-    for _, read, held, _ in ranks:
+    for _, read, held, _, _ in ranks:
         assert len(held) == 2 and all(len(h) == share for h in held.values())
         seen: dict[str, set[int]] = {}
         nbytes = 0
@@ -189,6 +198,11 @@ def test_export_under_ep_writes_what_save_pretrained_writes_and_from_pretrained_
     assert _names_and_shapes(exported) == _names_and_shapes(Path(folder))  # one tensor per expert, as published
     assert len(json.loads((exported / "model.safetensors.index.json").read_text())["weight_map"]) > 20
     _logits_equal(ranks, exported)
+    # rank 0 receives the experts it does not hold one by one, each from its rank: no layer's
+    # stacked experts travel whole (a [E, ...] tensor), and nothing else is larger than one expert's
+    received = ranks[0][4]
+    experts = [shape for shape in received if shape in ((256, 64), (64, 128), (128, 64), (64, 64))]
+    assert received and all(len(shape) == 2 for shape in received) and len(experts) >= 2 * 2 * 2
     if case[3] != "convert":
         return
     from shardkit.cli import main

@@ -9,7 +9,8 @@ Writes what ``save_pretrained`` writes, so ``AutoModelForCausalLM.from_pretraine
 Streaming: parameters are taken one at a time, in the model's order; the ranks holding one
 gather it whole (``full_tensor`` within its mesh, packed-projection permutations undone), the
 first of them sends it to rank 0, and rank 0 appends its bytes to the open file. No rank holds
-more than its shards and one whole tensor (rank 0: two, the one written and the one arriving).
+more than its shards and one whole tensor (rank 0: two, the one written and the one arriving);
+stacked experts travel one expert at a time, from the rank holding it whole.
 Names are the unsharded model's; a tied parameter is written once under its first name, as
 transformers does (``lm_head.weight`` is left out when tied to the embedding).
 
@@ -40,7 +41,7 @@ from ..io.safetensors import SafetensorsWriter
 from ..io.stacked import Stacking, unstacked
 from ..plan import UsageError
 from ..plan.text import parse_bytes
-from ..runtime.pieces import full_parameter
+from ..runtime.pieces import full_parameter, pieces
 from .state import load_model_tensors
 from .store import CONFIG_FILES, check_files, checkpoint_to_load, write_model_config
 
@@ -65,9 +66,10 @@ def _local_tensors(model: nn.Module) -> dict[str, tuple[torch.Tensor, bool]]:
 
 
 Entry = tuple[str, tuple[int, ...], torch.dtype]  # name, full shape, dtype written
-#: One tensor of the files: its name there, shape and dtype, the model tensor it comes from, and
-#: its box of that tensor (an expert's part of stacked experts; ``None``: all of it).
-Written = tuple[str, tuple[int, ...], torch.dtype, str, "tuple[int, slice] | None"]
+#: One tensor of the files: its name there, shape and dtype, the unit it comes from (a model
+#: tensor, or one expert of stacked experts: ``(name, expert or None)``), and its rows of that
+#: unit (an expert's part of stacked experts; ``None``: all of it).
+Written = tuple[str, tuple[int, ...], torch.dtype, tuple[str, "int | None"], "slice | None"]
 
 
 def _gather_catalogue(local: dict[str, tuple[torch.Tensor, bool]], dtype: torch.dtype | None,
@@ -98,14 +100,53 @@ def _as_written(entries: list[Entry], names: WeightNames) -> list[Written]:
     stackings = [Stacking(target, sources) for target, sources in names.stacked]
     out: list[Written] = []
     for name, shape, kind in entries:
-        pieces = unstacked(name, shape, stackings)
-        if pieces is None:
-            out.append((names.to_checkpoint(name), shape, kind, name, None))
+        parts = unstacked(name, shape, stackings)
+        if parts is None:
+            out.append((names.to_checkpoint(name), shape, kind, (name, None), None))
             continue
-        for piece in pieces:
-            out.append((names.to_checkpoint(piece.key), (piece.rows.stop - piece.rows.start, *shape[2:]), kind, name,
-                        (piece.expert, piece.rows)))
+        for part in parts:
+            out.append((names.to_checkpoint(part.key), (part.rows.stop - part.rows.start, *shape[2:]), kind,
+                        (name, part.expert), part.rows))
     return out
+
+
+def _per_expert(entries: list[Entry], names: WeightNames) -> set[str]:
+    """The model tensors written one expert at a time (stacked experts the files hold per expert)."""
+    stackings = [Stacking(target, sources) for target, sources in names.stacked]
+    return {name for name, shape, _ in entries if unstacked(name, shape, stackings) is not None}
+
+
+def _expert_owners(local: dict[str, tuple[torch.Tensor, bool]], stacked: set[str], world: int
+                   ) -> dict[str, list[int]]:
+    """``{stacked parameter: the rank holding each expert whole}`` (the first that does), for those
+    whose every expert some rank holds whole; the others are gathered whole."""
+    mine = {}
+    for name in stacked & set(local):
+        value = local[name][0]
+        boxes = [piece.box for piece in pieces(value)]
+        whole = all(b[d] == slice(0, value.shape[d]) for b in boxes for d in range(1, value.dim()))
+        mine[name] = [(b[0].start, b[0].stop) for b in boxes] if whole else None
+    everyone = [mine]
+    if world > 1:
+        everyone = [None] * world
+        dist.all_gather_object(everyone, mine)
+    owners: dict[str, list[int]] = {}
+    for name in stacked:
+        held = [(rank, found.get(name)) for rank, found in enumerate(everyone) if name in found]
+        if not held or any(ranges is None for _, ranges in held):
+            continue
+        experts = max(stop for _, ranges in held for _, stop in ranges)
+        first = [next((rank for rank, ranges in held if any(a <= e < b for a, b in ranges)), None)
+                 for e in range(experts)]
+        if None not in first:
+            owners[name] = first  # type: ignore[assignment]
+    return owners
+
+
+def _local_expert(value: torch.Tensor, expert: int) -> torch.Tensor:
+    """Expert ``expert`` of stacked experts, from this rank's shard holding it whole."""
+    piece = next(p for p in pieces(value) if p.box[0].start <= expert < p.box[0].stop)
+    return piece.local[expert - piece.box[0].start]
 
 
 def _groups(entries: list, limit: int) -> list[list]:
@@ -152,7 +193,8 @@ def _prepared(path: Path, overwrite: bool, source: tuple[str, Path] | None = Non
 def _write_folder(write: FolderWrite, entries: list[Entry], max_shard_size: str | int,
                   tensors: Callable[[list[Entry]], Iterator[torch.Tensor | None]], finish: Callable[[Path], None],
                   progress: Callable[[str, int], None] | None, names: WeightNames) -> Path:
-    """Write a HuggingFace folder: ``tensors(entries)`` yields the model's tensors in order (on
+    """Write a HuggingFace folder: ``tensors(entries)`` yields the model's tensors in order, the
+    :func:`_per_expert` ones expert by expert (on
     rank 0; other ranks' iterations do their part of gathering them and yield None); then the
     index and ``finish(folder)``. Rank 0 writes into a hidden folder that takes the place of
     ``write.path`` whole when complete (a kill at any moment leaves the old export or the new
@@ -163,16 +205,16 @@ def _write_folder(write: FolderWrite, entries: list[Entry], max_shard_size: str 
     files = [SINGLE] if len(groups) == 1 else [f"model-{k:05d}-of-{len(groups):05d}.safetensors"
                                               for k in range(1, len(groups) + 1)]
     coming = tensors(entries)
-    held: tuple[str, torch.Tensor | None] = ("", None)  # the model tensor being written (stacked: piece by piece)
+    held: tuple[tuple[str, int | None], torch.Tensor | None] = (("", None), None)  # the unit being written
     with write.open() if rank == 0 else nullcontext() as staging:
         for file_name, group in zip(files, groups):
             header = {key: (shape, kind) for key, shape, kind, _, _ in group}
             with SafetensorsWriter(staging / file_name, header) if rank == 0 else nullcontext() as writer:
-                for key, _, kind, name, box in group:
-                    if held[0] != name:
-                        held = ("", None)  # freed before the next one is gathered
-                        held = (name, next(coming))
-                    tensor = held[1] if box is None or held[1] is None else held[1][box]
+                for key, _, kind, unit, rows in group:
+                    if held[0] != unit:
+                        held = (("", None), None)  # freed before the next one is gathered
+                        held = (unit, next(coming))
+                    tensor = held[1] if rows is None or held[1] is None else held[1][rows]
                     if writer is not None and tensor is not None:
                         writer.write(key, tensor.to(kind).cpu())
                         if progress is not None:
@@ -211,9 +253,21 @@ def export_hf(path: str | os.PathLike, model: nn.Module, *, max_shard_size: str 
     permutations = getattr(model, "_sk_permutations", {})
     local = _local_tensors(model)
     entries, holders = _gather_catalogue(local, dtype, world)
+    names = family_of(model).weight_names(model)
+    stacked = _per_expert(entries, names)
+    owners = _expert_owners(local, stacked, world)
 
-    def tensors(group: list[Entry]) -> Iterator[torch.Tensor | None]:
-        for name, shape, kind in group:  # every tensor of the model, in order
+    def tensors(everything: list[Entry]) -> Iterator[torch.Tensor | None]:
+        for name, shape, kind in everything:  # every tensor of the model, in order
+            if name in owners:  # stacked experts, one expert at a time from the rank holding it
+                for expert, owner in enumerate(owners[name]):
+                    tensor = _local_expert(local[name][0], expert).detach() if rank == owner else None
+                    if rank == 0 and tensor is None:
+                        tensor = _receive(owner, shape[1:], kind)
+                    elif rank != 0 and rank == owner:
+                        dist.send(tensor.to(kind).contiguous().reshape(-1).view(torch.uint8), dst=0)
+                    yield tensor if rank == 0 else None
+                continue
             tensor = None
             if rank in holders[name]:  # a collective among the ranks holding it
                 value, is_param = local[name]
@@ -222,7 +276,10 @@ def export_hf(path: str | os.PathLike, model: nn.Module, *, max_shard_size: str 
                 tensor = _receive(holders[name][0], shape, kind)
             elif rank != 0 and rank == holders[name][0]:
                 dist.send(tensor.to(kind).contiguous().reshape(-1).view(torch.uint8), dst=0)
-            yield tensor if rank == 0 else None
+            if name in stacked:  # gathered whole (an expert split across ranks), written expert by expert
+                yield from (tensor[e] if rank == 0 else None for e in range(shape[0]))
+            else:
+                yield tensor if rank == 0 else None
 
     def finish(folder: Path) -> None:
         write_model_config(folder, model)
@@ -233,8 +290,7 @@ def export_hf(path: str | os.PathLike, model: nn.Module, *, max_shard_size: str 
             values.pop("torch_dtype", None)
             config.write_text(json.dumps(values, indent=2, sort_keys=True) + "\n")
 
-    return _write_folder(write, entries, max_shard_size, tensors, finish, progress,
-                         family_of(model).weight_names(model))
+    return _write_folder(write, entries, max_shard_size, tensors, finish, progress, names)
 
 
 def convert_to_hf(checkpoint: str | os.PathLike, path: str | os.PathLike, *, max_shard_size: str | int = "2GB",
@@ -258,6 +314,8 @@ def convert_to_hf(checkpoint: str | os.PathLike, path: str | os.PathLike, *, max
     entries = [(name, tuple(shape), _written(getattr(torch, kind), dtype))
                for name, (shape, kind) in manifest.parameters.items()]
     stored = {name: getattr(torch, kind) for name, (_, kind) in manifest.parameters.items()}
+    names = _names_of_saved(folder)
+    stacked = _per_expert(entries, names)
 
     def tensors(everything: list[Entry]) -> Iterator[torch.Tensor]:
         for group in _groups(everything, parse_bytes(max_shard_size)):  # read a file's worth at a time
@@ -269,14 +327,17 @@ def convert_to_hf(checkpoint: str | os.PathLike, path: str | os.PathLike, *, max
                 if permutation is not None:
                     dim, order = permutation
                     tensor = tensor.index_select(dim, torch.argsort(torch.tensor(order)))
-                yield tensor
+                if name in stacked:
+                    yield from tensor
+                else:
+                    yield tensor
 
     def finish(staging: Path) -> None:
         for name in CONFIG_FILES:
             if (folder / name).is_file():
                 shutil.copyfile(folder / name, staging / name)
 
-    return _write_folder(write, entries, max_shard_size, tensors, finish, progress, _names_of_saved(folder))
+    return _write_folder(write, entries, max_shard_size, tensors, finish, progress, names)
 
 
 def _names_of_saved(folder: Path) -> WeightNames:
