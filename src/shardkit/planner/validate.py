@@ -19,9 +19,9 @@ from torch import nn
 from ..plan import Mesh, Plan, PlanError, PlanWarning, UsageError, param_shapes, resolve_layouts
 from ..plan.layout import LayoutResolution, axes_of
 from ..plan.mesh import is_model_axis
-from .batch_stats import batch_stats_problems
+from .batch_stats import batch_stats_problems, classified
 from .experts import expert_problems
-from .model_checks import ModelFacts, analyse_model, recompute_problems
+from .model_checks import ModelFacts, analyse_model, recompute_problems, trace_model
 from .stages import assign_stages
 from .tensor_parallel import aliases
 
@@ -69,8 +69,11 @@ def validate(plan: Plan, model: Any, world_size: int | None = None, *,
         layouts = None
     facts = None
     if isinstance(model, nn.Module):
+        # one forward on meta serves the model checks and the batch statistics (each forward costs)
+        flow = trace_model(model, example_inputs) if layouts is not None else None
         problems += recompute_problems(model, plan.recompute)
-        problems += batch_stats_problems(plan, model, example_inputs)
+        stats = classified(model, flow.batch_norms) if flow is not None and flow.batch_norms is not None else None
+        problems += batch_stats_problems(plan, model, example_inputs, stats)
         if plan.pipeline is not None:
             try:
                 assign_stages(model, plan.pipeline, mesh, example_inputs)
@@ -80,7 +83,7 @@ def validate(plan: Plan, model: Any, world_size: int | None = None, *,
             layouts, found = _tied_names(plan, model, layouts)
             problems.extend(found)
             problems.extend(_axes_splitting_nothing(plan, layouts))
-            facts, found = analyse_model(plan, model, layouts.params, example_inputs)
+            facts, found = analyse_model(plan, model, layouts.params, example_inputs, flow)
             problems.extend(found)
         experts, found = expert_problems(plan, model)
         problems.extend(found)
