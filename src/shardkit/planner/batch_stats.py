@@ -155,10 +155,12 @@ def batch_stats_problems(plan: Plan, model: nn.Module, example_inputs: tuple | N
     return problems
 
 
-def batch_stats_lines(plan: Plan, model: nn.Module, example_inputs: tuple | None = None) -> list[str]:
-    """What ``shardkit explain`` says about batch statistics (nothing when the batch is not split)."""
+def batch_stats_lines(plan: Plan, model: nn.Module, example_inputs: tuple | None = None,
+                      stats: BatchStats | None = None) -> list[str]:
+    """What ``shardkit explain`` says about batch statistics (nothing when the batch is not split);
+    ``stats``: what a meta forward of the same inputs found already (``sk.validate``'s report)."""
     split = data_ranks(plan.mesh)
-    stats = batch_statistics(model, example_inputs) if split > 1 else BatchStats()
+    stats = (stats or batch_statistics(model, example_inputs)) if split > 1 else BatchStats()
     if not stats.synchronised:
         return []
     return [f"batch statistics: {_named(model, stats.synchronised)} normalise over the whole batch: mean, variance "

@@ -36,7 +36,7 @@ from ..plan import Mesh, Plan, PlanWarning
 from ..plan.layout import ParamLayout, axes_of
 from ..plan.mesh import axis_role
 from ..plan.text import format_bytes
-from .batch_stats import batch_stats_lines
+from .batch_stats import BatchStats, batch_stats_lines
 from .hardware import Hardware
 from .model_checks import ModelFacts
 from .tensor_parallel import COLWISE, ROWWISE, aliases
@@ -72,7 +72,7 @@ def explain_plan(plan: Plan, model: Any, world_size: int | None = None, *, width
     :func:`~shardkit.planner.validate.validate` finds.
     Identical rows of repeated layers are shown once, e.g. ``layers.{0..79}.mlp.up_proj.weight x80``.
     """
-    mesh, rows, unused = _analyse(plan, model, world_size)
+    mesh, rows, unused, stats = _analyse(plan, model, world_size)
     console = Console(record=True, width=width, file=io.StringIO(), color_system=None, markup=False, highlight=False)
     total = sum(math.prod(r.layout.shape) for r in rows)
     what = type(model).__name__ if isinstance(model, nn.Module) else "parameter shapes"
@@ -86,7 +86,7 @@ def explain_plan(plan: Plan, model: Any, world_size: int | None = None, *, width
     for line in _totals(mesh, rows):
         console.print(line)
     if isinstance(model, nn.Module):
-        for line in batch_stats_lines(plan.resolved(mesh.size), model):
+        for line in batch_stats_lines(plan.resolved(mesh.size), model, stats=stats):
             console.print(line)
     for index, pattern in unused:
         console.print(f"unused rule #{index} {pattern!r} matches no parameter (a typo or a renamed module?)")
@@ -130,7 +130,8 @@ def estimate_memory(plan: Plan, model: Any, world_size: int | None = None, *, ba
 
 # -- analysis ---------------------------------------------------------------------------------
 
-def _analyse(plan: Plan, model: Any, world_size: int | None) -> tuple[Mesh, list[ParamRow], list[tuple[int, str]]]:
+def _analyse(plan: Plan, model: Any, world_size: int | None
+             ) -> tuple[Mesh, list[ParamRow], list[tuple[int, str]], BatchStats | None]:
     with warnings.catch_warnings():  # unused rules are reported in the text instead
         warnings.simplefilter("ignore", PlanWarning)
         report = validate(plan, model, world_size=world_size)
@@ -159,7 +160,7 @@ def _analyse(plan: Plan, model: Any, world_size: int | None) -> tuple[Mesh, list
                              dtypes.get(name, torch.float32).itemsize, notes.get(name, "")))
     patterns = list(plan.rules) if plan.rules is not None else []
     unused = [(patterns.index(p), p) for p in report.layouts.unused_rules]
-    return mesh, rows, unused
+    return mesh, rows, unused, report.batch_stats
 
 
 def _notes(model: Any, facts: ModelFacts | None) -> dict[str, str]:
