@@ -1,9 +1,9 @@
 """Run by tests/test_faults.py and tests/test_descendants.py: start a world, wait to be killed.
 
-``python orphan_job.py [thread]``: start a LocalWorld of 2, print its worker pids and wait. With
-``thread`` the world is started (and run once) by a thread that then ends: its workers must
-outlive that thread (Linux's parent-death signal follows the thread, so they watch their parent
-by polling instead); the job run after the thread ended shows they did.
+``python orphan_job.py thread``: start a LocalWorld of 2 (and run it once) from a thread that
+then ends, print its worker pids and wait. Its workers must outlive that thread (Linux's
+parent-death signal follows the thread, so they watch their parent by polling instead); the
+job run after the thread ended shows they did.
 
 ``python orphan_job.py descendants FOLDER SLEEP``: launch :func:`start_descendants` on 2 ranks,
 each of which records its processes in FOLDER and then hangs.
@@ -72,11 +72,8 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["descendants"]:
         launch(start_descendants, None, *sys.argv[2:4], "hang", world_size=2, timeout=600)
     worlds: list = []
-    if sys.argv[1:] == ["thread"]:
-        starter = threading.Thread(target=start_world, args=(worlds,))
-        starter.start()
-        starter.join()
-    else:
-        start_world(worlds)
+    starter = threading.Thread(target=start_world, args=(worlds,))
+    starter.start()
+    starter.join()
     print("PIDS", *worlds[0].run(pid, timeout=120), flush=True)
     time.sleep(600)

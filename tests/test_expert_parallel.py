@@ -8,6 +8,7 @@ one-process references run here.
 
 from __future__ import annotations
 
+import functools
 import re
 
 import pytest
@@ -140,7 +141,19 @@ def _train_cases(ctx, cases):
 
 def _reference(name: str, shape: tuple[int, int], initial: dict[str, torch.Tensor] | None = None):
     """One process: the losses, step 0's gradients and the final weights of 3 SGD steps (from
-    the ``initial`` weights when given: a model built on meta is initialised per module)."""
+    the ``initial`` weights when given: a model built on meta is initialised per module). Each
+    is computed once: two tests read the same reference."""
+    if initial is None:
+        return _built_reference(name, shape)
+    return _run_reference(name, shape, initial)
+
+
+@functools.cache
+def _built_reference(name: str, shape: tuple[int, int]):
+    return _run_reference(name, shape, None)
+
+
+def _run_reference(name: str, shape: tuple[int, int], initial: dict[str, torch.Tensor] | None):
     model_name, *options = name.split("@")
     build, loss_fn = BUILDERS[model_name]
     model = build()

@@ -165,7 +165,7 @@ def test_the_job_file_holdout_field(tmp_path, capsys, no_processes):
         assert f"eval.holdout must be a number > 0 and < 1, got {shown}" in err, err
 
 
-def test_a_run_evaluates_on_the_held_out_end_of_its_text(tmp_path, capsys):
+def test_a_run_evaluates_on_the_held_out_end_of_its_text(tmp_path, capsys, lend_world):
     train = tmp_path / "train"
     train.mkdir()
     for source in sorted((SOURCES / "plan").glob("*.py"))[:4]:

@@ -97,7 +97,7 @@ def test_model_rules_apply_only_when_the_mesh_has_their_axes():
     assert train_cli.build_plan(_args("--mesh", "fsdp=2"))[0].rules is None   # plain FSDP, not an error
 
 
-def test_short_run_trains_and_reports_every_rank(capsys):
+def test_short_run_trains_and_reports_every_rank(capsys, lend_world):
     code = main(["train", "--steps", "3", "--world-size", "2", "--mesh", "fsdp=2", "--seq-len", "16",
                  "--batch-size", "2", "--data-mb", "0.25", "--verify"])
     out = capsys.readouterr().out
@@ -133,7 +133,7 @@ def test_a_builder_path_takes_its_sizes_from_the_model_or_the_flags():
         job("--model", "cli_models:build_tiny_lm", "--seq-len", "64")
 
 
-def test_short_run_of_a_model_given_by_its_builder(capsys):
+def test_short_run_of_a_model_given_by_its_builder(capsys, lend_world):
     code = main(["train", "--model", "cli_models:build_tiny_lm", "--steps", "2", "--world-size", "2", "--mesh", "fsdp=2",
                  "--seq-len", "16", "--batch-size", "2", "--data-mb", "0.25"])
     out = capsys.readouterr().out

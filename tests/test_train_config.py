@@ -231,7 +231,7 @@ def test_accumulation_clipping_and_schedule_equal_one_process(tmp_path, world):
     assert dp == pytest.approx(sgd, rel=2e-5, abs=2e-5)
 
 
-def test_a_logged_run_writes_tensorboard_and_jsonl_with_eval(tmp_path):
+def test_a_logged_run_writes_tensorboard_and_jsonl_with_eval(tmp_path, lend_world):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     train, held_out = _text_folders(tmp_path)
@@ -263,7 +263,7 @@ def test_a_logged_run_writes_tensorboard_and_jsonl_with_eval(tmp_path):
     assert [e.step for e in board.Scalars("eval/perplexity")] == [2, 4]
 
 
-def test_a_pipeline_accumulates_clips_evaluates_and_logs_the_norm_of_every_stage(tmp_path):
+def test_a_pipeline_accumulates_clips_evaluates_and_logs_the_norm_of_every_stage(tmp_path, lend_world):
     """pp=2 with accumulation, clipping and evaluation through shardkit train: the logged norm is the whole
     model's (every stage's gradients), clipped to 0.5 from above it; the held-out loss is fsdp=2's."""
     _text_folders(tmp_path)
@@ -306,7 +306,7 @@ def test_a_value_is_named_by_its_field_or_its_flag_with_the_prefix_of_its_kind(t
                                               f"plan has unknown keys ['rulez']")
 
 
-def test_the_first_logged_step_counts_only_its_own_communication(tmp_path):
+def test_the_first_logged_step_counts_only_its_own_communication(tmp_path, lend_world):
     """DDP broadcasts every parameter once when it sets up, which torch defers to the first forward: not step 1's."""
     train, _ = _text_folders(tmp_path)
     assert main(["train", "--model", "gpt-tiny", "--mesh", "dp=2", "--steps", "3", "--seq-len", "16", "--batch-size",

@@ -135,10 +135,13 @@ def module_stack(model: nn.Module, stack: list[str]) -> Iterator[None]:
     ...     _ = net[0].register_forward_pre_hook(lambda *_: print(stack)), net(torch.zeros(1, 2))
     ['', '0']
     """
+    def leave(_m: nn.Module, _a: tuple, _o: Any) -> None:  # returns None: the module's output stays its own
+        stack.pop()
+
     handles = []
     for name, module in model.named_modules():
         handles.append(module.register_forward_pre_hook(lambda _m, _a, n=name: stack.append(n)))
-        handles.append(module.register_forward_hook(lambda _m, _a, _o: stack.pop() and None))
+        handles.append(module.register_forward_hook(leave))
     try:
         yield
     finally:

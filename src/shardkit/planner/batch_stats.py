@@ -23,6 +23,7 @@ module, the rest under a split batch, and every one under micro-batches.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,19 +64,22 @@ class BatchStats:
         return self.synchronised + self.own
 
 
-class _BatchNormWatch(TorchFunctionMode):
-    """Records the innermost running module of every ``batch_norm`` call in training mode."""
+class BatchNormWatch(TorchFunctionMode):
+    """Records the innermost running module (the top of ``stack``: :func:`~shardkit.families.on_meta.module_stack`)
+    of every ``batch_norm`` call in training mode. ``lenient``: skip ``F.batch_norm``'s check of more than one
+    value per channel (a sample is enough to find the calls); otherwise every call runs as it is (the
+    dataflow trace records them on its own forward, :mod:`shardkit.planner.dataflow`)."""
 
-    def __init__(self, stack: list[str]):
+    def __init__(self, stack: list[str], lenient: bool = True):
         super().__init__()
-        self.stack, self.found = stack, dict[str, None]()
+        self.stack, self.lenient, self.found = stack, lenient, dict[str, None]()
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         if func in _BATCH_NORMS:
             if kwargs.get("training", args[_TRAINING] if len(args) > _TRAINING else False):
                 self.found.setdefault(self.stack[-1] if self.stack else "", None)
-            if func is F.batch_norm:  # skip its check of more than one value per channel: a sample is enough here
+            if func is F.batch_norm and self.lenient:
                 x, mean, var, weight, bias, training, momentum, eps = (list(args) + [None] * 8)[:8]
                 return torch.batch_norm(x, kwargs.get("weight", weight), kwargs.get("bias", bias), mean, var,
                                         bool(kwargs.get("training", training)), kwargs.get("momentum", momentum) or 0.0,
@@ -83,29 +87,32 @@ class _BatchNormWatch(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def classified(model: nn.Module, found: Iterable[str], traced: bool = True) -> BatchStats:
+    """The modules ``found`` normalising with batch statistics, told apart: torch's batch norms and the rest."""
+    modules = dict(model.named_modules())
+    found = list(found)
+    return BatchStats(tuple(n for n in found if synchronisable(modules[n])),
+                      tuple(n for n in found if not synchronisable(modules[n])), traced)
 
 
 def batch_statistics(model: nn.Module, example_inputs: tuple | None = None) -> BatchStats:
     """The modules of ``model`` that normalise with batch statistics in its current mode (training or
     eval), found on a meta forward of ``example_inputs`` (or its family's example); by module type
-    when there is no input to run or the forward fails on meta."""
+    when there is no input to run or the forward fails on meta. (``sk.validate`` reads them from its
+    dataflow trace's forward where that ran: :attr:`~shardkit.planner.dataflow.Dataflow.batch_norms`.)"""
     inputs = example_inputs or family_of(model).example_inputs(model)
-    modules = dict(model.named_modules())
     if inputs is not None:
         stack: list[str] = []
-        watch = _BatchNormWatch(stack)
+        watch = BatchNormWatch(stack)
         try:
             with module_stack(model, stack), watch, torch.no_grad():
                 run_on_meta(model, meta_tensors(model), inputs)
         except Exception:  # the model's own error on meta is the dataflow checks' to report
             watch.found.clear()
         else:
-            found = list(watch.found)
-            return BatchStats(tuple(n for n in found if synchronisable(modules[n])),
-                              tuple(n for n in found if not synchronisable(modules[n])), traced=True)
-    by_type = [n for n, m in modules.items() if isinstance(m, _BatchNorm) and (m.training or m.running_mean is None)]
-    return BatchStats(tuple(n for n in by_type if synchronisable(modules[n])),
-                      tuple(n for n in by_type if not synchronisable(modules[n])))
+            return classified(model, watch.found)
+    by_type = [n for n, m in model.named_modules() if isinstance(m, _BatchNorm) and (m.training or m.running_mean is None)]
+    return classified(model, by_type, traced=False)
 
 
 def data_ranks(mesh: Mesh) -> int:
@@ -148,10 +155,12 @@ def batch_stats_problems(plan: Plan, model: nn.Module, example_inputs: tuple | N
     return problems
 
 
-def batch_stats_lines(plan: Plan, model: nn.Module, example_inputs: tuple | None = None) -> list[str]:
-    """What ``shardkit explain`` says about batch statistics (nothing when the batch is not split)."""
+def batch_stats_lines(plan: Plan, model: nn.Module, example_inputs: tuple | None = None,
+                      stats: BatchStats | None = None) -> list[str]:
+    """What ``shardkit explain`` says about batch statistics (nothing when the batch is not split);
+    ``stats``: what a meta forward of the same inputs found already (``sk.validate``'s report)."""
     split = data_ranks(plan.mesh)
-    stats = batch_statistics(model, example_inputs) if split > 1 else BatchStats()
+    stats = (stats or batch_statistics(model, example_inputs)) if split > 1 else BatchStats()
     if not stats.synchronised:
         return []
     return [f"batch statistics: {_named(model, stats.synchronised)} normalise over the whole batch: mean, variance "
@@ -159,5 +168,5 @@ def batch_stats_lines(plan: Plan, model: nn.Module, example_inputs: tuple | None
             f"statistics as one process's (shardkit's synchronised batch norm)"]
 
 
-__all__ = ["TORCH_FORWARDS", "BatchStats", "batch_statistics", "batch_stats_lines", "batch_stats_problems",
-           "data_ranks", "synchronisable"]
+__all__ = ["TORCH_FORWARDS", "BatchNormWatch", "BatchStats", "batch_statistics", "batch_stats_lines",
+           "batch_stats_problems", "classified", "data_ranks", "synchronisable"]

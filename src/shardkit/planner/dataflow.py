@@ -10,7 +10,9 @@ buffer replaced by a meta tensor (:func:`shardkit.families.on_meta.run_on_meta`)
   column split would hand out wrongly; and whether they are changed in place (Falcon's
   ``mlp_output += attention_output``), which autograd forbids on the views torch's
   tensor-parallel styles return;
-- which parameters get no gradient (unused in the forward: DDP's reducer breaks on them).
+- which parameters get no gradient (unused in the forward: DDP's reducer breaks on them);
+- which modules normalise with statistics of the batch (:class:`~shardkit.planner.batch_stats.BatchNormWatch`),
+  so ``sk.validate`` needs no forward of its own for them.
 
 Where a split lies through each op is :mod:`shardkit.planner.split_ops`'.
 
@@ -29,7 +31,8 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from ..families.on_meta import META_FALLBACK_DTYPE, meta_tensors, run_on_meta
+from ..families.on_meta import META_FALLBACK_DTYPE, meta_tensors, module_stack, run_on_meta
+from .batch_stats import BatchNormWatch
 
 #: Functions that cut a tensor into pieces along a dim, with how to find that dim.
 _CUTS = {
@@ -56,7 +59,9 @@ class Dataflow:
     """What :func:`trace` saw. ``ran`` is ``False`` when no example input was known. ``modified``:
     watched modules whose output the forward changes in place (``out += x``). ``dtype``: the
     floating dtype of the stand-ins it ran with (``None``: the model's own; else
-    :data:`~shardkit.families.on_meta.META_FALLBACK_DTYPE`, where a meta kernel needs it)."""
+    :data:`~shardkit.families.on_meta.META_FALLBACK_DTYPE`, where a meta kernel needs it).
+    ``batch_norms``: the modules that called ``batch_norm`` in training mode, when it ran in the
+    model's own dtype (else ``None``: :func:`~shardkit.planner.batch_stats.batch_statistics` finds them)."""
 
     ran: bool
     calls: dict[str, int] = field(default_factory=dict)
@@ -65,6 +70,7 @@ class Dataflow:
     unused: list[str] = field(default_factory=list)
     error: str | None = None
     dtype: torch.dtype | None = None
+    batch_norms: tuple[str, ...] | None = None
 
 
 class _CutWatcher(TorchFunctionMode):
@@ -179,9 +185,10 @@ def trace(model: nn.Module, example_inputs: tuple | None, watch: Collection[str]
         calls: dict[str, int] = {}
         outputs: dict[int, tuple[str, torch.Tensor]] = {}
         tensors = meta_tensors(model, dtype)
-        watcher = _CutWatcher(outputs)
+        watcher, stack = _CutWatcher(outputs), list[str]()
+        norms = BatchNormWatch(stack, lenient=False)
         try:
-            with _hooks(model, calls, outputs, set(watch)), watcher:
+            with _hooks(model, calls, outputs, set(watch)), module_stack(model, stack), watcher, norms:
                 output = run_on_meta(model, tensors, example_inputs)
             grads = [t for t in _tensors(output) if t.requires_grad and t.is_floating_point()]
             if grads:
@@ -191,7 +198,7 @@ def trace(model: nn.Module, example_inputs: tuple | None, watch: Collection[str]
             continue
         unused = [name for name, _ in model.named_parameters() if tensors[name].grad is None]
         return Dataflow(ran=True, calls=calls, cuts=watcher.cuts, modified=watcher.modified, unused=unused,
-                        dtype=dtype)
+                        dtype=dtype, batch_norms=tuple(norms.found) if dtype is None else None)
     return Dataflow(ran=False, calls=calls, error=error)
 
 __all__ = ["Cut", "Dataflow", "is_in_place", "trace"]

@@ -36,7 +36,7 @@ from ..plan import Mesh, Plan, PlanWarning
 from ..plan.layout import ParamLayout, axes_of
 from ..plan.mesh import axis_role
 from ..plan.text import format_bytes
-from .batch_stats import batch_stats_lines
+from .batch_stats import BatchStats, batch_stats_lines
 from .experts import ExpertsLayer
 from .hardware import Hardware
 from .model_checks import ModelFacts
@@ -76,7 +76,7 @@ def explain_plan(plan: Plan, model: Any, world_size: int | None = None, *, width
     With ``ep``, which experts each rank holds and every MoE layer's all-to-all for ``batch_size``
     sequences of ``seq_len`` tokens (:mod:`shardkit.planner.explain_experts`).
     """
-    mesh, rows, unused, experts = _analyse(plan, model, world_size)
+    mesh, rows, unused, experts, stats = _analyse(plan, model, world_size)
     console = Console(record=True, width=width, file=io.StringIO(), color_system=None, markup=False, highlight=False)
     total = sum(math.prod(r.layout.shape) for r in rows)
     what = type(model).__name__ if isinstance(model, nn.Module) else "parameter shapes"
@@ -90,7 +90,7 @@ def explain_plan(plan: Plan, model: Any, world_size: int | None = None, *, width
     for line in _totals(mesh, rows):
         console.print(line)
     if isinstance(model, nn.Module):
-        for line in batch_stats_lines(plan.resolved(mesh.size), model):
+        for line in batch_stats_lines(plan.resolved(mesh.size), model, stats=stats):
             console.print(line)
     for index, pattern in unused:
         console.print(f"unused rule #{index} {pattern!r} matches no parameter (a typo or a renamed module?)")
@@ -139,8 +139,8 @@ def estimate_memory(plan: Plan, model: Any, world_size: int | None = None, *, ba
 
 # -- analysis ---------------------------------------------------------------------------------
 
-def _analyse(plan: Plan, model: Any,
-             world_size: int | None) -> tuple[Mesh, list[ParamRow], list[tuple[int, str]], list[ExpertsLayer]]:
+def _analyse(plan: Plan, model: Any, world_size: int | None) -> tuple[
+        Mesh, list[ParamRow], list[tuple[int, str]], list[ExpertsLayer], BatchStats | None]:
     with warnings.catch_warnings():  # unused rules are reported in the text instead
         warnings.simplefilter("ignore", PlanWarning)
         report = validate(plan, model, world_size=world_size)
@@ -170,7 +170,7 @@ def _analyse(plan: Plan, model: Any,
                              dtypes.get(name, torch.float32).itemsize, notes.get(name, "")))
     patterns = list(plan.rules) if plan.rules is not None else []
     unused = [(patterns.index(p), p) for p in report.layouts.unused_rules]
-    return mesh, rows, unused, layers
+    return mesh, rows, unused, layers, report.batch_stats
 
 
 def _notes(model: Any, facts: ModelFacts | None) -> dict[str, str]:

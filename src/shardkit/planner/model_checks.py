@@ -24,7 +24,7 @@ from ..families.modules import is_linear
 from ..families.on_meta import module_stack
 from ..plan import Plan, PlanError
 from ..plan.layout import ParamLayout
-from .dataflow import meta_tensors, run_on_meta, trace
+from .dataflow import Dataflow, meta_tensors, run_on_meta, trace
 from .experts import ExpertsLayer
 from .one_rank import one_rank
 from .sequence_checks import CausalConv, context_parallel_checks, sequence_parallel_checks
@@ -54,14 +54,21 @@ class ModelFacts:
     experts: tuple[ExpertsLayer, ...] = ()
 
 
+def trace_model(model: nn.Module, example_inputs: tuple | None = None) -> Dataflow:
+    """The dataflow trace :func:`analyse_model` reads: one forward and backward of ``example_inputs``
+    (or the family's example) on meta, the outputs of the linear layers watched."""
+    inputs = example_inputs or family_of(model).example_inputs(model)
+    return trace(model, inputs, {name for name, module in model.named_modules() if is_linear(module)})
+
+
 def analyse_model(plan: Plan, model: nn.Module, layouts: dict[str, ParamLayout],
-                  example_inputs: tuple | None = None) -> tuple[ModelFacts, list[str]]:
-    """Every problem of ``plan`` on ``model`` beyond the layouts' shapes and the pipeline stages."""
+                  example_inputs: tuple | None = None, flow: Dataflow | None = None) -> tuple[ModelFacts, list[str]]:
+    """Every problem of ``plan`` on ``model`` beyond the layouts' shapes and the pipeline stages.
+    ``flow``: :func:`trace_model`'s trace of the same inputs, when the caller has it already."""
     family = family_of(model)
     inputs = example_inputs or family.example_inputs(model)
     mesh = plan.mesh
-    watch = {name for name, module in model.named_modules() if is_linear(module)}
-    flow = trace(model, inputs, watch)
+    flow = flow or trace_model(model, example_inputs)
     problems = axis_problems(layouts, model)
     axis_plans: dict[str, AxisPlan] = {}
     if not problems:
@@ -184,4 +191,4 @@ def _first_line(exc: BaseException) -> Any:
     return text[0] if text else ""
 
 
-__all__ = ["ModelFacts", "analyse_model", "recompute_problems", "recompute_targets", "shard_problems"]
+__all__ = ["ModelFacts", "analyse_model", "recompute_problems", "recompute_targets", "shard_problems", "trace_model"]

@@ -19,9 +19,9 @@ from torch import nn
 from ..plan import Mesh, Plan, PlanError, PlanWarning, UsageError, param_shapes, resolve_layouts
 from ..plan.layout import LayoutResolution, axes_of
 from ..plan.mesh import is_model_axis
-from .batch_stats import batch_stats_problems
+from .batch_stats import BatchStats, batch_stats_problems, classified
 from .experts import expert_problems
-from .model_checks import ModelFacts, analyse_model, recompute_problems
+from .model_checks import ModelFacts, analyse_model, recompute_problems, trace_model
 from .routing import routing_problems
 from .stages import assign_stages
 from .tensor_parallel import aliases
@@ -30,12 +30,14 @@ from .tensor_parallel import aliases
 @dataclass(frozen=True)
 class ValidationReport:
     """What :func:`validate` found: the resolved mesh and layouts, the warnings it raised, and
-    (for an ``nn.Module``) what the runtime applies: :class:`~shardkit.planner.model_checks.ModelFacts`."""
+    (for an ``nn.Module``) what the runtime applies: :class:`~shardkit.planner.model_checks.ModelFacts`;
+    ``batch_stats``: the modules normalising with batch statistics, where its meta forward found them."""
 
     mesh: Mesh
     layouts: LayoutResolution
     warnings: list[str] = field(default_factory=list)
     facts: ModelFacts | None = None
+    batch_stats: BatchStats | None = None
 
 
 def validate(plan: Plan, model: Any, world_size: int | None = None, *,
@@ -68,10 +70,13 @@ def validate(plan: Plan, model: Any, world_size: int | None = None, *,
     except PlanError as exc:
         problems.extend(exc.problems)
         layouts = None
-    facts = None
+    facts, stats = None, None
     if isinstance(model, nn.Module):
+        # one forward on meta serves the model checks and the batch statistics (each forward costs)
+        flow = trace_model(model, example_inputs) if layouts is not None else None
         problems += recompute_problems(model, plan.recompute)
-        problems += batch_stats_problems(plan, model, example_inputs)
+        stats = classified(model, flow.batch_norms) if flow is not None and flow.batch_norms is not None else None
+        problems += batch_stats_problems(plan, model, example_inputs, stats)
         problems += routing_problems(plan, model, example_inputs)
         if plan.pipeline is not None:
             try:
@@ -82,7 +87,7 @@ def validate(plan: Plan, model: Any, world_size: int | None = None, *,
             layouts, found = _tied_names(plan, model, layouts)
             problems.extend(found)
             problems.extend(_axes_splitting_nothing(plan, layouts))
-            facts, found = analyse_model(plan, model, layouts.params, example_inputs)
+            facts, found = analyse_model(plan, model, layouts.params, example_inputs, flow)
             problems.extend(found)
         experts, found = expert_problems(plan, model)
         problems.extend(found)
@@ -94,7 +99,7 @@ def validate(plan: Plan, model: Any, world_size: int | None = None, *,
     found = [f"layout rule {p!r} matches no parameter (a typo or a renamed module?)" for p in layouts.unused_rules]
     for text in found:
         warnings.warn(text, PlanWarning, stacklevel=2)
-    return ValidationReport(mesh, layouts, found, facts)
+    return ValidationReport(mesh, layouts, found, facts, stats)
 
 
 def _axes_splitting_nothing(plan: Plan, layouts: LayoutResolution) -> list[str]:

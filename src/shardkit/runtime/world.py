@@ -277,6 +277,8 @@ class LocalWorld:
             try:
                 got_id, rank, ok, data = self._results.get(timeout=POLL_S)
             except queue.Empty:
+                if not any(p.is_alive() for p in self._procs):
+                    return ""  # every rank has died: no survivor is left to report
                 continue
             if got_id == job_id and not ok and lost_connection(data):
                 return f"\n(rank {rank} then lost its connection: {last_line(data)})"
@@ -310,9 +312,21 @@ class LocalWorld:
         while time.monotonic() < deadline:  # until every file is written and stops growing
             time.sleep(POLL_S)
             previous, sizes = sizes, [f.stat().st_size for f in files]
-            if all(sizes) and sizes == previous:
+            # a rank that has ended or is stopped writes nothing: waiting for it would only add STACK_WAIT_S
+            if sizes == previous and all(size or self._cannot_write(rank) for rank, size in zip(ranks, sizes)):
                 break
         return {rank: f.read_text().rstrip() or self._no_stack(rank) for rank, f in zip(ranks, files)}
+
+    def _state(self, rank: int) -> str:
+        """The state letter of a rank's process in Linux's ``/proc/<pid>/stat`` (``?`` where unknown)."""
+        try:
+            return Path(f"/proc/{self._procs[rank].pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return "?"
+
+    def _cannot_write(self, rank: int) -> bool:
+        """Whether a rank asked for its stack can no longer write it: its process ended, or is stopped."""
+        return not self._procs[rank].is_alive() or self._state(rank) in ("T", "t", "Z")
 
     def _no_stack(self, rank: int) -> str:
         """What is known of a rank that wrote no stack when asked: the signal ended it (it had not yet
@@ -325,10 +339,7 @@ class LocalWorld:
                     f"its stack, so {STACK_SIGNAL.name}, which asks for it, ended it)")
         if not proc.is_alive():
             return f"(no stack: the process {exit_reason(proc.exitcode)} before it could write one)"
-        try:
-            state = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            state = "?"
+        state = self._state(rank)
         known = {"T": "is stopped (SIGSTOP, SIGTSTP, SIGTTIN or SIGTTOU), and a stopped process runs no signal handler",
                  "t": "is stopped by a debugger (traced), and a stopped process runs no signal handler",
                  "D": "is waiting in the kernel (uninterruptible sleep: disk or network I/O), where it handles no signal",
