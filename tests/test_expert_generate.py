@@ -25,7 +25,7 @@ HF = ("mixtral", "qwen2-moe")
 #: (model, mesh, whether data rank 0's prompts stop after their first new token): world size by mesh
 CASES = {2: [("mixtral", "ep=2", False), ("qwen2-moe", "ep=2", False), ("gpt-moe", "ep=2", True)],
          4: [("mixtral", "tp=2,ep=2", False), ("gpt-moe", "tp=2,ep=2", True), ("mixtral", "pp=2,ep=2", False),
-             ("gpt-moe", "pp=2,ep=2", True), ("mixtral", "fsdp=2,ep=2", False), ("gpt-moe", "dp=2,ep=2", True)]}
+             ("gpt-moe", "pp=2,ep=2", True), ("gpt-moe", "pp=2,fsdp=2", True), ("mixtral", "fsdp=2,ep=2", False), ("gpt-moe", "dp=2,ep=2", True)]}
 
 
 def plan_of(name: str, mesh: str) -> Plan:
