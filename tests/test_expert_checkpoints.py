@@ -1,10 +1,13 @@
-"""Checkpoints of expert-parallel models: saved under ``ep=2`` and ``fsdp=2 x ep=2``, loaded under
-``ep=4``, ``fsdp=4``, ``fsdp=2 x ep=2``, ``ep=2``, ``pp=2`` and one process, parameters and AdamW
-state bitwise equal; a resume under the same plan makes the losses of the run it interrupted.
+"""Checkpoints of expert-parallel models: saved under ``ep=2``, ``fsdp=2 x ep=2``, ``tp=2 x ep=2`` and
+``pp=2 x ep=2``, loaded under ``ep=4``, ``fsdp=4``, ``fsdp=2 x ep=2``, ``ep=2``, ``pp=2`` and one process,
+parameters and AdamW state bitwise equal; a resume under the same plan makes the losses of the run it
+interrupted.
 
 The experts are DTensors sharded on dim 0 over ``ep`` (then FSDP over the remaining data axes):
-DCP's index holds them at their global shape, each rank's box at its experts' rows. Three jobs
-(worlds of 2, 4 and 2 processes) and one process here.
+DCP's index holds them at their global shape, each rank's box at its experts' rows (the ``tp`` ranks
+of one ``ep`` rank hold the same rows: DCP writes them once). Three jobs (worlds of 2, 4 and 2
+processes, each under a job plan of its own: a pipeline takes its mesh from the plan it applies) and
+one process here.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from test_checkpoint import differences, full_state, merged
 from torch.distributed.checkpoint import FileSystemReader
 
 import shardkit as sk
-from shardkit.models.gpt import build_tiny_gpt_moe, gpt_loss
+from shardkit.models.gpt import GPT_RULES, build_tiny_gpt_moe, gpt_loss
 
 LR, BATCH, SEQ = 1e-2, 8, 16
 #: The steps after the save: an uninterrupted run makes them, then a run resumed from the checkpoint.
@@ -27,7 +30,7 @@ EXPERT = "model.layers.0.mlp.experts.gate_up_proj"  # DCP's key of one stacked e
 
 def plan_of(mesh: str) -> sk.Plan:
     pipeline = sk.Pipeline(schedule="gpipe", microbatches=2) if "pp" in mesh else None
-    return sk.Plan(mesh=sk.Mesh.parse(mesh), pipeline=pipeline)
+    return sk.Plan(mesh=sk.Mesh.parse(mesh), pipeline=pipeline, rules=GPT_RULES if "tp" in mesh else None)
 
 
 def _sharded(ctx, mesh: str):
@@ -76,21 +79,34 @@ def _world2_saves(ctx, root: Path):
 
 
 def _world4(ctx, root: Path):
-    return _load_under(ctx, ["ep=4", "fsdp=4", "fsdp=2,ep=2"], root / "ep2"), \
-        _save_and_resume(ctx, "fsdp=2,ep=2", root / "fsdp2ep2")
+    saves = {mesh: _save_and_resume(ctx, mesh, root / folder) for mesh, folder in FOUR}
+    loads = {"ep=2": _load_under(ctx, ["ep=4", "fsdp=4", "fsdp=2,ep=2"], root / "ep2"),
+             "tp=2,ep=2": _load_under(ctx, ["fsdp=2,ep=2", "fsdp=4"], root / "tp2ep2")}
+    return saves, loads
 
 
 def _world2_loads(ctx, root: Path):
-    return _load_under(ctx, ["ep=2", "pp=2"], root / "fsdp2ep2")
+    return {saved: _load_under(ctx, meshes, root / FOLDERS[saved]) for saved, meshes in
+            (("fsdp=2,ep=2", ["ep=2", "pp=2"]), ("tp=2,ep=2", ["ep=2", "pp=2"]), ("pp=2,ep=2", ["ep=2"]))}
+
+
+#: The plans saved in the world of 4, and each plan's checkpoint folder.
+FOUR = (("fsdp=2,ep=2", "fsdp2ep2"), ("tp=2,ep=2", "tp2ep2"), ("pp=2,ep=2", "pp2ep2"))
+FOLDERS = {"ep=2": "ep2", **dict(FOUR)}
 
 
 @pytest.fixture(scope="module")
 def runs(world, tmp_path_factory):
+    """``(root, {saved under: (each rank's save, each rank's loads by mesh)})``; each job under a plan of
+    its own (a pipeline takes its mesh from the plan it applies, not the job's)."""
     root = tmp_path_factory.mktemp("expert-checkpoints")
     saved_ep2 = world(2).run(_world2_saves, root, plan=plan_of("ep=2"))
-    loaded_ep2, saved_both = zip(*world(4).run(_world4, root, plan=plan_of("fsdp=2,ep=2")))
-    loaded_both = world(2).run(_world2_loads, root, plan=plan_of("pp=2"))  # a pipeline takes its mesh from the job
-    return root, {"ep=2": (saved_ep2, loaded_ep2), "fsdp=2,ep=2": (saved_both, loaded_both)}
+    saves4, loads4 = zip(*world(4).run(_world4, root, plan=plan_of("fsdp=2,ep=2")))
+    loads2 = world(2).run(_world2_loads, root, plan=plan_of("ep=2"))
+    found = {"ep=2": (saved_ep2, [rank["ep=2"] for rank in loads4])}
+    for mesh, _ in FOUR:
+        found[mesh] = ([rank[mesh] for rank in saves4], [rank.get(mesh, {}) for rank in (*loads2, *loads4)])
+    return root, found
 
 
 def _one_process(folder: Path) -> tuple[dict, dict]:
@@ -100,31 +116,36 @@ def _one_process(folder: Path) -> tuple[dict, dict]:
     return full_state(model, optimizer)
 
 
-@pytest.mark.parametrize("saved_under,folder,loaded_under", [
-    ("ep=2", "ep2", ["ep=4", "fsdp=4", "fsdp=2,ep=2", "one process"]),
-    ("fsdp=2,ep=2", "fsdp2ep2", ["ep=2", "pp=2", "one process"]),
+@pytest.mark.parametrize("saved_under,loaded_under", [
+    ("ep=2", ["ep=4", "fsdp=4", "fsdp=2,ep=2", "one process"]),
+    ("fsdp=2,ep=2", ["ep=2", "pp=2", "one process"]),
+    ("tp=2,ep=2", ["ep=2", "fsdp=2,ep=2", "fsdp=4", "pp=2", "one process"]),
+    ("pp=2,ep=2", ["ep=2", "one process"]),
 ])
-def test_a_checkpoint_saved_under_ep_loads_under_any_plan_bitwise(runs, saved_under, folder, loaded_under):
+def test_a_checkpoint_saved_under_ep_loads_under_any_plan_bitwise(runs, saved_under, loaded_under):
     root, found = runs
     saves, loads = found[saved_under]
     expected = merged([run[0] for run in saves])
     assert any(".experts." in key and key.endswith(".exp_avg_sq") for key in expected[1])  # AdamW moments kept
     for mesh in loaded_under:
-        state = _one_process(root / folder) if mesh == "one process" else \
-            merged([rank[mesh] for rank in loads if rank[mesh] is not None])
+        ranks = [rank[mesh] for rank in loads if mesh in rank and rank[mesh] is not None]
+        state = _one_process(root / FOLDERS[saved_under]) if mesh == "one process" else merged(ranks)
+        assert mesh == "one process" or ranks, mesh
         assert differences(state, expected) == [], mesh
 
 
-@pytest.mark.parametrize("mesh", ["ep=2", "fsdp=2,ep=2"])
+@pytest.mark.parametrize("mesh", ["ep=2", "fsdp=2,ep=2", "tp=2,ep=2", "pp=2,ep=2"])
 def test_resume_under_the_same_plan_makes_the_losses_of_the_uninterrupted_run(runs, mesh):
     saves, _ = runs[1][mesh]
     for _, uninterrupted, resumed, step in saves:
         assert resumed == uninterrupted and step == 1
 
 
-@pytest.mark.parametrize("folder,boxes", [("ep2", [(0, 2), (2, 2)]), ("fsdp2ep2", [(0, 1), (1, 1), (2, 1), (3, 1)])])
+@pytest.mark.parametrize("folder,boxes", [("ep2", [(0, 2), (2, 2)]), ("fsdp2ep2", [(0, 1), (1, 1), (2, 1), (3, 1)]),
+                                          ("tp2ep2", [(0, 2), (2, 2)]), ("pp2ep2", [(0, 2), (2, 2)])])
 def test_dcp_holds_the_experts_at_their_global_shape_each_rank_its_rows(runs, folder, boxes):
-    """Under ep=2 each rank writes its 2 experts; under fsdp=2 x ep=2 FSDP splits them once more (1 each)."""
+    """Under ep=2 each rank writes its 2 experts; under fsdp=2 x ep=2 FSDP splits them once more (1 each);
+    under tp=2 x ep=2 the two tp ranks' equal rows are written once; under pp=2 x ep=2 stage 0 writes layer 0."""
     metadata = FileSystemReader(str(runs[0] / folder / "step-00000001")).read_metadata()
     entry = metadata.state_dict_metadata[EXPERT]
     assert tuple(entry.size) == (4, 512, 64)

@@ -1,6 +1,7 @@
-"""sk.generate under expert parallelism (``ep=2``, ``fsdp=2 x ep=2``, ``dp=2 x ep=2``): each data rank continues its
-own prompts (batches and lengths differ by rank), every rank joins every all-to-all and FSDP gather
-of every step, and a rank whose prompts have all stopped runs on until every rank has.
+"""sk.generate under expert parallelism (``ep=2``, ``fsdp=2 x ep=2``, ``dp=2 x ep=2``, ``tp=2 x ep=2``, ``pp=2 x
+ep=2``): each data rank continues its own prompts (batches and lengths differ by rank; under ``pp`` through its own
+pipeline), every rank joins every all-to-all and FSDP gather of every step, and a rank whose prompts have all
+stopped runs on until every rank has.
 
 Greedy tokens equal transformers' ``generate`` (tiny Mixtral and Qwen2-MoE) and a one-process loop
 without a cache (the reference MoE GPT). One job per world runs every case; the references run here.
@@ -11,9 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardkit.models.gpt import build_tiny_gpt_moe
+from shardkit.models.gpt import GPT_RULES, build_tiny_gpt_moe
 from shardkit.models.hf import build_tiny_mixtral, build_tiny_qwen2_moe
-from shardkit.plan import Mesh, Plan, UsageError
+from shardkit.plan import LayoutMap, Mesh, Pipeline, Plan, UsageError
+from shardkit.planner.meta import meta_model
 from shardkit.runtime.apply import shard
 from shardkit.runtime.generate import generate, stop_tokens
 
@@ -22,7 +24,17 @@ BUILDERS = {"gpt-moe": build_tiny_gpt_moe, "mixtral": build_tiny_mixtral, "qwen2
 HF = ("mixtral", "qwen2-moe")
 #: (model, mesh, whether data rank 0's prompts stop after their first new token): world size by mesh
 CASES = {2: [("mixtral", "ep=2", False), ("qwen2-moe", "ep=2", False), ("gpt-moe", "ep=2", True)],
-         4: [("mixtral", "fsdp=2,ep=2", False), ("gpt-moe", "dp=2,ep=2", True)]}
+         4: [("mixtral", "tp=2,ep=2", False), ("gpt-moe", "tp=2,ep=2", True), ("mixtral", "pp=2,ep=2", False),
+             ("gpt-moe", "pp=2,ep=2", True), ("gpt-moe", "pp=2,fsdp=2", True), ("mixtral", "fsdp=2,ep=2", False), ("gpt-moe", "dp=2,ep=2", True)]}
+
+
+def plan_of(name: str, mesh: str) -> Plan:
+    """``mesh`` for model ``name``: with ``tp``, attention over ``tp`` (transformers' plan beside ``ep``:
+    ``LayoutMap.from_hf(ep=True)``); with ``pp``, even stages."""
+    parsed = Mesh.parse(mesh)
+    rules = None if "tp" not in parsed else GPT_RULES if name == "gpt-moe" else \
+        LayoutMap.from_hf(meta_model(BUILDERS[name]), ep=True)
+    return Plan(mesh=parsed, rules=rules, pipeline=Pipeline(schedule="sequential") if "pp" in parsed else None)
 
 
 def prompts(data_rank: int) -> torch.Tensor:
@@ -70,7 +82,7 @@ def _generate_cases(ctx, cases):
     """Every case on this rank: the tokens of this data rank's prompts; then refusals agreed by every rank."""
     out = {}
     for case, eos in cases:
-        plan = Plan(mesh=Mesh.parse(case[1]))
+        plan = plan_of(*case[:2])
         model = shard(BUILDERS[case[0]](), plan, ctx)
         streamed = []
         out[case] = generate(model, prompts(plan.mesh.data_index(ctx.rank)), max_new_tokens=NEW, eos_token_id=eos,
@@ -119,10 +131,10 @@ def test_greedy_tokens_under_ep_equal_one_process(runs, case):
     for rank, out in enumerate(outs):
         assert torch.equal(out[case], expected[rank]), (rank, out[case], expected[rank])
         assert torch.equal(out[case, "streamed"], expected[rank][:, -out[case, "streamed"].shape[1]:])
-    lengths = [e.shape[1] - prompts(Plan(mesh=Mesh.parse(mesh)).mesh.data_index(r)).shape[1]
-               for r, e in enumerate(expected)]
-    # premise: rank 0 stopped after one token while the others made every token (and ran on with them)
-    assert lengths == ([1] + [NEW] * (len(outs) - 1) if stops else [NEW] * len(outs))
+    data = Mesh.parse(mesh).data_index
+    lengths = [e.shape[1] - prompts(data(r)).shape[1] for r, e in enumerate(expected)]
+    # premise: data rank 0 stopped after one token while the others made every token (and ran on with them)
+    assert lengths == [1 if stops and data(r) == 0 else NEW for r in range(len(outs))]
 
 
 @pytest.mark.parametrize("size", sorted(CASES))

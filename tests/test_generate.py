@@ -207,8 +207,6 @@ def test_gqa_with_fewer_kv_heads_than_tp_ranks_is_refused_before_launch():
 
 @pytest.mark.parametrize("plan,expected", [
     (Plan(mesh=Mesh(sp=2, tp=2)), r"mesh axis 'sp' has size 2"),
-    (Plan(mesh=Mesh(dp=2, pp=2), pipeline=Pipeline(microbatches=2)), r"pipeline for one data rank: mesh axis 'dp' "
-                                                                       r"has size 2"),
     (Plan(mesh=Mesh(tp=2), sequence_parallel=True), r"sequence_parallel=True\) .* one token"),
 ])
 def test_plans_generate_cannot_run_are_refused_with_the_reason(plan, expected):

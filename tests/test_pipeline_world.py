@@ -307,3 +307,28 @@ def test_a_model_type_whose_stages_were_never_checked_is_proven_and_trains_as_on
     plan = Plan(mesh=Mesh(pp=2), pipeline=Pipeline(microbatches=2))
     sk.validate(plan, sk.meta_model(build_gemma3_text), 2)
     check(build_gemma3_text, plan, world(2), loss_fn=hf_loss, batch=tokens(4))
+
+
+def _pipeline_under_another_job_plan(ctx, plan: Plan):
+    from shardkit.runtime.apply import full_grads
+
+    model = sk.shard(build_llama_tied(), plan, ctx)  # the job's own plan (ctx.plan) has no 'pp'
+    batch = tokens(4)[0]
+    loss = model.step(batch, batch.roll(-1, dims=1), hf_loss)
+    copies = model.tied_copies
+    return loss, {copies.get(n, n): g for n, g in full_grads(model).items()}
+
+
+def test_a_pipeline_takes_its_mesh_from_the_plan_it_applies_not_the_jobs(world):
+    """sk.shard(model, Plan(pp=2, ...)) in a job launched with a plan without 'pp' (here dp=2): its stages,
+    tied copies and loss use the pp group of the plan applied, and the step equals one process's."""
+    model = build_llama_tied()
+    batch = tokens(4)[0]
+    loss = hf_loss(model(batch), batch.roll(-1, dims=1))
+    loss.backward()
+    plan = Plan(mesh=Mesh(pp=2), pipeline=Pipeline(microbatches=2))
+    for got, grads in world(2).run(_pipeline_under_another_job_plan, plan, plan=Plan(mesh=Mesh(dp=2))):
+        assert torch.allclose(got, loss.detach(), atol=1e-6)
+        for name, param in model.named_parameters():
+            assert name not in grads or torch.allclose(grads[name], param.grad, atol=1e-6), name
+        assert "model.embed_tokens.weight" in grads

@@ -80,7 +80,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                               "complete one is read), or one checkpoint folder")
     weights.add_argument("--hf", type=path, metavar="DIR", help="a HuggingFace model folder (safetensors)")
     parser.add_argument("--mesh", default=DEFAULT_MESH, metavar="AXES",
-                        help=f"the mesh; only 'tp', 'pp' (pipeline stages, split evenly) and, without 'pp', the data axes "
+                        help=f"the mesh; only 'tp', 'pp' (pipeline stages, split evenly) and the data axes "
                              f"'dp', 'fsdp', 'ep' may be larger than 1 (default: {DEFAULT_MESH})")
     add_rules_option(parser)
     prompt = parser.add_mutually_exclusive_group(required=True)

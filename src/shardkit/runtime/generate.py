@@ -23,10 +23,12 @@ the model before launch (:func:`check_generation` with the plan) and when the pi
 A row stops at an end-of-sequence token as in transformers' ``generate`` (later positions get the
 pad token); every rank decides from the broadcast tokens, so all of them leave the loop at the same step.
 
-The data axes (``dp``, ``fsdp``, ``ep``; without a pipeline) split the prompts: each data rank
-continues its own (any batch, any length). Its steps still need the others: FSDP gathers
-parameters at every forward, and ``ep`` sends every token to the ranks holding its experts, so
-each rank of the world joins every collective of every step. After each step the ranks agree
+The data axes (``dp``, ``fsdp``, ``ep``; with or without a pipeline) split the prompts: each data
+rank continues its own (any batch, any length), through its own pipeline when there is one. Its
+steps still need the others: FSDP gathers parameters at every forward, and ``ep`` sends every
+token to the ranks holding its experts, so each rank of the world joins every collective of every
+step. Under a pipeline, a stage's FSDP gathers and expert exchanges run among the ranks of that
+stage (the same ``pp`` coordinate): every data rank's pipeline runs its stages in the same order. After each step the ranks agree
 (one ``all_reduce``) whether any of them still has an unfinished row; a rank whose rows have all
 finished keeps running its batch (the tokens discarded, its result cut where one process would
 have stopped) until none has, so no rank leaves a collective the others wait in. Its checks
@@ -80,16 +82,9 @@ def generation_problems(plan: Plan) -> list[str]:
     sk.generate splits a model over 'tp', 'pp' (with a pipeline) and the data axes 'dp', 'fsdp', 'ep' (each data rank its own prompts): mesh axis 'sp' has size 2, but every other axis must have size 1 (e.g. Mesh(tp=4), Mesh(pp=2, tp=2) or Mesh(fsdp=2, ep=2))
     """
     problems = []
-    pipelined = plan.pipeline is not None
-    allowed = (GENERATION_AXIS, "pp") if pipelined else (GENERATION_AXIS, *DATA_AXES)
+    allowed = (GENERATION_AXIS, "pp", *DATA_AXES)
     for axis, size in zip(plan.mesh.names, plan.mesh.shape):
-        if axis in allowed or size == 1:
-            continue
-        if axis in DATA_AXES:
-            problems.append(f"sk.generate runs a pipeline for one data rank: mesh axis {axis!r} has size {size}, "
-                            f"but with 'pp' every data axis ({', '.join(map(repr, DATA_AXES))}) must have size 1 "
-                            f"(e.g. Mesh(pp=2, tp=2))")
-        else:
+        if axis not in allowed and size > 1:
             problems.append(f"sk.generate splits a model over 'tp', 'pp' (with a pipeline) and the data axes "
                             f"{', '.join(map(repr, DATA_AXES))} (each data rank its own prompts): mesh axis "
                             f"{axis!r} has size {size}, but every other axis must have size 1 (e.g. Mesh(tp=4), "

@@ -13,7 +13,7 @@
    boundaries) or a chain model;
 4. apply tp/fsdp/dp with :func:`shardkit.runtime.parallelize.parallelize`, as ``sk.validate`` planned
    them for the whole model (parameter names are unchanged by pruning);
-5. wrap each local stage in a ``PipelineStage`` on ``mesh["pp"]``'s group and build the
+5. wrap each local stage in a ``PipelineStage`` on the plan's ``pp`` group (:mod:`~shardkit.runtime.meshes`) and build the
    torch schedule (:class:`~shardkit.runtime.pipeline_runtime.PipelineRuntime`). ``sequential``
    is torch's GPipe with one micro-batch: the whole batch goes through stage 0, then stage 1,
    ..., and back (torch has no separate plain-sharding schedule, and GPipe with m=1 is exactly that);

@@ -1,7 +1,7 @@
 """The per-process state of a pipeline and its steps: torch's stages and schedule, the loss.
 
 :class:`PipelineRuntime` wraps this rank's stages in :class:`~shardkit.runtime.pipeline_stage.RecordedStage`
-on ``mesh["pp"]``'s group, builds torch's schedule, and runs
+on the ``pp`` group of the plan's meshes (:func:`~shardkit.runtime.meshes.meshes_for`), builds torch's schedule, and runs
 
 - :meth:`~PipelineRuntime.step`: forward and backward of the micro-batches through torch's
   schedule, data-parallel gradients reduced once (in this rank's last backward), tied copies
@@ -30,6 +30,7 @@ from . import p2p
 from . import spans as timeline
 from .accumulation import micro_batches
 from .context import Context
+from .meshes import meshes_for
 from .pipeline_stage import RecordedStage, StageModule
 from .pipeline_ties import TiedCopy, connect_ties, sum_tied_grads, tied_grads
 from .pipeline_waits import recording_waits
@@ -43,7 +44,9 @@ class PipelineRuntime:
         assert pipeline is not None
         self.plan, self.ctx, self.assignment = plan, ctx, assignment
         self.microbatches = pipeline.microbatches
-        pp_mesh = ctx.mesh["pp"]
+        # the meshes of the plan being applied, not the job's (whose plan may have no pipeline)
+        self.meshes = meshes_for(plan, ctx.device.type)
+        pp_mesh = self.meshes.device_mesh["pp"]
         self.pp_group = pp_mesh.get_group()
         self.pp_rank = pp_mesh.get_local_rank()
         self.local = assignment.local_stages(self.pp_rank)
@@ -90,7 +93,7 @@ class PipelineRuntime:
 
     def connect_ties(self, model: nn.Module) -> None:
         """Keep the copies of each parameter tied across pipeline devices equal (:mod:`~shardkit.runtime.pipeline_ties`)."""
-        self.ties = connect_ties(model, self.assignment, self.ctx.mesh, self.pp_rank, self.local)
+        self.ties = connect_ties(model, self.assignment, self.meshes.device_mesh, self.pp_rank, self.local)
 
     def _before_backward(self) -> None:
         """FSDP2 (``dp``/``fsdp``) reduces gradients once, in this rank's last backward of the step:
@@ -187,7 +190,7 @@ class PipelineRuntime:
         dist.broadcast(loss, group=self.pp_group, group_src=self.last_pp_rank)
         for axis in DATA_AXES:
             if self.plan.mesh.size_of(axis) > 1:
-                dist.all_reduce(loss, group=self.ctx.mesh[axis].get_group())
+                dist.all_reduce(loss, group=self.meshes.device_mesh[axis].get_group())
         return loss / self.plan.mesh.data_size
 
     def _check_part_shape(self, shape: tuple[int, ...], accumulate: int) -> None:
