@@ -107,7 +107,8 @@ def _train_cases(ctx, cases):
     """Every case on this rank: 3 SGD steps sharded. Returns, per case, the losses, step 0's full
     gradients and the final full weights of the parameters this rank holds, its router gradients,
     the all-to-all calls of the last step, the dtypes of the rows exchanged and of the experts'
-    parameters, and with recompute, per step, the exchanged buffers still alive after it and all exchanged."""
+    parameters, with recompute, per step, the exchanged buffers still alive after it and all exchanged,
+    and the (token, slot) rows each MoE layer sent in the last step."""
     from shardkit.observe.comm import CommCounter
     from shardkit.runtime.apply import full_grads, full_state_dict
 
@@ -135,7 +136,8 @@ def _train_cases(ctx, cases):
                 kept.append((exchanged.alive(), len(exchanged.refs)))
         rows = {m._sk_rows.dtype for m in model.modules() if hasattr(m, "_sk_rows")}
         experts = {p.dtype for n, p in model.named_parameters() if ".experts." in n}
-        out.append((losses, grads, full_state_dict(model), routers, exchanges, rows, experts, kept,
+        sent = [sum(m._sk_rows.sent) for m in model.modules() if hasattr(m, "_sk_rows")]
+        out.append((losses, grads, full_state_dict(model), routers, exchanges, rows, experts, kept, sent,
                     time.perf_counter() - start))
     return out
 

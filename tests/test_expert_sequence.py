@@ -26,6 +26,14 @@ def test_expert_parallel_with_the_sequence_split_matches_one_process(results, ca
     check_matches_one_process(case, results[case])
 
 
+@pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
+def test_each_rank_routes_only_its_own_part_of_the_sequence(results, case):
+    """8 samples of 16 tokens over 2 data ranks, the sequence halved over sp or tp: each rank sends
+    32 tokens x top 2 = 64 rows per MoE layer (64 tokens' 128 if every tp rank routed them all)."""
+    for rank in results[case]:
+        assert rank[8] == [64, 64]
+
+
 # -- the sequence checks follow the experts as one per-token op, nothing else ----------------------------------------
 def _cp_problems(model) -> list[str]:
     from shardkit.families import family_of
