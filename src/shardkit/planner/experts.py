@@ -108,23 +108,37 @@ def _divisors(n: int) -> list[int]:
 def composition_problems(plan: Plan) -> list[str]:
     """What an ``ep`` axis does not compose with yet (known from the plan alone), each by name.
 
-    ``tp`` and user model axes, ``pp``, ``dp`` and ``fsdp`` (HSDP too), activation recompute and
-    mixed-precision policies compose (:mod:`shardkit.runtime.expert_parallel`)."""
-    mesh, ep = plan.mesh, plan.mesh.size_of("ep")
+    ``tp`` and user model axes, ``pp``, ``sp`` (context parallel), ``dp`` and ``fsdp`` (HSDP too),
+    activation recompute and mixed-precision policies compose (:mod:`shardkit.runtime.expert_parallel`)."""
+    ep = plan.mesh.size_of("ep")
     problems = []
-    if mesh.size_of("sp") > 1:
-        problems.append(f"mesh axis 'sp' (size {mesh['sp']}) with ep={ep}: context parallel gives each rank chunks "
-                        f"of the sequence, and shardkit's checks cannot yet follow positions through the experts' "
-                        f"dispatch (sort, exchange, combine); valid: sp=1 with 'ep' (split the batch with dp / "
-                        f"fsdp, or attention with tp)")
-    if plan.sequence_parallel:
-        problems.append(f"sequence_parallel=True with ep={ep}: the MoE layers would receive the residual stream "
-                        f"split along the sequence over 'tp' as DTensors, which the router and the experts' exchange "
-                        f"do not take yet; use sequence_parallel=False with 'ep' (tp still splits attention and the "
-                        f"dense layers)")
     if plan.replicas is not None:
         problems.append(f"replica groups with ep={ep}: gradients of experts are not averaged within groups; "
                         f"use replicas=None with 'ep'")
+    return problems
+
+
+def sequence_routing_problems(plan: Plan, model: nn.Module) -> list[str]:
+    """Router losses and bias balancing under Megatron sequence parallel with ``ep``: each ``tp`` rank
+    routes its own part of the sequence, and shardkit sums their batch totals over the data ranks
+    only (not verified over ``tp``), so they are refused by name."""
+    from ..models.routing import bias_balanced
+    from .routing import router_losses
+
+    if not plan.sequence_parallel or plan.mesh.size_of("tp") == 1:
+        return []
+    ep, tp = plan.mesh.size_of("ep"), plan.mesh.size_of("tp")
+    problems = [f"{type(model).__name__}'s forward computes a router auxiliary loss ({loss.where}) over the whole "
+                f"batch; with sequence_parallel=True and ep={ep} each of the tp={tp} ranks routes its own part of "
+                f"the sequence, which shardkit's batch totals do not sum yet; turn it off "
+                f"(output_router_logits=False, router_aux_loss_coef=0) or use sequence_parallel=False"
+                for loss in router_losses(model, run=any(loss.called for loss in router_losses(model, run=False)))
+                if loss.called]  # named by a forward: run on meta to see whether it is called
+    biased = [n for n, _ in bias_balanced(model)]
+    if biased:
+        problems.append(f"routers {biased[:4]} balance their experts with a bias from the whole batch's load; with "
+                        f"sequence_parallel=True and ep={ep} each of the tp={tp} ranks counts its own part of the "
+                        f"sequence, which shardkit does not sum yet; use sequence_parallel=False or no bias")
     return problems
 
 
@@ -162,7 +176,8 @@ def expert_problems(plan: Plan, model: nn.Module) -> tuple[list[ExpertsLayer], l
     if ep == 1:
         return [], []
     layers = find_experts(model)
-    problems = composition_problems(plan) + experts_structure_problems(model) + expert_layout_problems(plan, layers)
+    problems = composition_problems(plan) + experts_structure_problems(model) + expert_layout_problems(plan, layers) \
+        + sequence_routing_problems(plan, model)
     if not layers and not problems:
         problems.append(f"mesh axis 'ep' (size {ep}) splits the experts of MoE layers, but {type(model).__name__} "
                         f"has none (no module with stacked {list(EXPERT_WEIGHTS)} and a forward taking "
@@ -175,4 +190,4 @@ def expert_problems(plan: Plan, model: nn.Module) -> tuple[list[ExpertsLayer], l
 
 
 __all__ = ["EXPERTS_FORWARD", "EXPERT_WEIGHTS", "ExpertsLayer", "composition_problems", "expert_layout_problems",
-           "expert_problems", "experts_structure_problems", "find_experts"]
+           "expert_problems", "experts_structure_problems", "find_experts", "sequence_routing_problems"]

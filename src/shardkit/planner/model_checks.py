@@ -25,7 +25,7 @@ from ..families.on_meta import module_stack
 from ..plan import Plan, PlanError
 from ..plan.layout import ParamLayout
 from .dataflow import Dataflow, meta_tensors, run_on_meta, trace
-from .experts import ExpertsLayer
+from .experts import ExpertsLayer, find_experts
 from .one_rank import one_rank
 from .sequence_checks import CausalConv, context_parallel_checks, sequence_parallel_checks
 from .split_params import follow_axis
@@ -71,10 +71,12 @@ def analyse_model(plan: Plan, model: nn.Module, layouts: dict[str, ParamLayout],
     flow = flow or trace_model(model, example_inputs)
     problems = axis_problems(layouts, model)
     axis_plans: dict[str, AxisPlan] = {}
+    routed = tuple(e.name for e in find_experts(model)) if plan.sequence_parallel and mesh.size_of("ep") > 1 else ()
     if not problems:
         for axis in mesh.model_axes:
             try:
-                axis_plans[axis] = plan_axis(model, layouts, axis, mesh[axis], family, flow, plan.sequence_parallel)
+                axis_plans[axis] = plan_axis(model, layouts, axis, mesh[axis], family, flow, plan.sequence_parallel,
+                                             routed)
             except PlanError as exc:
                 problems += exc.problems
     if axis_plans and not problems and flow.ran:

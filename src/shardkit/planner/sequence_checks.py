@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from ..families import Family
 from ..families.on_meta import module_stack
 from ..plan import PlanError
+from .experts import find_experts
 from .sequence_mixing import CausalConv, Mixer, SequenceTrace, SequenceWatch
 from .tensor_parallel import COLWISE, AxisPlan
 
@@ -63,6 +64,10 @@ def meta_copy(model: nn.Module) -> nn.Module:
         memo[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad)
     for b in model.buffers():
         memo[id(b)] = torch.empty(b.shape, dtype=b.dtype, device="meta")
+    for module in model.modules():  # tensors a forward kept (a MoE block's last router logits): stand-ins too
+        for value in vars(module).values():
+            if isinstance(value, torch.Tensor) and id(value) not in memo:
+                memo[id(value)] = torch.empty(value.shape, dtype=value.dtype, device="meta")
     return copy.deepcopy(model, memo)
 
 
@@ -107,14 +112,17 @@ class _StandIn:
 
 def trace_sequence(model: nn.Module, inputs: tuple, length: int, *, positions: str | None = None,
                    attention: Family | None = None, sources: set[str] | None = None,
-                   inside: set[str] | None = None) -> SequenceTrace:
+                   inside: set[str] | None = None, per_token: set[str] | None = None) -> SequenceTrace:
     """Run a meta copy of ``model`` on ``inputs`` and record the ops that mix positions.
 
     ``positions``: the forward argument given the tokens' positions (as context parallel does);
     ``attention``: the family whose attention is stood in for (as ring attention replaces it);
     ``sources``: modules whose outputs are the split sequence (instead of the inputs: Megatron
     sequence parallel's residual stream); ``inside``: modules whose internals are not followed
-    (their input is gathered, or they compute per position)."""
+    (their input is gathered, or they compute per position); ``per_token``: experts modules, whose
+    output row ``t`` is computed from input row ``t`` alone (transformers' experts interface: the
+    dispatch sorts and exchanges rows but brings each back to its token), followed as one per-position
+    op from their hidden states to their output."""
     twin = meta_copy(model)
     stack: list[str] = []
     watch = SequenceWatch(length, stack, {n: type(m).__name__ for n, m in twin.named_modules()},
@@ -132,7 +140,7 @@ def trace_sequence(model: nn.Module, inputs: tuple, length: int, *, positions: s
         for x in [*meta_inputs, *kwargs.values()]:
             if isinstance(x, torch.Tensor):
                 watch.mark(x)
-    handles = _region_hooks(twin, watch, sources or set(), inside or set())
+    handles = _region_hooks(twin, watch, sources or set(), inside or set()) + _per_token_hooks(twin, watch, per_token)
     try:
         with module_stack(twin, stack), _meta_friendly(twin), watch:
             twin(*meta_inputs, **kwargs)
@@ -157,6 +165,29 @@ def _region_hooks(model: nn.Module, watch: SequenceWatch, sources: set[str], ins
         if name in sources:
             handles.append(module.register_forward_hook(
                 lambda _m, _a, out: watch.mark(out) if isinstance(out, torch.Tensor) else None))
+    return handles
+
+
+def _per_token_hooks(model: nn.Module, watch: SequenceWatch, per_token: set[str] | None) -> list:
+    """Hooks pausing the watch inside each ``per_token`` module and carrying the sequence from its
+    hidden states (first argument) to its output, as a per-position op does."""
+    handles, entered = [], []
+
+    def enter(_module: nn.Module, args: tuple, kwargs: dict) -> None:
+        hidden = args[0] if args else next(iter(kwargs.values()), None)
+        entered.append(bool(watch.seq_dims(hidden)) and not watch.paused)
+        watch.paused += 1
+
+    def leave(_module: nn.Module, _args: tuple, _kwargs: dict, out: Any) -> None:
+        watch.paused -= 1
+        if entered.pop() and isinstance(out, torch.Tensor):
+            watch.mark(out)
+
+    for name, module in model.named_modules():
+        if name in (per_token or ()):
+            handles.append(module.register_forward_pre_hook(enter, with_kwargs=True))
+            # first of the forward hooks: any other hook (which may mix positions) runs followed
+            handles.append(module.register_forward_hook(leave, with_kwargs=True, always_call=True, prepend=True))
     return handles
 
 
@@ -206,7 +237,8 @@ def context_parallel_checks(model: nn.Module, family: Family, sp: int, example_i
                     f"on meta tensors, but shardkit cannot make its inputs (no example input known, or too few "
                     f"positions); pass example_inputs= to sk.validate, or remove the 'sp' axis"]
     try:
-        found = trace_sequence(model, inputs, length, positions=family.position_argument(model), attention=family)
+        found = trace_sequence(model, inputs, length, positions=family.position_argument(model), attention=family,
+                               per_token={layer.name for layer in find_experts(model)})
     except PlanError as exc:
         return (), [f"context parallel (sp={sp}): {problem}" for problem in exc.problems]
     if found.error is not None:
@@ -286,12 +318,14 @@ def sequence_parallel_checks(model: nn.Module, family: Family, plans: list[AxisP
     sources, inside = set(), set()
     for plan in plans:
         sources |= {*plan.norms, *plan.embeddings, *(n for n, s in plan.splits.items() if s.kind != COLWISE)}
-        inside |= {*plan.splits, *plan.norms, *plan.embeddings, *plan.gathers}
+        inside |= {*plan.splits, *plan.norms, *plan.embeddings, *plan.gathers, *plan.routed}
+        sources |= set(plan.routed)
     found = trace_sequence(model, inputs, length, sources=sources, inside=inside)
     kinds = {n: type(m).__name__ for n, m in model.named_modules()}
     mixers = found.mixers + [Mixer(c.module, kinds.get(c.module, ""), "convolution", "runs a causal convolution over "
                                    "the sequence") for c in found.convs]
     axes = ", ".join(f"{p.axis!r} (size {p.size})" for p in plans)
+    problems = _routed_problems(model, inputs, length, {b for p in plans for b in p.routed}, axes)
     blocking = []
     for m in mixers:
         if m.why.startswith("combines the split"):
@@ -305,10 +339,23 @@ def sequence_parallel_checks(model: nn.Module, family: Family, plans: list[AxisP
         else:
             continue  # DTensor gathers the sequence the op needs
         blocking.append(Mixer(m.module, m.kind, m.op, f"{m.why} (aten.{m.op}): {reason}"))
-    return [f"sequence_parallel=True splits the residual stream along the sequence over {axes} between "
-            f"tensor-parallel layers, but where it is split {_where(m, mods, model)} {m.why}; valid: "
-            f"sequence_parallel=False for this model, or the op inside a tensor-parallel layer's region"
-            for m, mods in _grouped(blocking)]
+    return problems + [f"sequence_parallel=True splits the residual stream along the sequence over {axes} between "
+                       f"tensor-parallel layers, but where it is split {_where(m, mods, model)} {m.why}; valid: "
+                       f"sequence_parallel=False for this model, or the op inside a tensor-parallel layer's region"
+                       for m, mods in _grouped(blocking)]
+
+
+def _routed_problems(model: nn.Module, inputs: tuple, length: int, routed: set[str], axes: str) -> list[str]:
+    """Ops of the MoE blocks that route each rank's own part of the sequence (plain tensors, no
+    DTensor to gather what they need) that mix positions, the experts followed as per-token."""
+    if not routed:
+        return []
+    prefixes = tuple(f"{b}." for b in routed)
+    found = trace_sequence(model, inputs, length, per_token={e.name for e in find_experts(model)})
+    mixers = [m for m in found.mixers if m.module in routed or m.module.startswith(prefixes)]
+    return [f"sequence_parallel=True with 'ep' gives each MoE block the rank's own part of the sequence over "
+            f"{axes}, but {_where(m, mods, model)} {m.why} (aten.{m.op}), so each rank would compute it from its "
+            f"own part alone; valid: sequence_parallel=False for this model" for m, mods in _grouped(mixers)]
 
 
 __all__ = ["CausalConv", "context_parallel_checks", "distinctive_length", "meta_copy", "sequence_parallel_checks",

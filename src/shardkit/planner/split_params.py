@@ -79,7 +79,7 @@ def follow_axis(model: nn.Module, plan: AxisPlan, layouts: dict[str, ParamLayout
                             f"only those (their other parameters layout None)")
     problems += _dtensor_problems(model, [n for n, s in splits.items() if s.kind == DTENSOR], layouts, plan.axis,
                                   inputs, dtype)
-    return replace(plan, splits=splits, summed=tuple(summed), sliced=tuple(sorted(sliced.items()))), problems
+    return replace(plan, splits=splits, summed=tuple(dict.fromkeys([*plan.summed, *summed])), sliced=tuple(sorted(sliced.items()))), problems
 
 
 class _AtenOps(TorchDispatchMode):

@@ -76,7 +76,10 @@ class AxisPlan:
     outside the blocks (output heads) whose input sequence is all-gathered first. Parameters no
     style splits that act on split activations (:mod:`shardkit.planner.split_params`):
     ``summed``, replicated with their gradient summed over the axis; ``sliced``, ``(name, dim)``:
-    split with the activation along ``dim``, each rank using its slice.
+    split with the activation along ``dim``, each rank using its slice. ``routed``: with
+    ``sequence_parallel`` and ``ep``, the MoE blocks (parents of the experts modules) that route
+    the rank's own part of the sequence (the experts act per token); their other parameters (the
+    router) are in ``summed``, each rank's gradient covering its tokens.
     """
 
     axis: str
@@ -90,6 +93,7 @@ class AxisPlan:
     gathers: tuple[str, ...] = ()
     summed: tuple[str, ...] = ()
     sliced: tuple[tuple[str, int], ...] = ()
+    routed: tuple[str, ...] = ()
 
     def local_outputs(self) -> set[str]:
         """Column-parallel modules whose output stays split (each rank computes its own part)."""
@@ -178,8 +182,9 @@ def _classify(name: str, module: nn.Module, params: dict[str, ParamLayout], axis
 
 
 def plan_axis(model: nn.Module, layouts: dict[str, ParamLayout], axis: str, size: int, family: Family,
-              flow: Dataflow, sequence_parallel: bool = False) -> AxisPlan:
-    """Decide and check every module's mechanism on ``axis``; :class:`PlanError` lists every problem."""
+              flow: Dataflow, sequence_parallel: bool = False, experts: tuple[str, ...] = ()) -> AxisPlan:
+    """Decide and check every module's mechanism on ``axis``; :class:`PlanError` lists every problem.
+    ``experts``: the experts modules ``ep`` splits (their MoE blocks route their own sequence part)."""
     canonical = aliases(model)
     modules = dict(model.named_modules())
     problems: list[str] = []
@@ -237,7 +242,7 @@ def plan_axis(model: nn.Module, layouts: dict[str, ParamLayout], axis: str, size
     changes = tuple(family.tensor_parallel_changes(model, local, size))
     extras: dict[str, tuple[str, ...]] = {}
     if sequence_parallel:
-        found_extras, found = _sequence_parallel(model, splits, [a.name for a in attentions])
+        found_extras, found = _sequence_parallel(model, splits, [a.name for a in attentions], experts)
         extras.update(found_extras)
         problems += found
     if problems:
@@ -300,17 +305,38 @@ def _tie_problems(ties: tuple[tuple[str, ...], ...], kinds: dict[str, str], axis
     return problems
 
 
-def _sequence_parallel(model: nn.Module, splits: dict[str, ModuleSplit],
-                       attentions: list[str]) -> tuple[dict[str, tuple[str, ...]], list[str]]:
-    """Norms and embeddings on sequence shards; replicated heads gathered; replicated layers in blocks refused.
+def _routed(model: nn.Module, splits: dict[str, ModuleSplit], experts: tuple[str, ...]
+            ) -> tuple[dict[str, tuple[str, ...]], list[str]]:
+    """The MoE blocks holding ``experts``, which route the rank's own part of the sequence, and their
+    parameters outside the experts (summed over the axis); a block with a split layer is refused."""
+    blocks = tuple(dict.fromkeys(e.rpartition(".")[0] for e in experts))
+    summed, problems = [], []
+    for block in blocks:
+        prefix = f"{block}." if block else ""
+        split = [n for n in splits if n == block or n.startswith(prefix)]
+        if split:
+            problems.append(f"MoE block {block!r} routes each rank's own part of the sequence under "
+                            f"sequence_parallel=True with 'ep', but its {split} are split over the tensor-parallel "
+                            f"axis (a shared expert?); give them layout None, or use sequence_parallel=False")
+        summed += [prefix + p for p, _ in model.get_submodule(block).named_parameters()
+                   if not any((prefix + p).startswith(e + ".") for e in experts)]
+    return {"routed": blocks, "summed": tuple(summed)}, problems
+
+
+def _sequence_parallel(model: nn.Module, splits: dict[str, ModuleSplit], attentions: list[str],
+                       experts: tuple[str, ...] = ()) -> tuple[dict[str, tuple[str, ...]], list[str]]:
+    """Norms and embeddings on sequence shards; replicated heads gathered; replicated layers in blocks refused;
+    the MoE blocks of ``experts`` on each rank's own part of the sequence (:func:`_routed`).
 
     A norm inside an attention (Qwen 3's ``q_norm``/``k_norm``, over each head) runs on the rank's own
     heads after the column-parallel projections, not on the residual stream: it is left as it is (its
     gradient is summed: :mod:`shardkit.planner.split_params`)."""
     blocks = _blocks(model)
-    norms, embeddings, gathers, problems = [], [], [], []
+    extras, problems = _routed(model, splits, experts)
+    moe = tuple(f"{b}." if b else "" for b in extras["routed"])
+    norms, embeddings, gathers = [], [], []
     for name, module in model.named_modules():
-        if name in splits or not name:
+        if name in splits or not name or name in extras["routed"] or name.startswith(moe):
             continue
         inside = next((b for b in blocks if name == b or name.startswith(b + ".")), None)
         if is_norm(module):
@@ -326,7 +352,7 @@ def _sequence_parallel(model: nn.Module, splits: dict[str, ModuleSplit],
                                 f"projections, or drop sequence_parallel")
             else:
                 gathers.append(name)
-    return {"norms": tuple(norms), "embeddings": tuple(embeddings), "gathers": tuple(gathers)}, problems
+    return {"norms": tuple(norms), "embeddings": tuple(embeddings), "gathers": tuple(gathers), **extras}, problems
 
 
 __all__ = ["AxisPlan", "ModuleSplit", "aliases", "axis_problems", "head_count_problems", "plan_axis",

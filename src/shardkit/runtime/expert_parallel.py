@@ -41,6 +41,7 @@ from torch import nn
 from ..models.experts import combine, expert_mlp, sort_by_expert
 from ..planner.experts import ExpertsLayer
 from .meshes import DataMesh
+from .split_params import SumGradient
 
 
 class Exchange(torch.autograd.Function):
@@ -104,27 +105,33 @@ class RowCounts:
 class ExpertGroup:
     """The ``ep`` group of one rank: its process group, its size, and ``E``; ``compute_dtype``: the
     dtype its local experts compute in when no FSDP2 unit casts them (a mixed-precision policy's
-    ``param_dtype`` with ``ep`` the only data axis)."""
+    ``param_dtype`` with ``ep`` the only data axis); ``summed_over``: the process groups the local
+    experts' gradient is summed over (the ``tp`` group under Megatron sequence parallel, whose ranks
+    each route their own part of the sequence to the same experts)."""
 
     group: Any
     size: int
     num_experts: int
     compute_dtype: torch.dtype | None = None
+    summed_over: tuple[Any, ...] = ()
 
     @property
     def local_experts(self) -> int:
         return self.num_experts // self.size
 
 
-def _local_weights(experts: nn.Module, scale: float, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
-    """This rank's slices of the experts' parameters as plain tensors in ``dtype`` (when given),
-    gradients scaled by ``scale``."""
+def _local_weights(experts: nn.Module, ep: ExpertGroup) -> dict[str, torch.Tensor]:
+    """This rank's slices of the experts' parameters as plain tensors in ``ep.compute_dtype`` (when
+    given), gradients scaled by ``1 / ep.size`` and summed over ``ep.summed_over``."""
     from torch.distributed.tensor import DTensor
 
     out = {}
     for name, param in experts.named_parameters(recurse=False):
         local = param.to_local() if isinstance(param, DTensor) else param
-        out[name] = ScaleGrad.apply(local if dtype is None else local.to(dtype), scale)
+        for group in ep.summed_over:
+            local = SumGradient.apply(local, group)
+        local = local if ep.compute_dtype is None else local.to(ep.compute_dtype)
+        out[name] = ScaleGrad.apply(local, 1.0 / ep.size)
     return out
 
 
@@ -143,7 +150,7 @@ def expert_parallel_forward(experts: nn.Module, hidden_states: torch.Tensor, top
     expert_of_row = torch.arange(local, device=rows.device).repeat(ep.size).repeat_interleave(
         received_counts, output_size=arrived.shape[0])
     by_expert = torch.argsort(expert_of_row, stable=True)  # by local expert, then source rank
-    weights = _local_weights(experts, 1.0 / ep.size, ep.compute_dtype)
+    weights = _local_weights(experts, ep)
     computed = expert_mlp(experts, arrived[by_expert], received_counts.view(ep.size, local).sum(dim=0), weights)
     returned = exchange(torch.empty_like(computed).index_copy(0, by_expert, computed), send, receive, ep.group)
     return combine(returned, routed.order, top_k_weights).to(hidden_states.dtype)
@@ -162,9 +169,11 @@ class ExpertParallelExperts:
 _CLASSES: dict[type, type] = {}
 
 
-def apply_expert_parallel(model: nn.Module, layers: Iterable[ExpertsLayer], ep_mesh: Any) -> None:
+def apply_expert_parallel(model: nn.Module, layers: Iterable[ExpertsLayer], ep_mesh: Any,
+                          summed_over: tuple[Any, ...] = ()) -> None:
     """Split each experts module of ``layers`` over ``ep_mesh`` (a 1-D DeviceMesh) in place: its
-    parameters become DTensors sharded on dim 0, its forward sends tokens to their experts."""
+    parameters become DTensors sharded on dim 0, its forward sends tokens to their experts.
+    ``summed_over``: process groups whose ranks route different tokens to the same experts."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
     for layer in layers:
@@ -176,7 +185,8 @@ def apply_expert_parallel(model: nn.Module, layers: Iterable[ExpertsLayer], ep_m
         if cls not in _CLASSES:
             _CLASSES[cls] = type(f"ExpertParallel{cls.__name__}", (ExpertParallelExperts, cls), {})
         experts.__class__ = _CLASSES[cls]
-        experts._sk_expert_group = ExpertGroup(ep_mesh.get_group(), ep_mesh.size(), layer.num_experts)
+        experts._sk_expert_group = ExpertGroup(ep_mesh.get_group(), ep_mesh.size(), layer.num_experts,
+                                               summed_over=summed_over)
 
 
 def expert_parameters(model: nn.Module, layers: Iterable[ExpertsLayer]) -> set[nn.Parameter]:

@@ -80,7 +80,8 @@ def parallelize(module: nn.Module, plan: Plan, ctx: Context, layouts: dict[str, 
         permutations.update(apply_tensor_parallel(module, axis_plan, meshes.axis(axis)))
     module._sk_permutations = permutations  # read by materialize, full_state_dict, checkpoints
     if facts.experts:  # ep: experts split whole over it, before data parallel reduces the rest over it
-        apply_expert_parallel(module, facts.experts, meshes.axis("ep"))
+        routing_own_part = tuple(meshes.axis(a).get_group() for a, p in facts.tensor_parallel.items() if p.routed)
+        apply_expert_parallel(module, facts.experts, meshes.axis("ep"), routing_own_part)
     if plan.mesh.size_of("sp") > 1:
         from .context_parallel import enable_context_parallel
 

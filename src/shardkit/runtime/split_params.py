@@ -30,7 +30,7 @@ from torch.distributed.tensor import DeviceMesh, DTensor, Shard, distribute_tens
 from ..planner.tensor_parallel import AxisPlan
 
 
-class _SumGradient(torch.autograd.Function):
+class SumGradient(torch.autograd.Function):
     """The identity; its backward sums the gradient over ``group`` (in place of a copy)."""
 
     @staticmethod
@@ -66,7 +66,7 @@ def apply_split_params(model: nn.Module, plan: AxisPlan, mesh: DeviceMesh) -> No
     group = mesh.get_group()
     for name in plan.summed:
         owner, _, pname = name.rpartition(".")
-        _shadow(model.get_submodule(owner), pname, lambda p: _SumGradient.apply(p, group))
+        _shadow(model.get_submodule(owner), pname, lambda p: SumGradient.apply(p, group))
     for name, dim in plan.sliced:
         owner, _, pname = name.rpartition(".")
         module = model.get_submodule(owner)
@@ -77,4 +77,4 @@ def apply_split_params(model: nn.Module, plan: AxisPlan, mesh: DeviceMesh) -> No
         _shadow(module, pname, _local)
 
 
-__all__ = ["apply_split_params"]
+__all__ = ["SumGradient", "apply_split_params"]

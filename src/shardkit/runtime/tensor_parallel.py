@@ -47,6 +47,7 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -185,6 +186,12 @@ def tensor_parallel_styles(model: nn.Module, plan: AxisPlan) -> dict[str, Parall
             if name in modules:
                 styles[name] = PrepareModuleInput(input_layouts=(Shard(SEQUENCE_DIM),),
                                                   desired_input_layouts=(Replicate(),), use_local_output=True)
+        seq = (Shard(SEQUENCE_DIM),)
+        for name in plan.routed:  # MoE blocks route the rank's own part of the sequence: experts act per token
+            if name in modules:
+                styles[name] = PrepareModuleInputOutput(input_layouts=seq, desired_input_layouts=seq,
+                                                        use_local_input=True, output_layouts=seq,
+                                                        desired_output_layouts=seq, use_local_output=False)
     return styles
 
 
