@@ -8,6 +8,7 @@ FLOPs against torch's count of a real forward; the rest is pure arithmetic on th
 
 from __future__ import annotations
 
+import math
 import re
 
 import pytest
@@ -15,38 +16,126 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import shardkit as sk
-from shardkit.models.gpt import build_tiny_gpt, build_tiny_gpt_moe
+from shardkit.models.gpt import (
+    GPT,
+    GPTConfig,
+    build_tiny_gpt,
+    build_tiny_gpt_moe,
+    gpt_loss,
+    tiny_moe_config,
+)
 from shardkit.models.hf import build_tiny_mixtral
 from shardkit.planner.counters import EXTRA_FLOPS
 from shardkit.planner.experts import composition_problems
 from shardkit.planner.hardware import hardware
 from shardkit.planner.meta import meta_model
 
-#: The meshes of 4 ranks whose parameter bytes the estimate must state exactly.
-MESHES = ("fsdp=2,ep=2", "ep=4")
-
 
 def _gpt_moe() -> torch.nn.Module:
     return meta_model(build_tiny_gpt_moe)
 
 
-def _held(ctx, meshes):
-    """The parameter bytes this rank holds under each mesh."""
+def build_two_expert_gpt_moe() -> GPT:
+    """The tiny MoE GPT with 2 experts (top 1): under ``fsdp=2,ep=2`` a rank's one expert is fewer
+    than the 2 FSDP shards."""
+    torch.manual_seed(0)
+    return GPT(GPTConfig(**{**tiny_moe_config().__dict__, "experts": 2, "top_k": 1}))
+
+
+BUILDERS = {"gpt-moe": build_tiny_gpt_moe, "two-experts": build_two_expert_gpt_moe}
+#: (model, mesh) of 4 ranks whose parameter bytes the estimate must state exactly.
+CASES = (("gpt-moe", "fsdp=2,ep=2"), ("gpt-moe", "ep=4"), ("two-experts", "fsdp=2,ep=2"))
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.randint(0, 256, (8, 17), generator=torch.Generator().manual_seed(1))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _held(ctx, cases):
+    """Per case, on this rank: the parameter bytes held, each expert parameter's local shape and
+    FSDP placement, and for the 2 experts (rank 0) the full weights before and after 3 SGD steps,
+    with the losses."""
+    from shardkit.runtime.apply import full_state_dict
+
     out = []
-    for mesh in meshes:
-        model = sk.shard(build_tiny_gpt_moe(), sk.Plan(mesh=sk.Mesh.parse(mesh)), ctx)
-        out.append(sum((p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size()
-                       for p in model.parameters()))
+    for name, mesh in cases:
+        plan = sk.Plan(mesh=sk.Mesh.parse(mesh))
+        model = sk.shard(BUILDERS[name](), plan, ctx)
+        held = sum(_local(p).numel() * p.element_size() for p in model.parameters())
+        experts = {n: (tuple(_local(p).shape), str(p.placements[0])) for n, p in model.named_parameters()
+                   if ".experts." in n}
+        if name != "two-experts":
+            out.append((held, experts, None))
+            continue
+        initial = full_state_dict(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        data, index = plan.mesh.data_size, plan.mesh.data_index(ctx.rank)
+        inputs, targets = (t.chunk(data)[index] for t in _batch())
+        losses = []
+        for _ in range(3):
+            optimizer.zero_grad()
+            losses.append(model.step(inputs, targets, gpt_loss).item())
+            optimizer.step()
+        weights = full_state_dict(model)
+        out.append((held, experts, (initial, losses, weights) if ctx.rank == 0 else None))
     return out
 
 
-def test_estimate_states_the_parameter_bytes_every_rank_holds(world):
+@pytest.fixture(scope="module")
+def held(world):
+    ranks = world(4).run(_held, CASES)
+    return {case: [rank[i] for rank in ranks] for i, case in enumerate(CASES)}
+
+
+def test_estimate_states_the_parameter_bytes_every_rank_holds(held):
     """E / ep experts per rank, FSDP over the data axes but ep for them, over all for the rest."""
-    ranks = world(4).run(_held, MESHES)
-    for i, mesh in enumerate(MESHES):
-        e = sk.estimate(_gpt_moe(), sk.Plan(mesh=sk.Mesh.parse(mesh)), batch_size=8, seq_len=16)
-        assert {rank[i] for rank in ranks} == {e.memory["parameters"]}, mesh
+    for name, mesh in CASES:
+        e = sk.estimate(meta_model(BUILDERS[name]), sk.Plan(mesh=sk.Mesh.parse(mesh)), batch_size=8, seq_len=16)
+        bytes_held = {rank[0] for rank in held[name, mesh]}
+        if name == "two-experts":  # the router [2, 64] over 4 shards: FSDP2 pads 1, 1, 0, 0 rows to 1 each
+            bytes_held = {max(bytes_held)}
+        assert bytes_held == {e.memory["parameters"]}, mesh
         assert e.memory["gradients"] == e.memory["parameters"]
+
+
+def test_fewer_experts_per_rank_than_fsdp_shards_are_sharded_on_another_dim_unpadded(held):
+    """2 experts, fsdp=2 x ep=2: each rank holds half of one expert (FSDP shards dim 1), 1/4 of
+    the experts exactly, not a whole padded expert; and trains as one process."""
+    whole = {n: p.shape for n, p in build_two_expert_gpt_moe().named_parameters() if ".experts." in n}
+    ranks = held["two-experts", "fsdp=2,ep=2"]
+    for _, experts, _ in ranks:
+        assert experts.keys() == whole.keys()
+        for n, (shape, placement) in experts.items():
+            assert shape == (1, whole[n][1] // 2, *whole[n][2:]) and placement == "S(1)", (n, shape)
+    per_rank = sum(math.prod(s) for s, _ in ranks[0][1].values())
+    assert per_rank * 4 == sum(math.prod(s) for s in whole.values())
+    e = sk.estimate(meta_model(build_two_expert_gpt_moe), sk.Plan(mesh=sk.Mesh(fsdp=2, ep=2)), batch_size=8,
+                    seq_len=16)
+    assert e.experts.bytes == per_rank * 4  # float32
+    initial, losses, weights = ranks[0][2]
+    model = build_two_expert_gpt_moe()
+    assert _max_diff(initial, dict(model.named_parameters())) == 0  # full_state_dict puts each half in its place
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    inputs, targets = _batch()
+    expected = []
+    for _ in range(3):
+        optimizer.zero_grad()
+        loss = gpt_loss(model(inputs), targets)
+        loss.backward()
+        expected.append(loss.item())
+        optimizer.step()
+    assert losses == pytest.approx(expected, abs=1e-5)
+    assert _max_diff(weights, dict(model.named_parameters())) <= 1e-5
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[n].detach() - b[n].detach()).abs().max()) for n in a)
 
 
 def test_analyse_counts_active_parameters_and_the_flops_of_top_k_experts():
