@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -56,10 +57,10 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def _held(ctx, cases):
+def _held(ctx, cases, root: str):
     """Per case, on this rank: the parameter bytes held, each expert parameter's local shape and
     FSDP placement, and for the 2 experts (rank 0) the full weights before and after 3 SGD steps,
-    with the losses."""
+    with the losses, saved to ``root``."""
     from shardkit.runtime.apply import full_state_dict
 
     out = []
@@ -82,13 +83,19 @@ def _held(ctx, cases):
             losses.append(model.step(inputs, targets, gpt_loss).item())
             optimizer.step()
         weights = full_state_dict(model)
+        sk.save(root, model, step=3)
         out.append((held, experts, (initial, losses, weights) if ctx.rank == 0 else None))
     return out
 
 
 @pytest.fixture(scope="module")
-def held(world):
-    ranks = world(4).run(_held, CASES)
+def checkpoint(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("two-experts")
+
+
+@pytest.fixture(scope="module")
+def held(world, checkpoint):
+    ranks = world(4).run(_held, CASES, str(checkpoint))
     return {case: [rank[i] for rank in ranks] for i, case in enumerate(CASES)}
 
 
@@ -103,9 +110,10 @@ def test_estimate_states_the_parameter_bytes_every_rank_holds(held):
         assert e.memory["gradients"] == e.memory["parameters"]
 
 
-def test_fewer_experts_per_rank_than_fsdp_shards_are_sharded_on_another_dim_unpadded(held):
+def test_fewer_experts_per_rank_than_fsdp_shards_are_sharded_on_another_dim_unpadded(held, checkpoint):
     """2 experts, fsdp=2 x ep=2: each rank holds half of one expert (FSDP shards dim 1), 1/4 of
-    the experts exactly, not a whole padded expert; and trains as one process."""
+    the experts exactly, not a whole padded expert; trains as one process; its checkpoint loads
+    into one process."""
     whole = {n: p.shape for n, p in build_two_expert_gpt_moe().named_parameters() if ".experts." in n}
     ranks = held["two-experts", "fsdp=2,ep=2"]
     for _, experts, _ in ranks:
@@ -131,6 +139,9 @@ def test_fewer_experts_per_rank_than_fsdp_shards_are_sharded_on_another_dim_unpa
         optimizer.step()
     assert losses == pytest.approx(expected, abs=1e-5)
     assert _max_diff(weights, dict(model.named_parameters())) <= 1e-5
+    loaded = build_two_expert_gpt_moe()
+    sk.load(checkpoint, loaded)
+    assert _max_diff(weights, dict(loaded.named_parameters())) == 0
 
 
 def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
