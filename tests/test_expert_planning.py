@@ -265,3 +265,19 @@ def test_plan_refuses_ep_for_a_dense_model_by_name(capsys, no_processes):
     assert re.search(r"ep > 1 +mesh axis 'ep' \(size 2\) splits the experts of MoE layers, but GPT has none", out)
     assert main([*argv[:2], "gpt-moe", *argv[3:]]) == 0
     assert re.search(r"^\d+ +ep=4 ", capsys.readouterr().out, re.MULTILINE)
+
+
+def test_autoshard_offers_tp_with_ep_for_transformers_experts():
+    """Mixtral's default rules keep the experts whole over tp (its ep plan), so tp x ep is searched
+    (before, every tp degree was refused: its tp plan splits the experts), each candidate a plan
+    sk.validate takes."""
+    model = meta_model(build_tiny_mixtral)
+    found = sk.autoshard(model, devices=4, hardware="h100-80g", global_batch=8, seq_len=16, param_dtype=None,
+                         axes=("tp", "ep"), top=1000)
+    meshes = {(c.plan.mesh.size_of("tp"), c.plan.mesh.size_of("ep")) for c in found}
+    assert {(2, 2), (1, 4)} <= meshes, meshes
+    assert [r.family for r in found.rejected] == ["tp=4"], found.rejected  # 2 KV heads
+    tp_ep = next(c for c in found if c.plan.mesh.size_of("tp") == 2 and c.plan.mesh.size_of("ep") == 2)
+    sk.validate(tp_ep.plan, model)
+    a = sk.analyse(model, seq_len=16, tp=2)
+    assert a.experts.params == a.experts.global_params  # whole on every tp rank: ep splits them, tp does not
