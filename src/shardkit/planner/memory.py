@@ -36,6 +36,8 @@ list with the reasons):
 
 from __future__ import annotations
 
+import math
+
 from .costs import OPTIMIZER_STATES, Costs, Numbers, Setting, sharded_elements
 from .expert_costs import stored_expert_elements
 from .hardware import Hardware
@@ -72,6 +74,8 @@ def stored_experts(n: Numbers, s: Setting) -> int:
     """Elements of one block's experts a device stores: ``E / ep`` of them, FSDP's shard of those."""
     if s.shards == 1:
         return n.expert_params // s.ep
+    if s.ep == 1:  # no ep: the experts are in their block's FSDP unit, sharded on dim 0 like the rest of it
+        return sharded_elements(tuple((shape[0], math.prod(shape) // shape[0]) for shape in n.expert_shapes), s.shards)
     return stored_expert_elements(n.expert_shapes, s.ep, s.expert_shards)
 
 
