@@ -28,6 +28,7 @@ from shardkit.models.gpt import (
 from shardkit.models.hf import build_tiny_mixtral
 from shardkit.planner.counters import EXTRA_FLOPS
 from shardkit.planner.experts import composition_problems
+from shardkit.planner.explain import explain_plan
 from shardkit.planner.hardware import hardware
 from shardkit.planner.meta import meta_model
 
@@ -107,6 +108,8 @@ def test_estimate_states_the_parameter_bytes_every_rank_holds(held):
         if name == "two-experts":  # the router [2, 64] over 4 shards: FSDP2 pads 1, 1, 0, 0 rows to 1 each
             bytes_held = {max(bytes_held)}
         assert bytes_held == {e.memory["parameters"]}, mesh
+        text = explain_plan(sk.Plan(mesh=sk.Mesh.parse(mesh)), meta_model(BUILDERS[name]))
+        assert int(re.search(r"parameter bytes per device: ([\d,]+) B", text).group(1).replace(",", "")) in bytes_held
         assert e.memory["gradients"] == e.memory["parameters"]
 
 
