@@ -8,45 +8,148 @@ FLOPs against torch's count of a real forward; the rest is pure arithmetic on th
 
 from __future__ import annotations
 
+import math
 import re
+from pathlib import Path
 
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import shardkit as sk
-from shardkit.models.gpt import build_tiny_gpt, build_tiny_gpt_moe
+from shardkit.models.gpt import (
+    GPT,
+    GPTConfig,
+    build_tiny_gpt,
+    build_tiny_gpt_moe,
+    gpt_loss,
+    tiny_moe_config,
+)
 from shardkit.models.hf import build_tiny_mixtral
 from shardkit.planner.counters import EXTRA_FLOPS
 from shardkit.planner.experts import composition_problems
+from shardkit.planner.explain import explain_plan
 from shardkit.planner.hardware import hardware
 from shardkit.planner.meta import meta_model
-
-#: The meshes of 4 ranks whose parameter bytes the estimate must state exactly.
-MESHES = ("fsdp=2,ep=2", "ep=4")
 
 
 def _gpt_moe() -> torch.nn.Module:
     return meta_model(build_tiny_gpt_moe)
 
 
-def _held(ctx, meshes):
-    """The parameter bytes this rank holds under each mesh."""
+def build_two_expert_gpt_moe() -> GPT:
+    """The tiny MoE GPT with 2 experts (top 1): under ``fsdp=2,ep=2`` a rank's one expert is fewer
+    than the 2 FSDP shards."""
+    torch.manual_seed(0)
+    return GPT(GPTConfig(**{**tiny_moe_config().__dict__, "experts": 2, "top_k": 1}))
+
+
+BUILDERS = {"gpt-moe": build_tiny_gpt_moe, "two-experts": build_two_expert_gpt_moe}
+#: (model, mesh) of 4 ranks whose parameter bytes the estimate must state exactly.
+CASES = (("gpt-moe", "fsdp=2,ep=2"), ("gpt-moe", "ep=4"), ("two-experts", "fsdp=2,ep=2"))
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.randint(0, 256, (8, 17), generator=torch.Generator().manual_seed(1))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _held(ctx, cases, root: str):
+    """Per case, on this rank: the parameter bytes held, each expert parameter's local shape and
+    FSDP placement, and for the 2 experts (rank 0) the full weights before and after 3 SGD steps,
+    with the losses, saved to ``root``."""
+    from shardkit.runtime.apply import full_state_dict
+
     out = []
-    for mesh in meshes:
-        model = sk.shard(build_tiny_gpt_moe(), sk.Plan(mesh=sk.Mesh.parse(mesh)), ctx)
-        out.append(sum((p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size()
-                       for p in model.parameters()))
+    for name, mesh in cases:
+        plan = sk.Plan(mesh=sk.Mesh.parse(mesh))
+        model = sk.shard(BUILDERS[name](), plan, ctx)
+        held = sum(_local(p).numel() * p.element_size() for p in model.parameters())
+        experts = {n: (tuple(_local(p).shape), str(p.placements[0])) for n, p in model.named_parameters()
+                   if ".experts." in n}
+        if name != "two-experts":
+            out.append((held, experts, None))
+            continue
+        initial = full_state_dict(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        data, index = plan.mesh.data_size, plan.mesh.data_index(ctx.rank)
+        inputs, targets = (t.chunk(data)[index] for t in _batch())
+        losses = []
+        for _ in range(3):
+            optimizer.zero_grad()
+            losses.append(model.step(inputs, targets, gpt_loss).item())
+            optimizer.step()
+        weights = full_state_dict(model)
+        sk.save(root, model, step=3)
+        out.append((held, experts, (initial, losses, weights) if ctx.rank == 0 else None))
     return out
 
 
-def test_estimate_states_the_parameter_bytes_every_rank_holds(world):
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("two-experts")
+
+
+@pytest.fixture(scope="module")
+def held(world, checkpoint):
+    ranks = world(4).run(_held, CASES, str(checkpoint))
+    return {case: [rank[i] for rank in ranks] for i, case in enumerate(CASES)}
+
+
+def test_estimate_states_the_parameter_bytes_every_rank_holds(held):
     """E / ep experts per rank, FSDP over the data axes but ep for them, over all for the rest."""
-    ranks = world(4).run(_held, MESHES)
-    for i, mesh in enumerate(MESHES):
-        e = sk.estimate(_gpt_moe(), sk.Plan(mesh=sk.Mesh.parse(mesh)), batch_size=8, seq_len=16)
-        assert {rank[i] for rank in ranks} == {e.memory["parameters"]}, mesh
+    for name, mesh in CASES:
+        e = sk.estimate(meta_model(BUILDERS[name]), sk.Plan(mesh=sk.Mesh.parse(mesh)), batch_size=8, seq_len=16)
+        bytes_held = {rank[0] for rank in held[name, mesh]}
+        if name == "two-experts":  # the router [2, 64] over 4 shards: FSDP2 pads 1, 1, 0, 0 rows to 1 each
+            bytes_held = {max(bytes_held)}
+        assert bytes_held == {e.memory["parameters"]}, mesh
+        text = explain_plan(sk.Plan(mesh=sk.Mesh.parse(mesh)), meta_model(BUILDERS[name]))
+        assert int(re.search(r"parameter bytes per device: ([\d,]+) B", text).group(1).replace(",", "")) in bytes_held
         assert e.memory["gradients"] == e.memory["parameters"]
+
+
+def test_fewer_experts_per_rank_than_fsdp_shards_are_sharded_on_another_dim_unpadded(held, checkpoint):
+    """2 experts, fsdp=2 x ep=2: each rank holds half of one expert (FSDP shards dim 1), 1/4 of
+    the experts exactly, not a whole padded expert; trains as one process; its checkpoint loads
+    into one process."""
+    whole = {n: p.shape for n, p in build_two_expert_gpt_moe().named_parameters() if ".experts." in n}
+    ranks = held["two-experts", "fsdp=2,ep=2"]
+    for _, experts, _ in ranks:
+        assert experts.keys() == whole.keys()
+        for n, (shape, placement) in experts.items():
+            assert shape == (1, whole[n][1] // 2, *whole[n][2:]) and placement == "S(1)", (n, shape)
+    per_rank = sum(math.prod(s) for s, _ in ranks[0][1].values())
+    assert per_rank * 4 == sum(math.prod(s) for s in whole.values())
+    e = sk.estimate(meta_model(build_two_expert_gpt_moe), sk.Plan(mesh=sk.Mesh(fsdp=2, ep=2)), batch_size=8,
+                    seq_len=16)
+    assert e.experts.bytes == per_rank * 4  # float32
+    initial, losses, weights = ranks[0][2]
+    model = build_two_expert_gpt_moe()
+    assert _max_diff(initial, dict(model.named_parameters())) == 0  # full_state_dict puts each half in its place
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    inputs, targets = _batch()
+    expected = []
+    for _ in range(3):
+        optimizer.zero_grad()
+        loss = gpt_loss(model(inputs), targets)
+        loss.backward()
+        expected.append(loss.item())
+        optimizer.step()
+    assert losses == pytest.approx(expected, abs=1e-5)
+    assert _max_diff(weights, dict(model.named_parameters())) <= 1e-5
+    loaded = build_two_expert_gpt_moe()
+    sk.load(checkpoint, loaded)
+    assert _max_diff(weights, dict(loaded.named_parameters())) == 0
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[n].detach() - b[n].detach()).abs().max()) for n in a)
 
 
 def test_analyse_counts_active_parameters_and_the_flops_of_top_k_experts():
@@ -165,3 +268,19 @@ def test_plan_refuses_ep_for_a_dense_model_by_name(capsys, no_processes):
     assert re.search(r"ep > 1 +mesh axis 'ep' \(size 2\) splits the experts of MoE layers, but GPT has none", out)
     assert main([*argv[:2], "gpt-moe", *argv[3:]]) == 0
     assert re.search(r"^\d+ +ep=4 ", capsys.readouterr().out, re.MULTILINE)
+
+
+def test_autoshard_offers_tp_with_ep_for_transformers_experts():
+    """Mixtral's default rules keep the experts whole over tp (its ep plan), so tp x ep is searched
+    (before, every tp degree was refused: its tp plan splits the experts), each candidate a plan
+    sk.validate takes."""
+    model = meta_model(build_tiny_mixtral)
+    found = sk.autoshard(model, devices=4, hardware="h100-80g", global_batch=8, seq_len=16, param_dtype=None,
+                         axes=("tp", "ep"), top=1000)
+    meshes = {(c.plan.mesh.size_of("tp"), c.plan.mesh.size_of("ep")) for c in found}
+    assert {(2, 2), (1, 4)} <= meshes, meshes
+    assert [r.family for r in found.rejected] == ["tp=4"], found.rejected  # 2 KV heads
+    tp_ep = next(c for c in found if c.plan.mesh.size_of("tp") == 2 and c.plan.mesh.size_of("ep") == 2)
+    sk.validate(tp_ep.plan, model)
+    a = sk.analyse(model, seq_len=16, tp=2)
+    assert a.experts.params == a.experts.global_params  # whole on every tp rank: ep splits them, tp does not

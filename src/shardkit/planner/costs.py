@@ -126,7 +126,7 @@ class Numbers:
     num_experts: int = 0
     top_k: int = 0
     expert_params: int = 0  # elements of one block's experts (all E), per tp rank
-    expert_pieces: tuple[Piece, ...] = ()  # (E, elements per expert) each: ep splits E, FSDP shards the rest
+    expert_shapes: tuple[tuple[int, ...], ...] = ()  # each expert parameter's shape: ep splits dim 0 (E)
     dense_pieces: tuple[Piece, ...] = ()  # block_pieces less the experts'
 
     def block_params_at(self, ep: int) -> int:
@@ -141,7 +141,7 @@ class Numbers:
         head_dim = a.head_dim or (a.hidden // a.heads if a.heads else 0)  # 0: a model without attention heads
         qkvo = 2 * (a.heads + a.kv_heads) // a.tp * head_dim * a.dtype.itemsize
         e = a.experts
-        experts = (e.modules, e.num_experts, e.top_k, e.params, e.pieces, without(a.block.pieces, e.measured)) \
+        experts = (e.modules, e.num_experts, e.top_k, e.params, e.shapes, without(a.block.pieces, e.measured)) \
             if e is not None else (0, 0, 0, 0, (), a.block.pieces)
         return cls(a.layers, a.hidden, a.vocab, 2 * a.kv_heads * head_dim, a.dtype.itemsize,
                    a.block.params, a.embedding.params, a.head.params, a.tied, a.block.flops, core,

@@ -21,7 +21,7 @@ local (:func:`exchanges`).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -38,15 +38,15 @@ COUNT_BYTES = 8
 class ExpertCosts:
     """The experts of one block, as one tensor-parallel rank holds them: ``modules`` experts
     modules of ``num_experts`` experts each, ``top_k`` per token; ``params`` elements at this
-    rank's local shapes (all ``E`` experts; ``global_params``: whole), ``pieces`` each expert
-    parameter as ``(E, elements per expert)`` (``ep`` splits the ``E``, FSDP then shards it: the
-    runtime's ``fully_shard`` of an experts module shards dim 0), ``measured``: the same
+    rank's local shapes (all ``E`` experts; ``global_params``: whole), ``shapes`` each expert
+    parameter's shape at this rank (``ep`` splits dim 0, ``E``; FSDP then shards the dim
+    :func:`expert_shard_dim` picks), ``measured``: the same
     parameters as the analysis's block pieces hold them, and ``flops_per_token``: the forward
     FLOPs of one token through ``top_k`` experts (2 per weight element of each expert it visits).
 
-    >>> costs = ExpertCosts(1, 4, 2, 80, 80, ((4, 12), (4, 8)), ((4, 12), (4, 8)), 80.0)
-    >>> costs.active_params, split_experts(costs.pieces, 2)
-    (40, ((2, 12), (2, 8)))
+    >>> costs = ExpertCosts(1, 4, 2, 80, 80, ((4, 6, 2), (4, 8)), ((4, 12), (4, 8)), 80.0)
+    >>> costs.active_params, stored_expert_elements(costs.shapes, ep=4, shards=2)
+    (40, 10)
     """
 
     modules: int
@@ -54,7 +54,7 @@ class ExpertCosts:
     top_k: int
     params: int
     global_params: int
-    pieces: tuple[Piece, ...]
+    shapes: tuple[tuple[int, ...], ...]
     measured: tuple[Piece, ...]
     flops_per_token: float
 
@@ -64,9 +64,31 @@ class ExpertCosts:
         return self.global_params * self.top_k // self.num_experts
 
 
-def split_experts(pieces: tuple[Piece, ...], ep: int) -> tuple[Piece, ...]:
-    """``pieces`` of ``(E, rest)`` as one ``ep`` rank holds them: ``(E / ep, rest)``."""
-    return tuple((size // ep, rest) for size, rest in pieces)
+def expert_shard_dim(shape: Sequence[int], shards: int) -> int:
+    """The dim FSDP2 shards ``shards`` ways of a stacked expert parameter of ``shape`` as one ``ep``
+    rank holds it (its ``E / ep`` experts first): dim 0, the expert dim, when ``shards`` divides it;
+    else the first other dim it divides, so that no rank allocates a padded expert (FSDP2 pads
+    dim 0 to ``ceil(E / ep / shards)`` experts, and shards other dims only evenly; torchtitan
+    shards experts on dim 1 the same way); else dim 0, padded. The runtime's ``fully_shard`` of
+    an experts module (``runtime/expert_parallel.py``) and the estimate both follow it.
+
+    >>> expert_shard_dim((2, 512, 64), 2), expert_shard_dim((1, 512, 64), 2), expert_shard_dim((1, 3, 4), 2)
+    (0, 1, 2)
+    >>> expert_shard_dim((1, 3, 5), 2)
+    0
+    """
+    return next((d for d, size in enumerate(shape) if size % shards == 0), 0)
+
+
+def stored_expert_elements(shapes: Iterable[Sequence[int]], ep: int, shards: int) -> int:
+    """Elements a device stores of expert parameters of ``shapes`` (``E`` first): ``E / ep`` experts,
+    sharded ``shards`` ways by FSDP2 on :func:`expert_shard_dim` (padded when no dim divides)."""
+    total = 0
+    for shape in shapes:
+        local = (shape[0] // ep, *shape[1:])
+        dim = expert_shard_dim(local, shards)
+        total += -(-local[dim] // shards) * math.prod(local) // max(local[dim], 1)
+    return total
 
 
 def without(pieces: tuple[Piece, ...], removed: tuple[Piece, ...]) -> tuple[Piece, ...]:
@@ -106,7 +128,7 @@ def block_experts(model: nn.Module, block: str, top_k: dict[str, int], split_dim
     if not layers:
         return None
     params = whole = 0
-    pieces, measured = [], []
+    shapes, measured = [], []
     flops = 0.0
     for layer in layers:
         for pname, p in model.get_submodule(layer.name).named_parameters(recurse=False):
@@ -116,12 +138,12 @@ def block_experts(model: nn.Module, block: str, top_k: dict[str, int], split_dim
                 shape[split_dims[name]] //= tp
             numel = math.prod(shape)
             params, whole = params + numel, whole + p.numel()
-            pieces.append((shape[0], numel // shape[0]))
+            shapes.append(tuple(shape))
             dim = fsdp_dims.get(name, 0)
             measured.append((shape[dim], numel // shape[dim]))
             if pname in EXPERT_WEIGHTS:
                 flops += 2 * top_k[layer.name] * numel / shape[0]
-    return ExpertCosts(len(layers), layers[0].num_experts, top_k[layers[0].name], params, whole, tuple(pieces),
+    return ExpertCosts(len(layers), layers[0].num_experts, top_k[layers[0].name], params, whole, tuple(shapes),
                        tuple(measured), flops)
 
 
@@ -144,5 +166,5 @@ def exchanges(*, tokens: float, top_k: int, hidden: int, itemsize: int, num_expe
             Exchange("rows back's gradient", True, rows), Exchange("rows out's gradient", True, rows)]
 
 
-__all__ = ["COUNT_BYTES", "Exchange", "ExpertCosts", "block_experts", "exchanges", "routing_watch", "split_experts",
-           "without"]
+__all__ = ["COUNT_BYTES", "Exchange", "ExpertCosts", "block_experts", "exchanges", "expert_shard_dim", "routing_watch",
+           "stored_expert_elements", "without"]

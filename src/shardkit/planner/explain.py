@@ -37,6 +37,7 @@ from ..plan.layout import ParamLayout, axes_of
 from ..plan.mesh import axis_role
 from ..plan.text import format_bytes
 from .batch_stats import BatchStats, batch_stats_lines
+from .expert_costs import expert_shard_dim
 from .experts import ExpertsLayer
 from .hardware import Hardware
 from .model_checks import ModelFacts
@@ -211,7 +212,8 @@ def _local_shapes(layout: ParamLayout, mesh: Mesh, shards: int,
     """(shape after the model axes of the layout (and ``ep``'s split of dim 0 for an expert
     parameter: ``experts_split``), shape after FSDP as well).
 
-    FSDP shards the dim the layout gives to ``fsdp`` (dim 0 by default), padded: ceil.
+    FSDP shards the dim the layout gives to ``fsdp`` (dim 0 by default; an expert's:
+    :func:`~shardkit.planner.expert_costs.expert_shard_dim`), padded: ceil.
     """
     entries = layout.layout or (None,) * len(layout.shape)
     local = tuple(size // math.prod(mesh.size_of(a) for a in axes_of(entry) if a != FSDP_AXIS)
@@ -220,7 +222,8 @@ def _local_shapes(layout: ParamLayout, mesh: Mesh, shards: int,
         local = (local[0] // experts_split, *local[1:])
     if shards == 1 or not local:
         return local, local
-    dim = layout.axis_dim(FSDP_AXIS) or 0
+    # an expert parameter: the dim the runtime's fully_shard of its experts module shards
+    dim = expert_shard_dim(local, shards) if experts_split > 1 else layout.axis_dim(FSDP_AXIS) or 0
     sharded = list(local)
     sharded[dim] = -(-local[dim] // shards)
     return local, tuple(sharded)

@@ -11,7 +11,9 @@ list with the reasons):
   sharded dim to ``ceil(size / shards)``; a pipeline's last stage holds its own copy of an
   embedding tied to the LM head. FSDP2 keeps sharded parameters and gradients in that dtype
   under mixed precision. With ``ep``, a rank holds ``E / ep`` experts of every MoE layer, which
-  FSDP shards ``fsdp x sp`` ways, and the rest ``fsdp x sp x ep`` ways (:func:`stored_block`).
+  FSDP shards ``fsdp x sp`` ways (on dim 0 when that divides ``E / ep``, else on a dim that
+  divides: ``expert_costs.expert_shard_dim``), and the rest ``fsdp x sp x ep`` ways
+  (:func:`stored_block`).
 - ``optimizer``: the optimizer's states per parameter (AdamW: 2) in the parameters' dtype;
   under ZeRO stage 1 (``Plan(zero=1)``) divided over the ``dp`` ranks, whose parameters and
   gradients stay whole (stages 2 and 3 are FSDP, counted as such).
@@ -34,8 +36,10 @@ list with the reasons):
 
 from __future__ import annotations
 
+import math
+
 from .costs import OPTIMIZER_STATES, Costs, Numbers, Setting, sharded_elements
-from .expert_costs import split_experts
+from .expert_costs import stored_expert_elements
 from .hardware import Hardware
 
 #: Allocator slack over the tensors' own bytes (CUDA's caching allocator rounds and fragments;
@@ -70,7 +74,9 @@ def stored_experts(n: Numbers, s: Setting) -> int:
     """Elements of one block's experts a device stores: ``E / ep`` of them, FSDP's shard of those."""
     if s.shards == 1:
         return n.expert_params // s.ep
-    return sharded_elements(split_experts(n.expert_pieces, s.ep), s.expert_shards)
+    if s.ep == 1:  # no ep: the experts are in their block's FSDP unit, sharded on dim 0 like the rest of it
+        return sharded_elements(tuple((shape[0], math.prod(shape) // shape[0]) for shape in n.expert_shapes), s.shards)
+    return stored_expert_elements(n.expert_shapes, s.ep, s.expert_shards)
 
 
 def _inflight(s: Setting, device: int) -> float:

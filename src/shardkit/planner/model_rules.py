@@ -15,13 +15,15 @@ from ..families.modules import is_linear
 from ..plan import LayoutMap, Mesh, PlanError, UsageError, param_shapes, resolve_layouts
 from ..plan.hf_plan import hf_tp_plan
 from .dataflow import trace
+from .experts import find_experts
 from .split_params import follow_axis
 from .tensor_parallel import AxisPlan, plan_axis, tensor_parallel_problems
 
 
 def default_rules(model: nn.Module, family: Family) -> LayoutMap | None:
-    """The rules shardkit knows for ``model``: the reference GPT's, GPT-2's, transformers' own plan,
-    else the rules inferred from its dataflow (``sk.infer_tp_rules``; ``None`` if nothing pairs)."""
+    """The rules shardkit knows for ``model``: the reference GPT's, GPT-2's, transformers' own plan
+    (with its expert-parallel plan for a mixture of experts: experts whole over ``tp``), else the
+    rules inferred from its dataflow (``sk.infer_tp_rules``; ``None`` if nothing pairs)."""
     from ..models.gpt import GPT_RULES
     from ..models.hf import GPT2_RULES
     from .tp_infer import infer_tp_rules
@@ -31,6 +33,11 @@ def default_rules(model: nn.Module, family: Family) -> LayoutMap | None:
     if family.name == "gpt2" and any(n.startswith("transformer.h.") for n, _ in model.named_parameters()):
         return GPT2_RULES
     if hf_tp_plan(model):
+        if hf_tp_plan(model, "ep") and find_experts(model):  # experts whole over tp (no style splits them; ep does)
+            try:
+                return LayoutMap.from_hf(model, ep=True)
+            except (PlanError, UsageError):  # a style of its ep plan shardkit does not take: its tp plan's rules
+                pass
         return LayoutMap.from_hf(model)
     try:
         return infer_tp_rules(model)

@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..models.experts import combine, expert_mlp, sort_by_expert
+from ..planner.expert_costs import expert_shard_dim
 from ..planner.experts import ExpertsLayer
 from .meshes import DataMesh
 from .split_params import SumGradient
@@ -198,7 +199,10 @@ def wrap_experts(model: nn.Module, layers: Iterable[ExpertsLayer], data: DataMes
                  reshard_after_forward: bool | None) -> set[nn.Parameter]:
     """Data parallelism of the experts, before the model's: each experts module on its own over
     ``data`` (:meth:`Meshes.expert_data <shardkit.runtime.meshes.Meshes.expert_data>`): FSDP2's
-    ``fully_shard`` when it shards, its ``replicate`` when not. Returns the parameters the
+    ``fully_shard`` when it shards (each parameter on the dim
+    :func:`~shardkit.planner.expert_costs.expert_shard_dim` picks: dim 1 where a rank's ``E / ep``
+    experts are fewer than the shards, so none is padded to a whole expert), its ``replicate``
+    when not. Returns the parameters the
     model-wide wrapping must leave alone: every expert's when ``data`` is ``None`` (``ep`` is the
     only data axis, so no other rank holds the same experts and nothing reduces them; a
     mixed-precision policy's ``param_dtype`` is then applied by the forward itself)."""
@@ -213,12 +217,25 @@ def wrap_experts(model: nn.Module, layers: Iterable[ExpertsLayer], data: DataMes
         if data.shards:
             from torch.distributed.fsdp import fully_shard
 
-            fully_shard(experts, mesh=data.mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
+            fully_shard(experts, mesh=data.mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
+                        shard_placement_fn=_expert_placement(data.mesh.size(data.mesh.ndim - 1)))
         else:
             from torch.distributed._composable.replicate_with_fsdp import replicate
 
             replicate(experts, mesh=data.mesh, mp_policy=mp_policy)
     return set()
+
+
+def _expert_placement(shards: int) -> Any:
+    """FSDP2's ``shard_placement_fn`` for an experts module sharded ``shards`` ways: ``Shard`` of
+    :func:`~shardkit.planner.expert_costs.expert_shard_dim` of the rank's local experts."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    def placement(param: nn.Parameter) -> Shard:
+        local = param.to_local() if isinstance(param, DTensor) else param
+        return Shard(expert_shard_dim(local.shape, shards))
+
+    return placement
 
 
 __all__ = ["ExpertGroup", "ExpertParallelExperts", "RowCounts", "ScaleGrad", "apply_expert_parallel",
