@@ -178,9 +178,11 @@ def test_the_experts_are_counted_in_the_analysis(qwen3_moe):
     router = 2 * hidden * experts
     per_expert = 2 * hidden * 2 * inner + 2 * inner * hidden
     assert a.block.flops_per_token["mlp"] == router + top * per_expert
-    # transformers' plan is read (it was refused for its experts' module style, moe_tp_experts): the
-    # stacked expert weights split on their own dims
-    assert a.tp_rules().lookup("model.layers.0.mlp.experts.down_proj")[1] == (None, None, "tp")
+    # transformers' plans are read: its expert-parallel plan for a MoE (planner/model_rules.py), so the
+    # stacked expert weights stay whole over tp, as the runtime holds them (ep splits them), while the
+    # attention keeps its tensor-parallel layout
+    assert a.tp_rules().lookup("model.layers.0.mlp.experts.down_proj")[1] is None
+    assert a.tp_rules().lookup("model.layers.0.self_attn.q_proj.weight")[1] == ("tp", None)
 
 
 # -- shardkit plan --rules -------------------------------------------------------------------------
