@@ -77,9 +77,20 @@ def build_bf16_gpt_moe() -> GPT:
     return build_tiny_gpt_moe().to(torch.bfloat16)
 
 
+def build_bf16_mixtral() -> torch.nn.Module:
+    """The tiny Mixtral in bfloat16."""
+    return build_tiny_mixtral().to(torch.bfloat16)
+
+
+def build_bf16_qwen2_moe() -> torch.nn.Module:
+    """The tiny Qwen2-MoE in bfloat16 (its shared expert too)."""
+    return build_tiny_qwen2_moe().to(torch.bfloat16)
+
+
 BUILDERS = {"gpt-moe": (build_tiny_gpt_moe, gpt_loss), "mixtral": (build_tiny_mixtral, hf_loss),
             "qwen2-moe": (build_tiny_qwen2_moe, hf_loss), "one-sided": (build_one_sided_gpt_moe, gpt_loss),
             "top-k=E": (build_all_experts_gpt_moe, gpt_loss), "gpt-moe-bf16": (build_bf16_gpt_moe, gpt_loss),
+            "mixtral-bf16": (build_bf16_mixtral, hf_loss), "qwen2-moe-bf16": (build_bf16_qwen2_moe, hf_loss),
             "gpt-oss": (build_tiny_gpt_oss, hf_loss)}
 
 
@@ -93,9 +104,10 @@ def _batch(samples: int = 8, seq: int = 16) -> tuple[torch.Tensor, torch.Tensor]
 CASES = {
     2: [("gpt-moe", "ep=2", (8, 16)), ("mixtral", "ep=2", (8, 16)), ("qwen2-moe", "ep=2", (8, 16)),
         ("one-sided", "ep=2", (8, 16)), ("top-k=E", "ep=2", (4, 8)), ("gpt-moe", "ep=2", (2, 1)),
-        ("gpt-moe-bf16", "ep=2", (8, 16)), ("gpt-oss", "ep=2", (8, 16))],
+        ("gpt-moe-bf16", "ep=2", (8, 16)), ("mixtral-bf16", "ep=2", (8, 16)), ("gpt-oss", "ep=2", (8, 16))],
     4: [("gpt-moe", "ep=4", (8, 16)), ("gpt-moe", "fsdp=2,ep=2", (8, 16)), ("gpt-moe", "dp=2,ep=2", (8, 16)),
-        ("mixtral", "fsdp=2,ep=2", (8, 16)), ("one-sided", "ep=4", (8, 16)), ("gpt-moe@meta", "fsdp=2,ep=2", (8, 16)),
+        ("mixtral", "fsdp=2,ep=2", (8, 16)), ("mixtral", "ep=4", (8, 16)),
+        ("qwen2-moe", "ep=4", (8, 16)), ("qwen2-moe", "fsdp=2,ep=2", (8, 16)), ("qwen2-moe-bf16", "fsdp=2,ep=2", (8, 16)), ("one-sided", "ep=4", (8, 16)), ("gpt-moe@meta", "fsdp=2,ep=2", (8, 16)),
         ("gpt-moe@accumulate@clip", "fsdp=2,ep=2", (8, 16))],
 }
 ROUTER = re.compile(r"\.(gate|router)\.(weight|bias)$")  # the routers of gpt-moe, Mixtral, Qwen2-MoE, GPT-OSS
