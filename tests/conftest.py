@@ -33,6 +33,16 @@ class _Worlds:
             world = self._worlds[size] = LocalWorld(size)
         return world
 
+    def run_cases(self, cases_by_size: dict, job) -> dict:
+        """``job(cases)`` run once on a world of each size of ``cases_by_size`` (``{size: [case, ...]}``,
+        one job for all of a size's cases): ``{case: [each rank's result for it]}``."""
+        found = {}
+        for size, cases in cases_by_size.items():
+            runs = self(size).run(job, cases)
+            for i, case in enumerate(cases):
+                found[case] = [run[i] for run in runs]
+        return found
+
     def close(self) -> None:
         for world in self._worlds.values():
             world.close()

@@ -162,12 +162,9 @@ def _reference(name: str):
 
 @pytest.fixture(scope="module")
 def results(world):
-    found = {}
-    for size, cases in CASES.items():
-        runs = world(size).run(_train_cases, cases)
-        for i, case in enumerate(cases):
-            found[case] = [run[i] for run in runs]
-            print(f"{case}: {max(run[i][-1] for run in runs):.1f} s")
+    found = world.run_cases(CASES, _train_cases)
+    for case, runs in found.items():
+        print(f"{case}: {max(run[-1] for run in runs):.1f} s")
     return found
 
 

@@ -189,11 +189,7 @@ def _run_reference(name: str, shape: tuple[int, int], initial: dict[str, torch.T
 
 @pytest.fixture(scope="module")
 def results(world):
-    found = {}
-    for size, cases in CASES.items():
-        runs = world(size).run(_train_cases, cases)
-        for i, case in enumerate(cases):
-            found[case] = [run[i] for run in runs]
+    found = world.run_cases(CASES, _train_cases)
     return found
 
 

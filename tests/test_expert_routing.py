@@ -190,11 +190,7 @@ def _masked_inputs() -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def results(world):
-    found = {}
-    for size, cases in CASES.items():
-        runs = world(size).run(_train_cases, cases)
-        for i, case in enumerate(cases):
-            found[case] = [run[i] for run in runs]
+    found = world.run_cases(CASES, _train_cases)
     found["masked"] = world(4).run(_masked_aux_job)
     return found
 
