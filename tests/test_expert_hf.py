@@ -21,6 +21,7 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from test_hf_weights import names_and_shapes
 
 import shardkit as sk
 from shardkit.models.hf import build_tiny_mixtral, build_tiny_qwen2_moe
@@ -179,14 +180,6 @@ def _logits_equal(ranks, folder):
         torch.testing.assert_close(rank[3], theirs, rtol=1e-5, atol=1e-5)
 
 
-def _names_and_shapes(folder) -> dict[str, tuple[int, ...]]:
-    found = {}
-    for file in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(file), "pt") as handle:
-            found.update({key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()})
-    return found
-
-
 EXPORTED = [c for c in ALL if c[3]]
 
 
@@ -195,7 +188,7 @@ def test_export_under_ep_writes_what_save_pretrained_writes_and_from_pretrained_
     ranks, out = loaded[case]
     folder, source = folders[case[0], "per-expert"]
     exported = Path(out) / "export"
-    assert _names_and_shapes(exported) == _names_and_shapes(Path(folder))  # one tensor per expert, as published
+    assert names_and_shapes(exported) == names_and_shapes(Path(folder))  # one tensor per expert, as published
     assert len(json.loads((exported / "model.safetensors.index.json").read_text())["weight_map"]) > 20
     _logits_equal(ranks, exported)
     # rank 0 receives the experts it does not hold one by one, each from its rank: no layer's
@@ -209,7 +202,7 @@ def test_export_under_ep_writes_what_save_pretrained_writes_and_from_pretrained_
 
     converted = ["checkpoint", "convert", f"{out}/checkpoint", "--to", "hf", str(tmp_path / "converted")]
     assert main([*converted, "--max-shard-size", "60KB"]) == 0  # shardkit checkpoint convert
-    assert _names_and_shapes(tmp_path / "converted") == _names_and_shapes(Path(folder))
+    assert names_and_shapes(tmp_path / "converted") == names_and_shapes(Path(folder))
     _logits_equal(ranks, tmp_path / "converted")
 
 

@@ -189,8 +189,7 @@ def _run_reference(name: str, shape: tuple[int, int], initial: dict[str, torch.T
 
 @pytest.fixture(scope="module")
 def results(world):
-    found = world.run_cases(CASES, _train_cases)
-    return found
+    return world.run_cases(CASES, _train_cases)
 
 
 ALL = [c for cases in CASES.values() for c in cases]

@@ -300,7 +300,7 @@ def test_a_rank_holds_its_shards_and_one_tensor_while_building_and_exporting(wor
 
 # --- names as transformers writes them, for models nobody here wrote -------------------------------
 
-def _names_and_shapes(folder) -> dict[str, tuple[int, ...]]:
+def names_and_shapes(folder) -> dict[str, tuple[int, ...]]:
     from safetensors import safe_open
 
     found = {}
@@ -324,7 +324,7 @@ def test_one_process_export_names_tensors_as_save_pretrained_and_reads_them_back
     model = materialize(sk.meta_model(build), source=open_weights(str(tmp_path / "theirs"), sk.meta_model(build)))
     assert all(torch.equal(p, dict(source.named_parameters())[n]) for n, p in model.named_parameters())
     sk.export_hf(tmp_path / "ours", model, max_shard_size="50KB")
-    ours, theirs = _names_and_shapes(tmp_path / "ours"), _names_and_shapes(tmp_path / "theirs")
+    ours, theirs = names_and_shapes(tmp_path / "ours"), names_and_shapes(tmp_path / "theirs")
     assert ours == theirs
     index = json.loads((tmp_path / "ours" / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"]) == set(theirs) and index["metadata"]["total_size"] > 0
@@ -341,7 +341,7 @@ def test_convert_writes_the_names_of_the_saved_models_library(tmp_path):
     config = json.loads((tmp_path / "ck" / "step-00000001" / "config.json").read_text())
     assert config["architectures"] == ["GPTNeoXForCausalLM"]
     sk.convert_to_hf(tmp_path / "ck", tmp_path / "ours")
-    assert _names_and_shapes(tmp_path / "ours") == _names_and_shapes(tmp_path / "theirs")
+    assert names_and_shapes(tmp_path / "ours") == names_and_shapes(tmp_path / "theirs")
     from transformers import GPTNeoXForCausalLM
 
     back = GPTNeoXForCausalLM.from_pretrained(tmp_path / "ours")
