@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SOURCE = ROOT / "src" / "shardkit"
 #: The flow, lowest first: a package may import its own modules and packages of earlier layers only.
 LAYERS = (("plan",), ("families",), ("models",), ("planner", "io"), ("runtime",), ("observe", "checkpoint"),
-          ("training",), ("cli",))
+          ("training",), ("serving",), ("cli",))
 #: The most lines a module may have: a longer one does more than one job.
 MAX_MODULE_LINES = 450
 #: Entry points above every layer (the lazy facade imports nothing at import time; ``python -m shardkit``).
