@@ -213,7 +213,7 @@ def run_checks(args: argparse.Namespace, worlds: Callable[[int], Any]) -> tuple[
     for check in selected(checks(), args.only):
         cuda = gpus >= (args.world if check.multi else 1)
         env = jobs.Env(sizes=sizes, world=args.world, cuda=cuda, worlds=worlds, out=args.out.resolve(),
-                       limit_s=check.limit_s)
+                       limit_s=check.limit_s * sizes.slack)
         if time.monotonic() >= deadline:
             rows.append(Row(check.name, "FAIL", 0.0, f"not run: the budget of {args.budget:.0f} s is spent"))
         elif check.multi and args.world < 2:

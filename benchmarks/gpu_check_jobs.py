@@ -61,16 +61,19 @@ class Sizes:
     train_model: str
     hang_timeout_s: float
     new_tokens: int
+    slack: float  # each check's time bound (set for one GPU) times this
 
 
 FULL = Sizes("full", gpt=dict(vocab=1024, layers=4, dim=256, heads=8, seq_len=256),
              timed_gpt=dict(vocab=8192, layers=8, dim=1024, heads=16, seq_len=1024), batch=8, seq=256,
              ring_lengths=(8192, 16384), ring_heads=8, ring_head_dim=64, accumulator_bytes=64 << 20,
-             timed_steps=8, train_model="gpt-small", hang_timeout_s=20.0, new_tokens=16)
+             timed_steps=8, train_model="gpt-small", hang_timeout_s=20.0, new_tokens=16,
+             slack=1.0)
 TINY = Sizes("tiny", gpt=dict(vocab=256, layers=4, dim=32, heads=2, seq_len=16),
              timed_gpt=dict(vocab=256, layers=2, dim=64, heads=4, seq_len=32), batch=4, seq=16,
              ring_lengths=(128, 256), ring_heads=2, ring_head_dim=16, accumulator_bytes=64 << 10,
-             timed_steps=3, train_model="gpt-tiny", hang_timeout_s=3.0, new_tokens=4)
+             timed_steps=3, train_model="gpt-tiny", hang_timeout_s=3.0, new_tokens=4,
+             slack=3.0)  # 2 shared CPU cores
 
 
 @dataclass
@@ -142,16 +145,20 @@ def fp16_scaled_verify(env: Env) -> str:
     return _verify(env, _gpt(env), plan)
 
 
-def _subprocess(env: Env, args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+def _subprocess(env: Env, args: list[str], cwd: Path, extra: dict[str, str] | None = None,
+                limit_s: float | None = None) -> subprocess.CompletedProcess:
     pythonpath = os.pathsep.join([str(SRC), *filter(None, [os.environ.get("PYTHONPATH")])])
-    run_env = {**os.environ, "PYTHONPATH": pythonpath, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    run_env = {**os.environ, "PYTHONPATH": pythonpath, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+               **(extra or {})}
+    limit_s = limit_s or env.limit_s
     try:
-        proc = subprocess.run(args, cwd=cwd, env=run_env, capture_output=True, text=True, timeout=env.limit_s)
+        proc = subprocess.run(args, cwd=cwd, env=run_env, capture_output=True, text=True, timeout=limit_s)
     except subprocess.TimeoutExpired as exc:
-        raise Failed(f"still running after {env.limit_s:.0f} s: {' '.join(args[2:])}") from exc
+        raise Failed(f"still running after {limit_s:.0f} s: {' '.join(args[2:])}") from exc
     if proc.returncode != 0:
-        tail = [line for line in proc.stderr.strip().splitlines() if line.strip()][-3:]
-        raise Failed(f"exit {proc.returncode}: {' / '.join(tail)[-400:]}")
+        lines = [line.strip() for line in proc.stderr.splitlines() if line.strip()]
+        ours = [line for line in lines if line.startswith(("shardkit", "[default")) or "Error" in line]
+        raise Failed(f"exit {proc.returncode}: {' / '.join((ours or lines)[-3:])[-400:]}")
     return proc
 
 
@@ -532,10 +539,13 @@ def hung_rank(env: Env) -> str:
         began = time.monotonic()
         world.run(_hang_job, timeout=timeout)
     except sk.WorldTimeout as exc:
-        took, text = time.monotonic() - began, str(exc)
-        if "_hang_job" not in text or "sleep" not in text:
-            raise Failed(f"the timeout report does not show the hung rank's stack: {text[:300]}") from exc
-        return f"WorldTimeout after {took:.1f} s (timeout {timeout:g} s), the sleeping rank's stack shown"
+        took, hung = time.monotonic() - began, env.world - 1
+        waiting = [r for r in range(hung) if "in all_reduce" not in exc.stacks.get(r, "")]
+        if "in _hang_job" not in exc.stacks.get(hung, "") or waiting:
+            raise Failed(f"the timeout report does not show rank {hung} in _hang_job and ranks {waiting} in "
+                         f"all_reduce: {str(exc)[:300]}") from exc
+        return (f"WorldTimeout after {took:.1f} s (timeout {timeout:g} s): every rank's stack, rank {hung} in "
+                f"_hang_job, the others in all_reduce")
     except sk.WorldError as exc:
         raise Failed(f"a process died instead of a timeout report: {str(exc).splitlines()[0]}") from exc
     finally:
@@ -549,10 +559,17 @@ def torchrun_plan_auto(env: Env) -> str:
         raise Skipped("needs at least 2 devices")
     folder = env.out / "torchrun"
     folder.mkdir(parents=True, exist_ok=True)
+    # the planner's hardware of this world, measured outside torchrun (calibrate starts a world of its own)
+    cache = {"SHARDKIT_CACHE": str(folder / "cache")}
+    (folder / "cache").mkdir(exist_ok=True)
+    began = time.monotonic()
+    _subprocess(env, [sys.executable, "-m", "shardkit", "calibrate", "--world", str(env.world), "--out",
+                      str(folder / "cache" / f"local-{env.world}.yaml")], cwd=folder, extra=cache)
     proc = _subprocess(env, [sys.executable, "-m", "torch.distributed.run", "--standalone",
                              f"--nproc_per_node={env.world}", "-m", "shardkit", "train", "--model", "gpt-tiny",
                              "--plan", "auto", "--world-size", str(env.world), "--steps", "3", "--data-mb", "0.5",
-                             "--timeout", str(int(env.limit_s))], cwd=folder)
+                             "--timeout", str(int(env.limit_s))], cwd=folder, extra=cache,
+                       limit_s=env.limit_s - (time.monotonic() - began))
     chose = [line for line in proc.stderr.splitlines() if "--plan auto chose" in line]
     if not chose:
         raise Failed("--plan auto printed no choice")
