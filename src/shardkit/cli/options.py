@@ -17,6 +17,7 @@ from typing import NoReturn, TypeVar
 
 from ..models.registry import BUILDER_PATH_FORM
 from ..plan import UsageError
+from ..plan.loss_scale import LOSS_SCALES
 from ..training.fields import SEED_MAX
 from ..training.model import check_model_name, meta_model_from_flag, model_from_flag
 from ..training.plans import DEFAULT_MESH, load_rules
@@ -71,6 +72,17 @@ def positive_float(text: str) -> float:
     if value is None or not math.isfinite(value) or value <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text!r}")
     return value
+
+
+def loss_scale(text: str) -> str | float:
+    """``--loss-scale``: ``dynamic``, ``off`` or a positive finite number (a fixed scale)."""
+    if text in LOSS_SCALES:
+        return text
+    try:
+        return positive_float(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"must be {' or '.join(LOSS_SCALES)} or a positive number such as 1024, "
+                                         f"got {text!r}") from None
 
 
 def non_negative_float(text: str) -> float:
@@ -136,6 +148,6 @@ def add_model_option(parser: argparse.ArgumentParser, default: str, valid: Seque
                              f"(config.json, as save_pretrained or sk.export_hf write)")
 
 
-__all__ = ["DEFAULT_MESH", "SEED_MAX", "OneLineParser", "add_model_option", "fraction", "load_rules",
+__all__ = ["DEFAULT_MESH", "SEED_MAX", "OneLineParser", "add_model_option", "fraction", "loss_scale", "load_rules",
            "meta_model_from_flag", "model_from_flag", "model_name", "module_names", "non_negative_float",
            "non_negative_int", "path", "positive_float", "positive_int", "seed"]

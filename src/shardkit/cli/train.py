@@ -31,6 +31,7 @@ from ..training.plans import AUTO_PLAN, PlanFlags, flag_text, job_plan
 from .options import (
     add_model_option,
     fraction,
+    loss_scale,
     meta_model_from_flag,
     model_from_flag,
     non_negative_float,
@@ -120,6 +121,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                       help="split each global batch into K micro-batches, one optimizer step (default: 1)")
     step.add_argument("--clip-grad-norm", type=positive_float, metavar="X",
                       help="clip the global gradient norm (over every shard and pipeline stage) to X")
+    step.add_argument("--loss-scale", type=loss_scale, metavar="S",
+                      help="float16 loss scaling: dynamic (the default with float16), a fixed scale such as 1024, or "
+                           "off (refused with float16: use bfloat16)")
     seeing = parser.add_argument_group("logging and evaluation")
     seeing.add_argument("--log-dir", type=path, metavar="DIR",
                         help="TensorBoard event files and metrics.jsonl (loss, learning rate, gradient norm, "

@@ -12,6 +12,7 @@ from .dtypes import FLOATING
 from .errors import PlanError, UsageError
 from .files import boolean, known_keys, mapping, read_file, read_text
 from .layout import LayoutMap
+from .loss_scale import check_loss_scale, loss_scale_problems, resolved_loss_scale
 from .mesh import AXIS_ROLES, DATA_AXES, Mesh, is_model_axis
 from .pipeline import Pipeline
 from .replicas import ReplicaGrouping
@@ -143,6 +144,11 @@ class Plan:
     stage sets ``reshard_after_forward`` when it is not written; only a written contradiction
     is a problem.
 
+    ``loss_scale``: gradient scaling for float16 (:mod:`shardkit.plan.loss_scale`): ``None`` (not
+    written) is ``"dynamic"`` when ``fsdp.param_dtype`` or ``reduce_dtype`` is float16 and off
+    otherwise; ``"dynamic"``, a fixed positive scale, or ``"off"`` (refused with float16: use
+    bfloat16). :attr:`loss_scaling` is what runs.
+
     A plan is data: it checks its own fields here, and what it can know without a model with
     :meth:`problems`; ``sk.validate(plan, model)`` adds every check against the model.
 
@@ -159,6 +165,7 @@ class Plan:
     sequence_parallel: bool = False
     recompute: str = "none"
     zero: int | None = None
+    loss_scale: str | float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.mesh, Mesh):
@@ -176,6 +183,7 @@ class Plan:
         boolean(self.sequence_parallel, "Plan(sequence_parallel=...)")
         _recompute(self.recompute, "Plan(recompute=...)")
         _zero(self.zero, "Plan(zero=...)")
+        object.__setattr__(self, "loss_scale", check_loss_scale(self.loss_scale, "Plan(loss_scale=...)"))
         # what the user left out of the fsdp options takes the zero stage's value (and stays left out)
         object.__setattr__(self, "fsdp", self.fsdp.resolved(self.zero))
 
@@ -184,6 +192,15 @@ class Plan:
             raise AttributeError(f"Plan.{name} is sk.{name if name == 'validate' else 'explain_plan'}(plan, model): "
                                  f"checks against a model live in the planner, which knows model families")
         raise AttributeError(f"'Plan' object has no attribute {name!r}")
+
+    @property
+    def loss_scaling(self) -> str | float | None:
+        """The loss scaling this plan runs: ``"dynamic"``, a fixed scale, or ``None`` (off).
+
+        >>> Plan(Mesh(fsdp=2), fsdp=FSDPOptions(param_dtype="float16")).loss_scaling
+        'dynamic'
+        """
+        return resolved_loss_scale(self.loss_scale, self.fsdp.param_dtype, self.fsdp.reduce_dtype)
 
     # -- checks without a model --------------------------------------------------------------
     def resolved(self, world_size: int) -> Plan:
@@ -239,7 +256,8 @@ class Plan:
                                 f"schedule '1f1b', 'interleaved-1f1b' or 'gpipe', or recompute='none'")
         if self.replicas is not None:
             problems.extend(self.replicas.check_mesh(mesh))
-        return problems + zero_problems(self)
+        return problems + zero_problems(self) + loss_scale_problems(self.loss_scale, self.fsdp.param_dtype,
+                                                                    self.fsdp.reduce_dtype)
 
     def batch_problems(self, batch_size: int, seq_len: int | None = None) -> list[str]:
         """Problems of a global batch under this (resolved) plan: its split over the data
@@ -274,6 +292,7 @@ class Plan:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
     def to_dict(self) -> dict[str, Any]:
+        """The plan as a plan file holds it (``loss_scale`` only when written)."""
         return {
             "mesh": self.mesh.to_dict(),
             "rules": None if self.rules is None else self.rules.to_list(),
@@ -284,6 +303,7 @@ class Plan:
             "sequence_parallel": self.sequence_parallel,
             "recompute": self.recompute,
             "zero": self.zero,
+            **({} if self.loss_scale is None else {"loss_scale": self.loss_scale}),
         }
 
     @classmethod
@@ -315,6 +335,7 @@ class Plan:
             sequence_parallel=boolean(data.get("sequence_parallel", False), "plan field 'sequence_parallel'"),
             recompute=_recompute(data.get("recompute", "none"), "plan field 'recompute'"),
             zero=_zero(data.get("zero"), "plan field 'zero'"),
+            loss_scale=check_loss_scale(data.get("loss_scale"), "plan field 'loss_scale'"),
         )
 
     def to_json(self, indent: int | None = 2) -> str:

@@ -63,6 +63,7 @@ class TrainConfig:
     clip_grad_norm: float | None = None
     param_dtype: str | None = None
     reduce_dtype: str | None = None
+    loss_scale: str | float | None = None
     seed: int = 0
     build: str = "meta"
     init_from: Path | None = None

@@ -32,6 +32,7 @@ from typing import Any
 from ..plan import Plan, PlanError, UsageError
 from ..plan.dtypes import FLOATING
 from ..plan.files import _describe, known_keys, mapping, read_file
+from ..plan.loss_scale import check_loss_scale
 
 OPTIMIZERS = ("adamw", "sgd")
 BUILDS = ("meta", "full")
@@ -97,6 +98,16 @@ def _choice(valid: tuple[str, ...]) -> Check:
             raise PlanError(f"{where} must be one of {list(valid)}, got {_describe(value)}")
         return value
     return check
+
+
+def _loss_scale(value: Any, where: str, _: Path) -> str | float:
+    """``dynamic``, ``off`` or a positive number (``Plan(loss_scale=...)``; null is not a choice: leave it out)."""
+    if value is None:
+        raise PlanError(f"{where} must be 'dynamic', 'off' or a positive number, got null (leave it out for the "
+                        f"plan's default: 'dynamic' with float16, else off)")
+    scale = check_loss_scale(value, where)
+    assert scale is not None
+    return scale
 
 
 def _text(value: Any, where: str, _: Path) -> str:
@@ -180,6 +191,7 @@ FIELDS: dict[tuple[str | None, str], tuple[str, Check]] = {
     ("batch", "grad_accum"): ("grad_accum", _int(1)),
     ("precision", "param_dtype"): ("param_dtype", _choice(FLOATING)),
     ("precision", "reduce_dtype"): ("reduce_dtype", _choice(FLOATING)),
+    ("precision", "loss_scale"): ("loss_scale", _loss_scale),
     ("checkpoint", "dir"): ("save", _path),
     ("checkpoint", "every"): ("save_every", _int(1)),
     ("checkpoint", "keep_last"): ("keep_last", _int(1)),

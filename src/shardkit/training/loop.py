@@ -1,6 +1,11 @@
 """One rank's training loop (``sk.train`` runs it on every process of the world): shard the model, step the
 optimizer over this rank's part of each global batch, resume, save, log, evaluate, and measure memory, step time
 and communication.
+
+The hot loop does not wait for the device: a step's loss and gradient norm stay device tensors, read to the
+host (together, in one transfer: :class:`~.step.HostReads`) only at the steps that log, evaluate or save
+and at the end; gathers of per-rank numbers happen only at logged steps. A float16 step (loss scaling) also
+reads its overflow flag, which decides whether the optimizer steps.
 """
 
 from __future__ import annotations
@@ -15,9 +20,10 @@ from torch import nn
 from ..checkpoint.store import load, save
 from ..observe.report import RankStats
 from ..runtime.context import Context
+from ..runtime.loss_scaling import LossScaler
 from .checks import CheckedJob
 from .model import model_builder, model_from_flag
-from .step import RunLog, accumulate, clip_grad_norm, evaluate, lr_schedule, make_optimizer
+from .step import HostReads, RunLog, evaluate, lr_schedule, make_optimizer, train_step
 
 
 def train_rank(ctx: Context, job: CheckedJob) -> tuple[RankStats, list]:
@@ -41,8 +47,9 @@ def train_rank(ctx: Context, job: CheckedJob) -> tuple[RankStats, list]:
                                weight_decay=config.weight_decay,
                                momentum=config.momentum)  # ZeRO-1's partitioned optimizer under Plan(zero=1)
     _finish_setup(model)
+    scaler = LossScaler.of(model, ctx.device)  # float16: the plan's loss scale
     first, position = 0, None
-    losses, times = [], []
+    reads, times = HostReads(), []
     tokens_per_step = config.batch_size * job.seq_len
     comm = CommCounter()
     last = config.steps - 1
@@ -52,7 +59,10 @@ def train_rank(ctx: Context, job: CheckedJob) -> tuple[RankStats, list]:
         if job.resume is not None:
             with progress.busy(f"loading {job.resume}"):
                 info = load(job.resume, model, optimizer)
-            first, position = info["step"], (info["extra"] or {}).get("data")
+            extra = info["extra"] or {}
+            first, position = info["step"], extra.get("data")
+            if scaler is not None and "loss_scale" in extra:
+                scaler.load_state_dict(extra["loss_scale"])
             progress.resumed(first)
             progress.say(f"resumed from {job.resume} at step {first}")
         schedule = lr_schedule(optimizer, first, config.steps, config.lr, config.warmup_steps, config.min_lr)
@@ -62,15 +72,17 @@ def train_rank(ctx: Context, job: CheckedJob) -> tuple[RankStats, list]:
         for step, batch in enumerate(batches, start=first):
             done = step + 1
             logged = log.due(done, config.steps)
+            evaluating = eval_batches is not None and done % config.eval_every == 0
+            saving = config.save is not None and (done == config.steps or
+                                                  bool(config.save_every and done % config.save_every == 0))
             if step == last or logged:
                 comm.reset()
             start = time.perf_counter()
             # Communication is counted on the last (steady-state) step and on logged steps only: the counter
             # sees every op in Python, which slows the steps it counts.
             with comm if step == last or logged else nullcontext():
-                loss = accumulate(model, ctx, batch, entry.loss_fn, config.grad_accum)
-                norm = clip_grad_norm(model, config.clip_grad_norm) if logged or config.clip_grad_norm else None
-                optimizer.step()
+                loss, norm = train_step(model, ctx, batch, entry.loss_fn, optimizer, micro_steps=config.grad_accum,
+                                        max_norm=config.clip_grad_norm, measure_norm=logged, scaler=scaler)
             lr = optimizer.param_groups[0]["lr"]
             if schedule is not None:
                 schedule.step()
@@ -80,25 +92,28 @@ def train_rank(ctx: Context, job: CheckedJob) -> tuple[RankStats, list]:
             seconds = time.perf_counter() - start
             if step != last or not times:
                 times.append(seconds)
-            losses.append(loss.item())
-            progress.advance(losses[-1], tokens_per_step / seconds)
+            reads.add(loss)
+            shown = logged or evaluating or saving or step == last  # a number someone asked for: read now
+            (norm_value,) = reads.read(norm) if shown else (None,)
+            progress.advance(reads.last if shown else None, tokens_per_step / seconds)
             log.step_done(tokens_per_step, seconds)
             if logged:
-                log.write(done, losses[-1], lr, norm, memory.peak_bytes(), comm.totals())
-            if eval_batches is not None and done % config.eval_every == 0:
+                log.write(done, reads.last, lr, norm_value, memory.peak_bytes(), comm.totals())
+            if evaluating:
                 eval_loss = evaluate(model, ctx, eval_batches, entry.loss_fn)
                 log.eval(done, eval_loss)
                 progress.say(f"step {done}: eval loss {eval_loss:.4f}, perplexity {math.exp(eval_loss):.2f}")
-            if config.save is not None and (done == config.steps or
-                                            (config.save_every and done % config.save_every == 0)):
+            if saving:
                 began = time.perf_counter()
+                extra = {"data": batch.position, "loss": reads.last,
+                         **({} if scaler is None else {"loss_scale": scaler.state_dict()})}
                 with progress.busy(f"saving step {done}"):
-                    folder = save(config.save, model, optimizer, step=done,
-                                  extra={"data": batch.position, "loss": losses[-1]}, keep_last=config.keep_last)
+                    folder = save(config.save, model, optimizer, step=done, extra=extra, keep_last=config.keep_last)
                 progress.say(f"saved {folder} in {time.perf_counter() - began:.1f} s")
     spans = [s for s in timeline.collect() if s.step != last or config.steps == 1] if config.profile is not None else []
-    stats = RankStats(ctx.rank, ctx.coordinates(), held, memory.peak_bytes(), memory.method, times, comm.summary(), losses,
-                      comm.remote())
+    reads.read()
+    stats = RankStats(ctx.rank, ctx.coordinates(), held, memory.peak_bytes(), memory.method, times, comm.summary(),
+                      reads.losses, comm.remote())
     return stats, spans
 
 
@@ -140,9 +155,11 @@ class _Progress:
         if self.bar is not None:
             self.bar.update(self.task, completed=step)
 
-    def advance(self, loss: float, tokens_per_s: float) -> None:
+    def advance(self, loss: float | None, tokens_per_s: float) -> None:
+        """One step more; the stats shown change at steps whose loss was read (``loss`` not ``None``)."""
         if self.bar is not None:
-            self.bar.update(self.task, advance=1, stats=f"loss {loss:.4f}  {tokens_per_s:,.0f} tok/s")
+            stats = {} if loss is None else {"stats": f"loss {loss:.4f}  {tokens_per_s:,.0f} tok/s"}
+            self.bar.update(self.task, advance=1, **stats)
 
     @contextmanager
     def busy(self, what: str) -> Iterator[None]:

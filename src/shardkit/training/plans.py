@@ -194,14 +194,19 @@ def job_plan(config: TrainConfig) -> tuple[Plan, int]:
 
 
 def _with_precision(plan: Plan, config: TrainConfig) -> Plan:
-    """The job's ``precision`` section as the plan's mixed-precision policy (``FSDPOptions``); a plan that
-    already sets another dtype is refused, naming both."""
+    """The job's ``precision`` section as the plan's mixed-precision policy (``FSDPOptions``) and loss scale
+    (``Plan.loss_scale``); a plan that already sets another value is refused, naming both."""
     given = {name: getattr(config, name) for name in ("param_dtype", "reduce_dtype") if getattr(config, name)}
     clashes = [f"precision.{name} is {value!r} but the plan's fsdp.{name} is {getattr(plan.fsdp, name)!r}"
                for name, value in given.items() if getattr(plan.fsdp, name) not in (None, value)]
+    scale = config.loss_scale
+    if scale is not None and plan.loss_scale not in (None, scale):
+        clashes.append(f"{config.name('loss_scale')} is {scale!r} but the plan's loss_scale is {plan.loss_scale!r}")
     if clashes:
         raise PlanError([f"{clash}: give it in one place" for clash in clashes])
-    return replace(plan, fsdp=replace(plan.fsdp, **given)) if given else plan
+    if given:
+        plan = replace(plan, fsdp=replace(plan.fsdp, **given))
+    return plan if scale is None else replace(plan, loss_scale=scale)
 
 
 __all__ = ["AUTO_PLAN", "DEFAULT_MESH", "PLAN_OPTIONS", "WHOLE_PLAN", "PlanFlags", "inferred_rules", "job_plan",

@@ -1,8 +1,13 @@
 """One training step's parts (``sk.train``, ``shardkit train``): the optimizer, the learning-rate schedule,
-gradient accumulation, gradient-norm clipping, evaluation on held-out data, and the run's log.
+gradient accumulation, loss scaling, gradient-norm clipping, evaluation on held-out data, and the run's log.
 
 Accumulation and clipping are shardkit's own, pipeline-aware (``model.step(..., accumulate=k)``,
-``sk.clip_grad_norm_``).
+``sk.clip_grad_norm_``); loss scaling (float16) is :mod:`shardkit.runtime.loss_scaling`'s, across every rank.
+
+The step keeps its numbers on the device: the loss and the gradient norm are read to the host only where
+someone asked for them (a log, an evaluation, a save, the end of the run), and then together in one read
+(:class:`HostReads`); a scaled step reads one flag, whether the gradients overflowed, which decides whether
+the optimizer steps.
 """
 
 from __future__ import annotations
@@ -18,7 +23,11 @@ from ..io.batch_stream import Batch
 from ..observe.metrics import MetricsWriter
 from ..runtime.clipping import clip_grad_norm_, grad_norm
 from ..runtime.context import Context
+from ..runtime.loss_scaling import LossScaler
 from ..runtime.optimizer import optimizer as sk_optimizer
+
+#: Losses held on the device at most, between two reads to the host (then read in one, to bound the memory).
+PENDING_MAX = 256
 
 
 def make_optimizer(model: nn.Module, name: str, lr: float, **settings: object) -> torch.optim.Optimizer:
@@ -65,25 +74,85 @@ def accumulate(model: nn.Module, ctx: Context, batch: Batch, loss_fn: Callable, 
     return model.step(inputs, targets, loss_fn, accumulate=micro_steps)
 
 
-def clip_grad_norm(model: nn.Module, max_norm: float | None) -> float:
-    """The global gradient norm over every shard and pipeline stage, clipped to ``max_norm`` when given
-    (``sk.clip_grad_norm_``; ``None``: measured only)."""
-    norm = clip_grad_norm_(model, max_norm) if max_norm is not None else grad_norm(model)
-    return norm.item()
+def clip_grad_norm(model: nn.Module, max_norm: float | None) -> torch.Tensor:
+    """The global gradient norm over every shard and pipeline stage (a scalar on the device), clipped to
+    ``max_norm`` when given (``sk.clip_grad_norm_``; ``None``: measured only)."""
+    return clip_grad_norm_(model, max_norm) if max_norm is not None else grad_norm(model)
+
+
+def train_step(model: nn.Module, ctx: Context, batch: Batch, loss_fn: Callable, optimizer: torch.optim.Optimizer,
+               *, micro_steps: int = 1, max_norm: float | None = None, measure_norm: bool = False,
+               scaler: LossScaler | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One optimizer step on a global batch: forward and backward in ``micro_steps`` parts, with ``scaler`` the
+    loss scaled and the gradients unscaled (overflow found over the whole world), then clipped to ``max_norm``
+    (or only measured with ``measure_norm``), then the optimizer step (skipped on every rank after an overflow).
+    Returns the loss and the norm (``None`` when neither clipped nor measured) as device scalars: nothing is
+    read to the host but, with ``scaler``, the overflow flag."""
+    if scaler is None:
+        loss = accumulate(model, ctx, batch, loss_fn, micro_steps)
+    else:
+        scale = scaler.state.scale
+        loss = accumulate(model, ctx, batch, scaler.scaled(loss_fn), micro_steps) / scale
+        scaler.unscale_(model)  # before clipping: the norm is the true gradients'
+    norm = clip_grad_norm(model, max_norm) if max_norm is not None or measure_norm else None
+    if scaler is None:
+        optimizer.step()
+    else:
+        scaler.step(optimizer)
+    return loss, norm
+
+
+class HostReads:
+    """A run's losses, kept on the device until a number is needed, then read with the step's other
+    numbers in one transfer (one sync instead of one per step).
+
+    >>> reads = HostReads()
+    >>> reads.add(torch.tensor(2.0)); reads.add(torch.tensor(1.5))
+    >>> reads.read(torch.tensor(0.25), None), reads.losses
+    ([0.25, None], [2.0, 1.5])
+    """
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.pending: list[torch.Tensor] = []
+
+    def add(self, loss: torch.Tensor) -> None:
+        """A step's loss (a device scalar); read now only when :data:`PENDING_MAX` are waiting."""
+        self.pending.append(loss.detach().float().reshape(()))
+        if len(self.pending) >= PENDING_MAX:
+            self.read()
+
+    def read(self, *extra: torch.Tensor | None) -> list[float | None]:
+        """Every waiting loss and ``extra`` (device scalars, or ``None``) read to the host in one transfer;
+        returns ``extra``'s values (the losses go to :attr:`losses`)."""
+        present = [t.detach().float().reshape(()) for t in extra if t is not None]
+        together = self.pending + present
+        if not together:
+            return [None] * len(extra)
+        values = torch.stack([t.to(together[0].device) for t in together]).tolist()
+        self.losses += values[:len(self.pending)]
+        self.pending = []
+        read = iter(values[len(values) - len(present):])
+        return [None if t is None else next(read) for t in extra]
+
+    @property
+    def last(self) -> float:
+        """The latest loss read."""
+        return self.losses[-1]
 
 
 def evaluate(model: nn.Module, ctx: Context, batches: list, loss_fn: Callable) -> float:
     """The mean loss over held-out global batches (no gradients), averaged over every rank
     (``model.evaluate``: a pipeline runs each batch through its stages)."""
 
-    total = 0.0
+    losses = []
     model.eval()
     with torch.no_grad():
         for batch in batches:
             inputs, targets = ctx.shard_batch(batch.inputs, batch.targets)
-            total += model.evaluate(inputs, targets, loss_fn).item()
+            losses.append(model.evaluate(inputs, targets, loss_fn).float().reshape(()))
     model.train()
-    return total / len(batches)
+    return sum(torch.stack(losses).tolist()) / len(batches)  # one read for every batch
 
 
 class RunLog:
@@ -128,4 +197,5 @@ class RunLog:
             self.writer.close()
 
 
-__all__ = ["RunLog", "accumulate", "clip_grad_norm", "evaluate", "lr_factor", "lr_schedule", "make_optimizer"]
+__all__ = ["PENDING_MAX", "HostReads", "RunLog", "accumulate", "clip_grad_norm", "evaluate", "lr_factor", "lr_schedule",
+           "make_optimizer", "train_step"]
