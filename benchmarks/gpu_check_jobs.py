@@ -142,7 +142,7 @@ def fp16_scaled_verify(env: Env) -> str:
         raise Failed("feature missing: Plan(loss_scale=...) for float16 (branch fp16 not merged)")
     plan = sk.Plan(sk.Mesh(fsdp=1), fsdp=sk.FSDPOptions(param_dtype="float16", reduce_dtype="float32"),
                    loss_scale="dynamic")
-    return _verify(env, _gpt(env), plan)
+    return _verify(env, _gpt(env), plan) + f", loss scale {plan.loss_scaling}"
 
 
 def _subprocess(env: Env, args: list[str], cwd: Path, extra: dict[str, str] | None = None,
