@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 import shardkit as sk
 from shardkit.models.gpt import GPT, GPT_RULES, GPTConfig, gpt_loss
-from shardkit.models.hf import LLAMA_RULES, build_llama, hf_loss, tiny_llama_config
+from shardkit.models.hf import build_llama, hf_loss, tiny_llama_config
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
@@ -57,6 +57,7 @@ class Sizes:
     ring_heads: int
     ring_head_dim: int
     accumulator_bytes: int  # the sp=2 ring's float32 output accumulator per rank
+    accumulator_heads: tuple[int, int]  # its heads and head dim
     timed_steps: int
     train_model: str
     hang_timeout_s: float
@@ -67,13 +68,13 @@ class Sizes:
 FULL = Sizes("full", gpt=dict(vocab=1024, layers=4, dim=256, heads=8, seq_len=256),
              timed_gpt=dict(vocab=8192, layers=8, dim=1024, heads=16, seq_len=1024), batch=8, seq=256,
              ring_lengths=(8192, 16384), ring_heads=8, ring_head_dim=64, accumulator_bytes=64 << 20,
-             timed_steps=8, train_model="gpt-small", hang_timeout_s=20.0, new_tokens=16,
-             slack=1.0)
+             accumulator_heads=(16, 128), timed_steps=8, train_model="gpt-small", hang_timeout_s=20.0,
+             new_tokens=16, slack=1.0)
 TINY = Sizes("tiny", gpt=dict(vocab=256, layers=4, dim=32, heads=2, seq_len=16),
              timed_gpt=dict(vocab=256, layers=2, dim=64, heads=4, seq_len=32), batch=4, seq=16,
              ring_lengths=(128, 256), ring_heads=2, ring_head_dim=16, accumulator_bytes=64 << 10,
-             timed_steps=3, train_model="gpt-tiny", hang_timeout_s=3.0, new_tokens=4,
-             slack=3.0)  # 2 shared CPU cores
+             accumulator_heads=(2, 16), timed_steps=3, train_model="gpt-tiny", hang_timeout_s=3.0,
+             new_tokens=4, slack=3.0)  # 2 shared CPU cores
 
 
 @dataclass
@@ -466,9 +467,10 @@ def sp_accumulator(env: Env) -> str:
     """sp=2 ring attention whose float32 accumulator is ``accumulator_bytes`` per rank, within 120 s."""
     _even(env)
     s = env.sizes
-    local = s.accumulator_bytes // (s.ring_heads * s.ring_head_dim * 4)
+    heads, head_dim = s.accumulator_heads
+    local = s.accumulator_bytes // (heads * head_dim * 4)
     plan = sk.Plan(sk.Mesh(dp=env.world // 2, sp=2))
-    found = env.worlds(env.world).run(_accumulator_job, s.ring_heads, s.ring_head_dim, 2 * local, plan=plan,
+    found = env.worlds(env.world).run(_accumulator_job, heads, head_dim, 2 * local, plan=plan,
                                       timeout=min(env.limit_s, 120))
     worst = max(max(r["err"], r["grad_err"]) for r in found)
     if worst > 1e-4:
