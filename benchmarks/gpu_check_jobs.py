@@ -104,7 +104,7 @@ def build_gpt_on_meta(fields: dict) -> GPT:
 def build_tied_llama(hidden: int = 64) -> torch.nn.Module:
     """A four-layer Llama whose lm_head is its embedding (a tie across pipeline stages)."""
     return build_llama(tiny_llama_config(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=4,
-                                         tie_word_embeddings=True))
+                                         tie_word_embeddings=True, max_position_embeddings=1024))
 
 
 def tokens(vocab: int, batch: int, seq: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -506,7 +506,7 @@ def _profile_job(ctx, batch: tuple, steps: int, folder: str) -> list[tuple[float
 def profile_events(env: Env) -> str:
     """The profile's step spans (what ``--profile`` draws) against CUDA events around the same steps."""
     _even(env)
-    plan = sk.Plan(sk.Mesh(pp=2, fsdp=env.world // 2), pipeline=sk.Pipeline(schedule="1f1b", microbatches=4))
+    plan = sk.Plan(sk.Mesh(pp=2, fsdp=env.world // 2), pipeline=sk.Pipeline(schedule="1f1b", microbatches=2))
     folder = env.out / "profile"
     runs = env.worlds(env.world).run(_profile_job, tokens(256, env.sizes.batch, env.sizes.seq),
                                      env.sizes.timed_steps, str(folder), plan=plan, timeout=env.limit_s)
@@ -529,7 +529,9 @@ def _ready(ctx) -> int:
 def _hang_job(ctx) -> None:
     if ctx.rank == ctx.world_size - 1:
         time.sleep(3600)  # the hung rank: never joins the all-reduce below
-    dist.all_reduce(torch.ones(1, device=ctx.device))
+    ones = torch.ones(1, device=ctx.device)
+    dist.all_reduce(ones)
+    ones.cpu()  # NCCL returns before the collective ends: wait for it here
 
 
 def hung_rank(env: Env) -> str:
@@ -542,12 +544,12 @@ def hung_rank(env: Env) -> str:
         world.run(_hang_job, timeout=timeout)
     except sk.WorldTimeout as exc:
         took, hung = time.monotonic() - began, env.world - 1
-        waiting = [r for r in range(hung) if "in all_reduce" not in exc.stacks.get(r, "")]
-        if "in _hang_job" not in exc.stacks.get(hung, "") or waiting:
-            raise Failed(f"the timeout report does not show rank {hung} in _hang_job and ranks {waiting} in "
-                         f"all_reduce: {str(exc)[:300]}") from exc
-        return (f"WorldTimeout after {took:.1f} s (timeout {timeout:g} s): every rank's stack, rank {hung} in "
-                f"_hang_job, the others in all_reduce")
+        if exc.finished or any("in _hang_job" not in exc.stacks.get(r, "") for r in range(env.world)):
+            raise Failed(f"the timeout report does not show every rank in _hang_job (finished: {exc.finished}): "
+                         f"{str(exc)[:300]}") from exc
+        waiting = sum("in all_reduce" in exc.stacks[r] for r in range(hung))
+        return (f"WorldTimeout after {took:.1f} s (timeout {timeout:g} s) with every rank's stack: rank {hung} "
+                f"asleep, {waiting} of {hung} others inside all_reduce")
     except sk.WorldError as exc:
         raise Failed(f"a process died instead of a timeout report: {str(exc).splitlines()[0]}") from exc
     finally:
