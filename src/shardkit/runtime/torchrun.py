@@ -21,7 +21,13 @@ import torch.distributed as dist
 
 from ..plan import Plan
 from .context import Context, run_job
-from .devices import choose_backend, device_of, launcher_local_rank, launcher_ranks_on_host, open_process_group
+from .devices import (
+    choose_backend,
+    device_of,
+    launcher_local_rank,
+    launcher_ranks_on_host,
+    open_process_group,
+)
 from .meshes import release_unused, use_timeout
 from .results import dumps, loads
 

@@ -42,8 +42,8 @@ import torch.multiprocessing as mp
 from ..plan import Plan
 from ..plan.errors import ShardkitError, UsageError
 from .context import Context, run_job
-from .devices import choose_backend, open_process_group
 from .descendants import Watchman, lead_descendants, new_token
+from .devices import choose_backend, open_process_group
 from .limits import DEFAULT_TIMEOUT_S
 from .meshes import release_unused, use_timeout
 from .processes import end_with_parent, exit_reason, last_line, lost_connection

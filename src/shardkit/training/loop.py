@@ -6,7 +6,6 @@ and communication.
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 
@@ -15,6 +14,7 @@ from torch import nn
 from ..checkpoint.store import load, save
 from ..observe.report import RankStats
 from ..runtime.context import Context
+from ..runtime.devices import StepTimer, clock
 from .checks import CheckedJob
 from .model import model_builder, model_from_flag
 from .step import RunLog, accumulate, clip_grad_norm, evaluate, lr_schedule, make_optimizer
@@ -64,7 +64,7 @@ def train_rank(ctx: Context, job: CheckedJob) -> tuple[RankStats, list]:
             logged = log.due(done, config.steps)
             if step == last or logged:
                 comm.reset()
-            start = time.perf_counter()
+            timer = StepTimer(ctx.device).start()  # synchronised on an accelerator (devices.py)
             # Communication is counted on the last (steady-state) step and on logged steps only: the counter
             # sees every op in Python, which slows the steps it counts.
             with comm if step == last or logged else nullcontext():
@@ -77,7 +77,7 @@ def train_rank(ctx: Context, job: CheckedJob) -> tuple[RankStats, list]:
             if step == last:
                 held = state_bytes(model, optimizer)  # grads still allocated
             optimizer.zero_grad()
-            seconds = time.perf_counter() - start
+            seconds = timer.stop()
             if step != last or not times:
                 times.append(seconds)
             losses.append(loss.item())
@@ -91,11 +91,11 @@ def train_rank(ctx: Context, job: CheckedJob) -> tuple[RankStats, list]:
                 progress.say(f"step {done}: eval loss {eval_loss:.4f}, perplexity {math.exp(eval_loss):.2f}")
             if config.save is not None and (done == config.steps or
                                             (config.save_every and done % config.save_every == 0)):
-                began = time.perf_counter()
+                began = clock(ctx.device)
                 with progress.busy(f"saving step {done}"):
                     folder = save(config.save, model, optimizer, step=done,
                                   extra={"data": batch.position, "loss": losses[-1]}, keep_last=config.keep_last)
-                progress.say(f"saved {folder} in {time.perf_counter() - began:.1f} s")
+                progress.say(f"saved {folder} in {clock(ctx.device) - began:.1f} s")
     spans = [s for s in timeline.collect() if s.step != last or config.steps == 1] if config.profile is not None else []
     stats = RankStats(ctx.rank, ctx.coordinates(), held, memory.peak_bytes(), memory.method, times, comm.summary(), losses,
                       comm.remote())
