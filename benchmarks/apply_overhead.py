@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
-import time
 
 import torch
 from rich.console import Console
@@ -36,6 +35,7 @@ import shardkit as sk
 from shardkit.models.gpt import GPT, GPT_RULES, GPTConfig, gpt_loss
 from shardkit.observe.memory import TensorMemoryPeak, local_nbytes, state_bytes
 from shardkit.planner.validate import validate
+from shardkit.runtime.devices import clock
 
 WORLD = 4
 STRATEGIES = {"dp=4": None, "fsdp=4": None, "tp=4": GPT_RULES, "fsdp=2,tp=2": GPT_RULES}
@@ -102,14 +102,14 @@ def _make(variant: str, strategy: str, config: GPTConfig, ctx):
 
 
 def _train_step(variant: str, model, optimizer, inputs, targets) -> float:
-    start = time.perf_counter()
+    start = clock()
     optimizer.zero_grad()
     if variant == "shardkit":
         model.step(inputs, targets, gpt_loss)
     else:
         gpt_loss(model(inputs), targets).backward()
     optimizer.step()
-    return time.perf_counter() - start
+    return clock() - start
 
 
 def _local_batch(ctx, batch):

@@ -29,7 +29,6 @@ import argparse
 import shutil
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -39,6 +38,7 @@ from rich.table import Table
 import shardkit as sk
 from shardkit.observe.memory import PeakMemory, TensorMemoryPeak, tensors_nbytes
 from shardkit.plan.text import format_bytes
+from shardkit.runtime.devices import clock
 
 WORLD = 4
 PLAN = sk.Plan(sk.Mesh(fsdp=WORLD))
@@ -80,10 +80,10 @@ def save_load_job(ctx, size: str, folder: str, repeats: int) -> dict:
 
     def timed(name, fn) -> None:
         torch.distributed.barrier()
-        start = time.perf_counter()
+        start = clock()
         fn()
         torch.distributed.barrier()
-        times[name].append(time.perf_counter() - start)
+        times[name].append(clock() - start)
 
     for step in range(repeats):
         timed("save", lambda step=step: sk.save(folder, model, optimizer, step=step + 1, keep_last=1))
@@ -133,14 +133,14 @@ def baseline_save_load(size: str, folder: Path, repeats: int) -> dict:
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
     saves, loads = [], []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = clock()
         torch.save(state, folder / "state.pt")
-        saves.append(time.perf_counter() - start)
-        start = time.perf_counter()
+        saves.append(clock() - start)
+        start = clock()
         loaded = torch.load(folder / "state.pt", weights_only=True)
         model.load_state_dict(loaded["model"])
         optimizer.load_state_dict(loaded["optimizer"])
-        loads.append(time.perf_counter() - start)
+        loads.append(clock() - start)
     return {"save": statistics.median(saves), "load": statistics.median(loads), "bytes": _state_bytes(model, optimizer)}
 
 

@@ -17,7 +17,6 @@ head_dim x 4 bytes); the script stops if they ever differ.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 from rich.console import Console
@@ -27,6 +26,7 @@ import shardkit as sk
 from shardkit.models.hf import LLAMA_RULES, build_llama, tiny_llama_config
 from shardkit.plan.text import format_bytes
 from shardkit.planner.estimate import kv_cache_bytes
+from shardkit.runtime.devices import clock
 from shardkit.runtime.generate import Decoder
 
 SIZES = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
@@ -47,7 +47,7 @@ def _decode_seconds(model, prompt: torch.Tensor, new: int) -> float:
     """Seconds from the first token (the prefill's) to the last of ``1 + new``."""
     times: list[float] = []
     sk.generate(model, prompt, max_new_tokens=1 + new, eos_token_id=None,  # a fixed number of tokens: no stop
-                on_token=lambda _: times.append(time.perf_counter()))
+                on_token=lambda _: times.append(clock()))
     return times[-1] - times[0]
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 from functools import partial
 from pathlib import Path
 
@@ -24,6 +23,7 @@ import shardkit as sk
 from shardkit.models.gpt import GPT, GPTConfig, gpt_loss
 from shardkit.plan.pipeline import theoretical_bubble
 from shardkit.runtime import spans as timeline
+from shardkit.runtime.devices import clock
 from shardkit.runtime.world import LocalWorld
 
 SCHEDULES = [("sequential", 1), ("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2)]
@@ -43,13 +43,13 @@ def job(ctx, build_model, batch: int, seq: int, warmup: int, steps: int):
         model.step(inputs, targets, gpt_loss)
         model.zero_grad(set_to_none=True)
     dist.barrier()
-    start = time.perf_counter()
+    start = clock()
     with timeline.recording(ctx.rank):
         for _ in range(steps):
             model.step(inputs, targets, gpt_loss)
             model.zero_grad(set_to_none=True)
         dist.barrier()
-        elapsed = time.perf_counter() - start
+        elapsed = clock() - start
         return elapsed, timeline.collect()
 
 

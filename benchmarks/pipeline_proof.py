@@ -13,7 +13,6 @@ of ``--repeat``) and the ratio of the two validations.
 from __future__ import annotations
 
 import argparse
-import time
 import warnings
 
 import torch
@@ -22,6 +21,7 @@ import shardkit as sk
 import shardkit.planner.pipeline_proof as proof
 from shardkit.plan import Mesh, Pipeline, Plan
 from shardkit.planner.miniature import build_miniature
+from shardkit.runtime.devices import clock
 
 MODEL_TYPES = ("llama", "glm4", "starcoder2", "gemma3_text", "olmo3", "smollm3", "qwen3_moe", "mixtral", "jamba",
                "lfm2", "apertus", "gpt_oss", "falcon_h1", "deepseek_v3", "qwen3_next")
@@ -48,13 +48,13 @@ def main() -> None:
             model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(model_type))
         plain, proven = [], []
         for _ in range(args.repeat):
-            start = time.perf_counter()
+            start = clock()
             sk.validate(baseline, model, 2)
-            plain.append(time.perf_counter() - start)
+            plain.append(clock() - start)
             proof._PROOFS.clear()
-            start = time.perf_counter()
+            start = clock()
             sk.validate(pipelined, model, 2)
-            proven.append(time.perf_counter() - start)
+            proven.append(clock() - start)
         layers = build_miniature(model).layers
         print(f"{model_type:12s} {model.config.num_hidden_layers:6d} {layers:4d} {best(plain):12.3f}s "
               f"{best(proven):12.3f}s {best(proven) / best(plain):5.1f}x")

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import statistics
-import time
 
 import torch
 from rich.console import Console
@@ -36,6 +35,7 @@ from shardkit.plan.text import format_bytes
 from shardkit.planner.autoshard import autoshard
 from shardkit.planner.catalogue import MEGATRON_SEQ_LEN, MEGATRON_TABLE1
 from shardkit.planner.estimate import estimate
+from shardkit.runtime.devices import clock
 
 WORLD = 4
 CONFIG = GPTConfig(vocab=1024, layers=4, dim=256, heads=8, seq_len=128)
@@ -76,12 +76,12 @@ def run_plan(ctx, steps: int, memory: bool) -> dict:
     times = []
     for _ in range(steps):
         dist.barrier()
-        start = time.perf_counter()
+        start = clock()
         optimizer.zero_grad()
         model.step(inputs, targets, gpt_loss)
         optimizer.step()
         dist.barrier()
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
     return {"step": statistics.median(times)}
 
 
@@ -282,10 +282,10 @@ def speed() -> None:
         analysis._from_config.cache_clear()  # the first call measures the model at each tp degree
         timings = []
         for _ in range(2):
-            start = time.perf_counter()
+            start = clock()
             candidates = autoshard("llama3-405b", devices=devices, hardware="h100-80g", global_batch=batch,
                                    seq_len=8192)
-            timings.append(time.perf_counter() - start)
+            timings.append(clock() - start)
         baseline = _exhaustive("llama3-405b", devices, batch)
         table.add_row(str(devices), str(batch), f"{candidates.considered:,}", f"{timings[0]:.2f} s",
                       f"{timings[1]:.2f} s", _describe(candidates[0].plan),
@@ -297,7 +297,7 @@ def _exhaustive(model: str, devices: int, batch: int) -> tuple[float, int]:
     """Every option of every degree choice estimated (no early exit): the naive planner."""
     from shardkit.planner import autoshard as search
 
-    start = time.perf_counter()
+    start = clock()
     s = search._Search(model, devices, sk.Hardware.preset("h100-80g"), batch, 8192, search.AXES, "adamw", "auto")
     count = 0
     for tp in s._degrees("tp", devices):
@@ -314,7 +314,7 @@ def _exhaustive(model: str, devices: int, batch: int) -> tuple[float, int]:
                     for setting in s._options(base):
                         search.evaluate(costs, setting, batch, s.hw)
                         count += 1
-    return time.perf_counter() - start, count
+    return clock() - start, count
 
 
 def main() -> None:

@@ -23,13 +23,13 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
 import shardkit as sk
 from shardkit.models.gpt import build_small_gpt, gpt_loss
+from shardkit.runtime.devices import clock
 
 MODES = ("none", "full", "selective")
 
@@ -66,9 +66,9 @@ def step_seconds(models: dict[str, torch.nn.Module], inputs: torch.Tensor, targe
     for _ in range(steps):
         for mode, model in models.items():
             model.zero_grad(set_to_none=True)
-            start = time.perf_counter()
+            start = clock()
             gpt_loss(model(inputs), targets).backward()
-            times[mode].append(time.perf_counter() - start)
+            times[mode].append(clock() - start)
     return {mode: statistics.median(t) for mode, t in times.items()}
 
 

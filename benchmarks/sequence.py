@@ -37,6 +37,7 @@ from rich.table import Table
 import shardkit as sk
 from shardkit.models.gpt import GPT, GPTConfig, gpt_loss
 from shardkit.observe.memory import PeakMemory
+from shardkit.runtime.devices import clock
 
 
 def _count_ring_bytes(counter: list[int]) -> None:
@@ -89,13 +90,13 @@ def _job(ctx, config: GPTConfig, seq_lens: list[int], steps: int) -> list[dict]:
             dist.barrier()
             ring[0] = 0
             memory = PeakMemory(ctx.device).start()
-            start, cpu_start = time.perf_counter(), time.process_time()
+            start, cpu_start = clock(), time.process_time()
             if step == 0:
                 with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
                     model.step(inputs, targets, gpt_loss)
             else:
                 model.step(inputs, targets, gpt_loss)
-                times.append(time.perf_counter() - start)
+                times.append(clock() - start)
                 cpu_times.append(time.process_time() - cpu_start)
                 ring_bytes.append(ring[0])
             peak = memory.peak_bytes()

@@ -42,12 +42,12 @@ from __future__ import annotations
 
 import math
 import os
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..plan.errors import UsageError
 from ..planner.hardware import COLLECTIVES, DTYPES, Hardware, ring_terms
+from ..runtime.devices import clock
 from ..runtime.torchrun import in_torchrun
 from ..runtime.world import LocalWorld, launch
 from . import probes
@@ -113,7 +113,7 @@ def measure(world_size: int, *, matmul_sizes: Sequence[int] = MATMUL_SIZES,
     shardkit.plan.errors.UsageError: calibrate(world_size=1): collectives need at least 2 processes; pass 2 or more
     """
     _check_arguments(world_size, matmul_sizes, message_sizes, seconds_per_size, world)
-    start = time.perf_counter()
+    start = clock()
     report = progress or (lambda done, total, what: None)
     total = len(DTYPES) + len(COLLECTIVES) + 4
     report(0, total, f"starting {world_size} processes")
@@ -135,7 +135,7 @@ def measure(world_size: int, *, matmul_sizes: Sequence[int] = MATMUL_SIZES,
                         matmul_efficiency=1.0, reserved=0, op_overhead=op_overhead, overlap=overlap.fraction,
                         shared_compute=world_size > (os.cpu_count() or 1))
     report(total, total, "done")
-    return Calibration(hardware, matmul, fits, ops_per_step, overlap, tuple(notes), time.perf_counter() - start)
+    return Calibration(hardware, matmul, fits, ops_per_step, overlap, tuple(notes), clock() - start)
 
 
 def _run(world: LocalWorld, matmul_sizes: Sequence[int], message_sizes: Sequence[int], seconds: float,

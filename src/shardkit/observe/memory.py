@@ -3,8 +3,9 @@
 Two different measures, because CPU has no allocator statistics:
 
 * **CUDA**: ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats`` at the
-  start: the peak of memory held by tensors on this device (the caching allocator's own
-  reserve is not included).
+  start, less what was allocated at the start (devices.py): the growth of memory held by
+  tensors on this device since the start, as on the CPU (the caching allocator's own reserve
+  is not included).
 * **CPU**: the growth of the process's peak resident set size (RSS) over its RSS at the
   start. On Linux the kernel's high-water mark (``VmHWM`` in ``/proc/self/status``) is
   reset at the start by writing ``5`` to ``/proc/self/clear_refs``, so the peak is the
@@ -32,6 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from ..runtime.devices import memory_mark, peak_growth
 
 _STATUS = Path("/proc/self/status")
 _CLEAR_REFS = Path("/proc/self/clear_refs")
@@ -115,9 +118,9 @@ class PeakMemory:
         self._baseline = 0
 
     def start(self) -> PeakMemory:
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self.method = "CUDA max_memory_allocated"
+        if self.device.type == "cuda":  # growth since start, as on the CPU
+            self._baseline = memory_mark(self.device)
+            self.method = "CUDA max_memory_allocated growth (since start)"
             return self
         _release_free_memory()
         rss = _status_kib("VmRSS")
@@ -140,7 +143,7 @@ class PeakMemory:
     def peak_bytes(self) -> int:
         """Peak bytes since ``start()`` (see ``method`` for what is measured)."""
         if self.device.type == "cuda":
-            return torch.cuda.max_memory_allocated(self.device)
+            return peak_growth(self.device, self._baseline)
         hwm = _status_kib("VmHWM") if "VmHWM" in self.method else None
         peak = hwm * 1024 if hwm is not None else _maxrss_bytes()
         return max(0, peak - self._baseline)

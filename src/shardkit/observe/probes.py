@@ -7,7 +7,6 @@ slowest rank sees it (the slowest rank paces a synchronous step).
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -15,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ..planner.counters import OpCounter
+from ..runtime.devices import clock
 
 #: Where the largest message of the sweep takes less than :data:`GROWTH` times the smallest's time,
 #: latency and noise hide the bandwidth (a loaded or throttled machine): the sweep goes on with
@@ -73,13 +73,13 @@ def matmul_job(ctx, dtype: str, sizes: tuple[int, ...], seconds: float) -> list[
     rates = []
     for n in sorted(sizes):
         a, b = torch.randn(n, n).to(kind), torch.randn(n, n).to(kind)
-        started = time.perf_counter()
+        started = clock()
         a @ b  # warm-up, and how long one product takes
-        if _slowest(time.perf_counter() - started) * 8 > seconds and rates:
+        if _slowest(clock() - started) * 8 > seconds and rates:
             break  # the next size would not fit in its time
         dist.barrier()
-        count, started = 0, time.perf_counter()
-        while (elapsed := time.perf_counter() - started) < seconds or count < 2:
+        count, started = 0, clock()
+        while (elapsed := clock() - started) < seconds or count < 2:
             a @ b
             count += 1
         rates.append((n, 2 * n**3 * count / elapsed))
@@ -113,25 +113,25 @@ def _time_collective(collective: str, size: int, seconds: float) -> float:
     tensors = _tensors(collective, elements, world)
     run(tensors, rank, world)  # warm-up, and how long one takes
     dist.barrier()
-    started = time.perf_counter()
+    started = clock()
     run(tensors, rank, world)
-    once = _slowest(time.perf_counter() - started)
+    once = _slowest(clock() - started)
     repeats = max(1, min(_MAX_REPEATS, int(seconds / once / _BLOCKS)))
     best = math.inf
     for _ in range(_BLOCKS):
         dist.barrier()
-        started = time.perf_counter()
+        started = clock()
         for _ in range(repeats):
             run(tensors, rank, world)
-        best = min(best, _slowest(time.perf_counter() - started) / repeats)
+        best = min(best, _slowest(clock() - started) / repeats)
     return best
 
 
 def _timed(work: Callable[[], object]) -> float:
     """Seconds ``work()`` takes here."""
-    started = time.perf_counter()
+    started = clock()
     work()
-    return time.perf_counter() - started
+    return clock() - started
 
 
 def bandwidth_job(ctx, nbytes: int, repeats: int) -> float:

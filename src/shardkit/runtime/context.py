@@ -1,4 +1,4 @@
-"""What a job sees in each process: :class:`Context` (rank, device, plan, mesh), and the device a rank uses."""
+"""What a job sees in each process: :class:`Context` (rank, device, plan, mesh); the device is chosen in devices.py."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from ..plan import Plan, PlanError, UsageError
+from .devices import to_device
 
 
 @dataclass
@@ -61,7 +62,7 @@ class Context:
                 from .ring_attention import shard_sequence
 
                 part = shard_sequence(part, self.coordinates()["sp"], sp, dim=dim + 1)
-            out.append(part.to(self.device))
+            out.append(to_device(part, self.device))  # pinned and asynchronous to a GPU
         return out[0] if len(out) == 1 else tuple(out)
 
 
@@ -85,17 +86,4 @@ def run_job(ctx: Context, fn: Callable[..., Any], args: tuple, kwargs: dict) -> 
         _CURRENT.pop()
 
 
-def default_backend(world_size: int) -> str:
-    if torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
-        return "nccl"
-    return "gloo"
-
-
-def device_for(backend: str, local_rank: int) -> torch.device:
-    if backend == "nccl":
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
-
-
-__all__ = ["Context", "current_context", "default_backend", "device_for", "run_job"]
+__all__ = ["Context", "current_context", "run_job"]

@@ -109,29 +109,26 @@ class ReplicaGroup:
         return len(self.members)
 
 
-_GROUPS: dict[tuple, dict[tuple[int, ...], Any]] = {}  # (grouping, replica ranks) -> ranks -> group
-
-
 def replica_group(grouping: ReplicaGrouping | None = None, *, transpose: bool = False,
                   ctx: Context | None = None) -> ReplicaGroup:
     """This rank's group of ``grouping`` (or of its transpose), with a torch process group.
 
     The first call for a grouping creates its process groups on every rank (a collective:
-    every rank of the world must make it); later calls reuse them.
+    every rank of the world must make it); later calls reuse them (within a job and from the
+    job before: meshes.py frees what a job did not ask for).
     """
     replicas = replicas_of(ctx)
     grouping = _checked(grouping, replicas)
     if transpose:
         grouping = _transposed(grouping)
-    key = (grouping, replicas.ranks)
-    if key not in _GROUPS:
-        # one group per (slot, group), asked for in the same order on every rank
-        _GROUPS[key] = {ranks: process_group(ranks) for slot in range(len(replicas.ranks[0]))
-                        for ranks in (tuple(replicas.ranks[m][slot] for m in members) for members in grouping.groups)}
+    # one group per (slot, group), asked for in the same order on every rank (made once, in meshes.py;
+    # asking again marks them used by this job)
+    groups = {ranks: process_group(ranks) for slot in range(len(replicas.ranks[0]))
+              for ranks in (tuple(replicas.ranks[m][slot] for m in members) for members in grouping.groups)}
     group = grouping.group_of(replicas.replica)
     members = tuple(grouping.groups[group])
     ranks = tuple(replicas.ranks[m][replicas.slot] for m in members)
-    return ReplicaGroup(grouping, group, members, ranks, members.index(replicas.replica), _GROUPS[key][ranks])
+    return ReplicaGroup(grouping, group, members, ranks, members.index(replicas.replica), groups[ranks])
 
 
 __all__ = ["ReplicaGroup", "Replicas", "group_index", "replica_group", "replica_index", "replicas_of"]

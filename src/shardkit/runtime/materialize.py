@@ -15,6 +15,10 @@ under a seed derived from the module's name, and this rank copies out its pieces
   is initialised from the same seed, on the same full shapes, in the same order; a tied
   parameter keeps its first module's values (an embedding's, as transformers ties them).
 
+- the full weights are the same whatever the device: each module's temporaries are drawn on
+  the CPU (devices.py's ``INIT_DEVICE``, whose generator is the same on every machine) and its
+  pieces copied to the device; a GPU's generator gives other numbers from the same seed.
+
 Why not DTensor's random initialisation of sharded tensors: it is offset-based for CUDA's RNG
 only; on CPU each rank would draw its own numbers and the weights would depend on the plan.
 Buffers built real (``sk.meta_model`` keeps them so) are kept; buffers left on meta (a model
@@ -38,6 +42,7 @@ from ..io.hf_weights import HFWeights
 from ..plan import UsageError
 from ..planner.initialisation import reaching_inits, stand_ins
 from ..planner.tensor_parallel import aliases
+from .devices import INIT_DEVICE
 from .pieces import Permutation, pieces
 
 
@@ -135,7 +140,7 @@ def materialize(model: nn.Module, device: torch.device | str = "cpu", *, seed: i
             buffers = [b for b in module._buffers if prefix + b in unset]
             params = {k: p for k, p in module._parameters.items() if p is not None}
             if buffers or (params and source is None):
-                with _full_size(module, buffers, device) as fresh:
+                with _full_size(module, buffers, INIT_DEVICE) as fresh:  # drawn on the CPU, then copied
                     torch.manual_seed(module_seed(seed, module_name))
                     family.init_module(model, module)
                 _keep_buffers(module, prefix, buffers, fresh)

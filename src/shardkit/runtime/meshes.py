@@ -18,6 +18,10 @@ once per process and cached here; callers ask by axis name:
   experts are reduced over the data ranks that hold the same experts; ``None`` when there are none);
 - :func:`process_group`: a group for an arbitrary list of ranks (replica groups).
 
+Every group gets the world's timeout (devices.py's :func:`group_timeout`: the job's plus a margin).
+What a job did not use is freed when it ends (:func:`release_unused`): meshes and groups a job
+asks for again are reused, others' communicators do not pile up over a world's life.
+
 Axis roles themselves are stated once, in :mod:`shardkit.plan.mesh`.
 """
 
@@ -32,6 +36,7 @@ import torch.distributed as dist
 
 from ..plan import Mesh, Plan, PlanError, ReplicaGrouping, UsageError
 from ..plan.replicas import GROUPED_DP_DIMS
+from .devices import group_timeout, group_timeout_for, set_group_timeout
 
 
 def grouped_mesh_ranks(mesh: Mesh, grouping: ReplicaGrouping) -> tuple[tuple[str, ...], torch.Tensor]:
@@ -97,6 +102,12 @@ class Meshes:
             names, ranks = grouped_mesh_ranks(mesh, plan.replicas)
             self.root = DeviceMesh(device_type, ranks, mesh_dim_names=names)
         self._data: dict[str, DataMesh | None] = {}
+        _set_timeout(self.device_mesh, self.root)
+
+    def groups(self) -> list[Any]:
+        """Every process group of this plan's meshes (the world's included, where a dim spans it)."""
+        meshes = [self.device_mesh, self.root, *(d.mesh for d in self._data.values() if d is not None)]
+        return [g for m in meshes for g in m.get_all_groups()]
 
     def axis(self, name: str):
         """The 1-D mesh of axis ``name`` on :attr:`root`; :class:`PlanError` naming the valid axes otherwise."""
@@ -119,6 +130,12 @@ class Meshes:
         return self._data["experts"]
 
     def _make_data(self, split_axes: tuple[str, ...]) -> DataMesh | None:
+        data = self._data_mesh(split_axes)
+        if data is not None:
+            _set_timeout(data.mesh)  # a flattened dim is a new group
+        return data
+
+    def _data_mesh(self, split_axes: tuple[str, ...]) -> DataMesh | None:
         mesh, m = self.root, self.plan.mesh
         dims = mesh.mesh_dim_names
         if self.plan.replicas is not None:
@@ -147,7 +164,22 @@ class Meshes:
         return DataMesh(mesh[tuple(replicate)]._flatten("_".join(replicate)), False)
 
 
+def _set_timeout(*meshes: Any) -> None:
+    """Give every group of ``meshes`` the world's timeout. torch's DeviceMesh takes a timeout only
+    inside backend-specific options (``backend_override``, which also stops it reusing the world's
+    group), so it is set on the groups once made, as ``dist.new_group(timeout=...)`` would have."""
+    timeout = group_timeout()
+    if timeout is None:
+        return
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    for mesh in meshes:
+        for group in mesh.get_all_groups():
+            _set_pg_timeout(timeout, group)
+
+
 _MESHES: dict[tuple, Meshes] = {}
+_USED: set[tuple] = set()  # the keys of _MESHES and _GROUPS the running job asked for
 
 
 def meshes_for(plan: Plan, device_type: str) -> Meshes:
@@ -156,10 +188,45 @@ def meshes_for(plan: Plan, device_type: str) -> Meshes:
     key = (device_type, mesh.names, mesh.shape, plan.replicas, needs_unit_data_dim(plan))
     if key not in _MESHES:
         _MESHES[key] = Meshes(plan, device_type)
+    _USED.add(key)
     return _MESHES[key]
 
 
 _GROUPS: dict[tuple[int, ...], Any] = {}
+
+
+def use_timeout(job_timeout: float | None) -> None:
+    """Before a job: the world's group and every group made here wait as long as the job may run
+    (``job_timeout`` seconds, ``None``: no limit) plus devices.py's margin, and so do groups made later."""
+    timeout = group_timeout_for(job_timeout)
+    if timeout == group_timeout() or not dist.is_initialized():
+        return
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    set_group_timeout(timeout)
+    groups = [dist.group.WORLD, *(g for m in _MESHES.values() for g in m.groups()), *_GROUPS.values()]
+    for group in {id(g): g for g in groups if g is not None}.values():
+        _set_pg_timeout(timeout, group)
+
+
+def release_unused() -> None:
+    """At the end of a job (every rank, in the same order): destroy the meshes' and groups' communicators
+    the job did not ask for. Never the world's group (nor one named as it: a 1-D mesh over the world is
+    the world's group), nor one that a kept mesh or group still holds."""
+    gone = [k for k in _MESHES if k not in _USED] + [k for k in _GROUPS if k not in _USED]
+    _USED.clear()
+    if not gone or not dist.is_initialized():
+        return
+    kept = [g for m in _MESHES.values() for g in m.groups()] + [g for g in _GROUPS.values() if g is not None]
+    kept.append(dist.group.WORLD)
+    kept_names = {g.group_name for g in kept}
+    dropped = []
+    for key in gone:
+        found = _MESHES.pop(key).groups() if key in _MESHES else [_GROUPS.pop(key)]
+        dropped += [g for g in found if g is not None]
+    for group in {id(g): g for g in dropped}.values():  # each once, in the order made
+        if group.group_name not in kept_names and not any(group is g for g in kept):
+            dist.destroy_process_group(group)
 
 
 def process_group(ranks: tuple[int, ...]) -> Any:
@@ -174,8 +241,10 @@ def process_group(ranks: tuple[int, ...]) -> Any:
         elif len(ranks) == dist.get_world_size():
             _GROUPS[ranks] = dist.group.WORLD
         else:
-            _GROUPS[ranks] = dist.new_group(list(ranks))
+            _GROUPS[ranks] = dist.new_group(list(ranks), timeout=group_timeout())
+    _USED.add(ranks)
     return _GROUPS[ranks]
 
 
-__all__ = ["DataMesh", "Meshes", "grouped_mesh_ranks", "meshes_for", "needs_unit_data_dim", "process_group"]
+__all__ = ["DataMesh", "Meshes", "grouped_mesh_ranks", "meshes_for", "needs_unit_data_dim", "process_group",
+           "release_unused", "use_timeout"]

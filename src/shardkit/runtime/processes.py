@@ -17,8 +17,13 @@ import time
 
 PARENT_POLL_S = 1.0  # how often a worker without prctl checks that its parent is alive
 PR_SET_PDEATHSIG = 1  # linux/prctl.h: signal this process when its parent thread ends
-# what gloo reports on a rank whose peer died under a collective
-LOST_CONNECTION = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+# what gloo and NCCL report on a rank whose peer died under a collective
+LOST_CONNECTION = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",  # gloo
+                   "ncclRemoteError", "remote process exited", "NCCL communicator was aborted")  # NCCL
+# what they report on a rank whose collective waited past the group's timeout (a peer gone or stuck)
+COLLECTIVE_TIMEOUT = ("Timed out waiting",  # gloo: "Timed out waiting 1800000ms for recv operation to complete"
+                      "Watchdog caught collective operation timeout",  # NCCL's watchdog
+                      "before timing out")  # NCCL: "... ran for 660000 milliseconds before timing out"
 
 
 def exit_reason(code: int) -> str:
@@ -32,7 +37,9 @@ def exit_reason(code: int) -> str:
 
 
 def lost_connection(details: str) -> bool:
-    return any(text in details for text in LOST_CONNECTION)
+    """Whether a rank's error says it lost a peer (its connection, or a collective that timed out
+    waiting for it), in gloo's words or NCCL's: the peer is then the likelier cause."""
+    return any(text in details for text in LOST_CONNECTION + COLLECTIVE_TIMEOUT)
 
 
 def last_line(text: str) -> str:
@@ -65,4 +72,4 @@ def _exit_when_orphaned(parent_pid: int) -> None:
     os._exit(1)
 
 
-__all__ = ["end_with_parent", "exit_reason", "last_line", "lost_connection"]
+__all__ = ["COLLECTIVE_TIMEOUT", "LOST_CONNECTION", "end_with_parent", "exit_reason", "last_line", "lost_connection"]

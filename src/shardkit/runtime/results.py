@@ -66,8 +66,9 @@ def dumps(value: Any) -> bytes:
 
 
 def loads(data: bytes) -> Any:
-    """What :func:`dumps` wrote."""
-    return torch.load(io.BytesIO(data), weights_only=False)
+    """What :func:`dumps` wrote, every tensor on the CPU (``map_location``): a result never
+    initialises an accelerator in the process that reads it."""
+    return torch.load(io.BytesIO(data), weights_only=False, map_location="cpu")
 
 
 __all__ = ["dumps", "finished", "loads"]

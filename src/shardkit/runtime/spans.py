@@ -7,7 +7,9 @@ broadcast, and one ``step`` span per step, while :func:`recording` is open in th
 every rank's spans into a trace, a Gantt chart and the bubble fraction.
 
 Timestamps are ``time.time_ns()`` so spans from processes of one machine (and NTP-synced
-machines) share a clock.
+machines) share a clock, read once the work queued on the accelerator has run (devices.py's
+``wall_ns``: kernels run after the Python that launched them returns, so an unsynchronised span
+would time the launching). Recording therefore slows a GPU's steps: profile, do not train, with it.
 
 >>> with recording():
 ...     with span("F", stage=0, microbatch=0):
@@ -18,11 +20,12 @@ machines) share a clock.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
+
+from .devices import wall_ns
 
 
 @dataclass
@@ -88,11 +91,11 @@ def span(kind: str, stage: int | None = None, microbatch: int | None = None) -> 
         return
     if kind == "step":
         _REC.step += 1
-    record = Span(_REC.rank, kind, time.time_ns(), stage=stage, microbatch=microbatch, step=max(_REC.step, 0))
+    record = Span(_REC.rank, kind, wall_ns(), stage=stage, microbatch=microbatch, step=max(_REC.step, 0))
     try:
         yield record
     finally:
-        record.end_ns = time.time_ns()
+        record.end_ns = wall_ns()
         _REC.spans.append(record)
 
 

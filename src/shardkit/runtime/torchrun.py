@@ -1,7 +1,7 @@
 """Joining a world that ``torchrun`` (or any launcher setting RANK and WORLD_SIZE) started.
 
-The process group is opened on first use with the job's timeout (at least
-:data:`MIN_GROUP_TIMEOUT_S`, since the same limit bounds connecting the ranks), closed at exit
+The process group is opened on first use (devices.py: the backend, ``LOCAL_RANK``'s GPU set
+first, the job's timeout plus a margin, which also bounds connecting the ranks), closed at exit
 with every rank together, and a rank still running at its job's timeout prints its Python
 stack and exits 1 so torchrun stops the job.
 """
@@ -15,17 +15,21 @@ import os
 import signal
 import sys
 from collections.abc import Callable, Iterator
-from datetime import timedelta
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from ..plan import Plan
-from .context import Context, device_for, run_job
+from .context import Context, run_job
+from .devices import (
+    choose_backend,
+    device_of,
+    launcher_local_rank,
+    launcher_ranks_on_host,
+    open_process_group,
+)
+from .meshes import release_unused, use_timeout
 from .results import dumps, loads
-
-MIN_GROUP_TIMEOUT_S = 60.0  # a joined world's collectives time out no sooner (see _process_group_timeout)
 
 
 def in_torchrun() -> bool:
@@ -74,28 +78,24 @@ def _stacks_when_stopped(timeout: float | None) -> Iterator[None]:
         faulthandler.unregister(signal.SIGTERM)
 
 
-def _process_group_timeout(timeout: float | None) -> timedelta | None:
-    """How long a collective may wait before it raises on its rank: the job's timeout, but at
-    least MIN_GROUP_TIMEOUT_S, since the same limit bounds connecting the ranks at start."""
-    return None if timeout is None else timedelta(seconds=max(timeout, MIN_GROUP_TIMEOUT_S))
-
-
 def run_in_torchrun(fn: Callable[..., Any], plan: Plan | None, args: tuple, kwargs: dict,
                      timeout: float | None) -> list[Any]:
     world_size = int(os.environ["WORLD_SIZE"])
     rank = int(os.environ["RANK"])
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=_process_group_timeout(timeout))
+    local_rank = launcher_local_rank()  # required: never guessed from the global rank
+    if dist.is_initialized():  # opened by the caller: its backend
+        device = device_of(dist.get_backend(), local_rank)
+    else:
+        device = open_process_group(choose_backend(launcher_ranks_on_host()), local_rank, timeout)
         _watch_uncaught_exceptions()
         atexit.register(_close_joined_world)
-    device = device_for(dist.get_backend(), local_rank)
+    use_timeout(timeout)  # a later job's own timeout (+ the margin) on every group
     ctx = Context(rank, world_size, local_rank, device, None if plan is None else plan.resolved(world_size))
     with _stacks_when_stopped(timeout):  # stuck anywhere, in a collective or not: its stack, then exit 1
         value = dumps(run_job(ctx, fn, args, kwargs))  # plain, finished tensors on the CPU
         gathered: list[Any] = [None] * world_size
         dist.all_gather_object(gathered, value)
+    release_unused()  # communicators of meshes this job did not use (the job's are kept for the next)
     return [loads(data) for data in gathered]
 
 

@@ -41,9 +41,11 @@ import torch.multiprocessing as mp
 
 from ..plan import Plan
 from ..plan.errors import ShardkitError, UsageError
-from .context import Context, default_backend, device_for, run_job
+from .context import Context, run_job
 from .descendants import Watchman, lead_descendants, new_token
+from .devices import choose_backend, open_process_group
 from .limits import DEFAULT_TIMEOUT_S
+from .meshes import release_unused, use_timeout
 from .processes import end_with_parent, exit_reason, last_line, lost_connection
 from .results import dumps, loads
 from .torchrun import in_torchrun, run_in_torchrun
@@ -143,17 +145,19 @@ def _worker(rank: int, world_size: int, port: int, backend: str, threads: int, p
     # DTensor logs a warning whenever a redistribute needs two all-gathers (FSDP x TP full_tensor).
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
-    device = device_for(backend, rank)
+    # one machine: the local rank is the rank; each job sets the groups' timeout to its own (+ a margin)
+    device = open_process_group(backend, rank, DEFAULT_TIMEOUT_S, store=store, rank=rank, world_size=world_size)
     while True:
         job = jobs.get()
         if job is None:
             break
-        job_id, payload = job
+        job_id, payload, timeout = job
         try:
+            use_timeout(timeout)  # the process groups wait as long as the job may run, plus a margin
             fn, args, kwargs, plan = pickle.loads(payload)
             ctx = Context(rank, world_size, rank, device, plan)
             results.put((job_id, rank, True, dumps(run_job(ctx, fn, args, kwargs))))
+            release_unused()  # communicators of meshes this job did not use (the job's are kept for the next)
         except BaseException:  # report everything, including KeyboardInterrupt, then keep serving
             results.put((job_id, rank, False, traceback.format_exc()))
     dist.barrier()  # leave together: see _close_joined_world
@@ -166,7 +170,12 @@ def _worker(rank: int, world_size: int, port: int, backend: str, threads: int, p
 
 
 class LocalWorld:
-    """A persistent world of ``size`` local processes (gloo on CPU, NCCL with enough GPUs).
+    """A persistent world of ``size`` local processes (gloo on CPU, NCCL with a GPU per process;
+    fewer GPUs than processes is refused unless ``backend="gloo"``: see devices.py).
+
+    Before each job every process group's timeout becomes the job's plus a margin, so a stuck
+    job is reported by the job's own timeout (every unfinished rank's stack), never by a
+    collective giving up first (NCCL's watchdog would abort the rank).
 
     The processes end with the one that started them, however it ends (even SIGKILL), and so
     does every process they start (a DataLoader's workers, a subprocess).
@@ -181,7 +190,7 @@ class LocalWorld:
     def __init__(self, size: int, backend: str | None = None, threads: int | None = None):
         _check_world_size(size, "LocalWorld(size)")
         self.size = int(size)
-        self.backend = backend or default_backend(size)
+        self.backend = choose_backend(self.size, backend)
         self.threads = threads or max(1, (os.cpu_count() or 1) // size)
         self._procs: list = []
         self._jobs: list = []
@@ -240,7 +249,7 @@ class LocalWorld:
         job_id = self._next_job
         self._next_job += 1
         for q in self._jobs:
-            q.put((job_id, payload))
+            q.put((job_id, payload, timeout))
         values: dict[int, Any] = {}
         deadline = None if timeout is None else time.monotonic() + timeout
         while len(values) < self.size:
@@ -390,7 +399,7 @@ def launch(fn: Callable[..., Any], plan: Plan | None = None, *args: Any, world_s
            world: LocalWorld | None = None, timeout: float | None = DEFAULT_TIMEOUT_S, **kwargs: Any) -> list[Any]:
     """Run ``fn(ctx, *args, **kwargs)`` on every process of a world; return values in rank order.
 
-    Under ``torchrun`` it joins that world (NCCL when CUDA is present, else gloo). Otherwise
+    Under ``torchrun`` it joins that world (NCCL with a GPU per local rank, gloo without GPUs). Otherwise
     it starts ``world_size`` local processes (default: the plan's mesh size), or uses
     ``world`` if given. Any failing rank stops all processes and raises :class:`WorldError`.
     A job still running after ``timeout`` seconds (default :data:`DEFAULT_TIMEOUT_S`, 30

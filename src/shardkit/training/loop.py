@@ -11,7 +11,6 @@ reads its overflow flag, which decides whether the optimizer steps.
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 
@@ -20,6 +19,7 @@ from torch import nn
 from ..checkpoint.store import load, save
 from ..observe.report import RankStats
 from ..runtime.context import Context
+from ..runtime.devices import StepTimer, clock
 from ..runtime.loss_scaling import LossScaler
 from .checks import CheckedJob
 from .model import model_builder, model_from_flag
@@ -77,7 +77,7 @@ def train_rank(ctx: Context, job: CheckedJob) -> tuple[RankStats, list]:
                                                   bool(config.save_every and done % config.save_every == 0))
             if step == last or logged:
                 comm.reset()
-            start = time.perf_counter()
+            timer = StepTimer(ctx.device).start()  # synchronised on an accelerator (devices.py)
             # Communication is counted on the last (steady-state) step and on logged steps only: the counter
             # sees every op in Python, which slows the steps it counts.
             with comm if step == last or logged else nullcontext():
@@ -89,7 +89,7 @@ def train_rank(ctx: Context, job: CheckedJob) -> tuple[RankStats, list]:
             if step == last:
                 held = state_bytes(model, optimizer)  # grads still allocated
             optimizer.zero_grad()
-            seconds = time.perf_counter() - start
+            seconds = timer.stop()
             if step != last or not times:
                 times.append(seconds)
             reads.add(loss)
@@ -104,12 +104,12 @@ def train_rank(ctx: Context, job: CheckedJob) -> tuple[RankStats, list]:
                 log.eval(done, eval_loss)
                 progress.say(f"step {done}: eval loss {eval_loss:.4f}, perplexity {math.exp(eval_loss):.2f}")
             if saving:
-                began = time.perf_counter()
+                began = clock(ctx.device)
                 extra = {"data": batch.position, "loss": reads.last,
                          **({} if scaler is None else {"loss_scale": scaler.state_dict()})}
                 with progress.busy(f"saving step {done}"):
                     folder = save(config.save, model, optimizer, step=done, extra=extra, keep_last=config.keep_last)
-                progress.say(f"saved {folder} in {time.perf_counter() - began:.1f} s")
+                progress.say(f"saved {folder} in {clock(ctx.device) - began:.1f} s")
     spans = [s for s in timeline.collect() if s.step != last or config.steps == 1] if config.profile is not None else []
     reads.read()
     stats = RankStats(ctx.rank, ctx.coordinates(), held, memory.peak_bytes(), memory.method, times, comm.summary(),

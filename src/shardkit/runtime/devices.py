@@ -1,0 +1,227 @@
+"""One home for the device and the backend: nothing else in shardkit chooses a device or times a step.
+
+- the backend (:func:`choose_backend`): NCCL only with a GPU for every rank of this machine, gloo
+  where there is no GPU; fewer GPUs than ranks is refused, naming both, never run on the CPU
+  silently (the CPU is asked for explicitly: ``backend="gloo"`` or ``SHARDKIT_BACKEND=gloo``);
+- ``LOCAL_RANK`` (:func:`launcher_local_rank`): required under a launcher, never guessed from the
+  global rank (on a second machine the global rank names no local GPU);
+- the process group (:func:`open_process_group`): the rank's GPU set before it opens, and given to
+  it (``device_id``); its timeout, and every group's made later (:func:`group_timeout`), is the
+  job's plus :data:`GROUP_MARGIN_S`, so that shardkit's own timeout report (every stuck rank's
+  stack) comes first and NCCL's watchdog never aborts a rank before it;
+- inputs to the device (:func:`to_device`): pinned and asynchronous to a GPU;
+- random initialisation (:data:`INIT_DEVICE`): drawn on the CPU, whose generator is the same
+  everywhere, then copied, so the weights do not depend on the device type;
+- time (:class:`StepTimer`, :func:`clock`): synchronised with the accelerator (CUDA events),
+  since kernels run after the Python that launched them returns;
+- peak memory (:func:`memory_mark`, :func:`peak_growth`): growth since the mark, on any device.
+
+Results go back to the parent on the CPU (``results.loads`` loads with ``map_location="cpu"``).
+
+>>> choose_backend(1, "gloo"), device_of("gloo", 0)
+('gloo', device(type='cpu'))
+>>> timer = StepTimer(torch.device("cpu")).start()
+>>> timer.stop() >= 0
+True
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..plan import UsageError
+
+BACKENDS = ("gloo", "nccl")
+#: How much longer than the job's timeout a collective may wait before it fails on its rank (seconds):
+#: enough for the parent to collect every stuck rank's stack first.
+GROUP_MARGIN_S = 60.0
+#: A job without a timeout (``timeout=None``): the process groups' limit, torch needing one.
+NO_LIMIT = timedelta(days=7)
+#: Where random initialisation draws: the CPU's generator gives the same numbers on every machine.
+INIT_DEVICE = torch.device("cpu")
+#: Set it to ``gloo`` to run a world on the CPU on a machine with GPUs, ``nccl`` to insist on GPUs.
+BACKEND_VARIABLE = "SHARDKIT_BACKEND"
+
+_GROUP_TIMEOUT: list[timedelta] = []  # the timeout this process's groups get (set when the world opens)
+
+
+def gpu_count() -> int:
+    """The GPUs this process sees (0 without CUDA)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def choose_backend(ranks: int, asked: str | None = None) -> str:
+    """The backend for ``ranks`` processes on this machine: ``asked`` (or ``$SHARDKIT_BACKEND``) if
+    given, else NCCL with a GPU per rank and gloo with no GPU. NCCL with fewer GPUs than ranks is
+    refused (:class:`UsageError` naming both), whether asked or chosen.
+
+    >>> choose_backend(4, "gloo")
+    'gloo'
+    """
+    asked = asked or os.environ.get(BACKEND_VARIABLE) or None
+    if asked is not None and asked not in BACKENDS:
+        raise UsageError(f"backend {asked!r} (backend= or ${BACKEND_VARIABLE}) is not one shardkit runs on; "
+                         f"choose one of {list(BACKENDS)}")
+    gpus = gpu_count()
+    if asked == "gloo" or (asked is None and gpus == 0):
+        return "gloo"
+    if gpus < ranks:
+        raise UsageError(
+            f"{ranks} rank(s) on this machine need one GPU each for NCCL, but {gpus} GPU(s) were found"
+            f"{_gpu_names(gpus)}: ask for at most {gpus} rank(s) per machine, or run on the CPU explicitly "
+            f"(backend='gloo', or {BACKEND_VARIABLE}=gloo); shardkit does not fall back to the CPU by itself")
+    return "nccl"
+
+
+def _gpu_names(gpus: int) -> str:
+    if not gpus:
+        return " (CUDA is not available)" if not torch.cuda.is_available() else ""
+    return " (" + ", ".join(f"cuda:{i} {torch.cuda.get_device_name(i)}" for i in range(gpus)) + ")"
+
+
+def launcher_local_rank() -> int:
+    """This process's ``LOCAL_RANK`` under a launcher (torchrun sets it); :class:`UsageError` when it is
+    missing or not a whole number: the global rank is no GPU index on a machine other than the first."""
+    value = os.environ.get("LOCAL_RANK")
+    if value is None or not value.strip().isdigit():
+        got = "it is not set" if value is None else f"it is {value!r}"
+        raise UsageError(f"under a launcher (RANK={os.environ.get('RANK')}, WORLD_SIZE={os.environ.get('WORLD_SIZE')}) "
+                         f"shardkit needs LOCAL_RANK, this process's index on its machine, but {got}; torchrun sets "
+                         f"it, another launcher must too (shardkit never guesses it from the global rank)")
+    return int(value)
+
+
+def launcher_ranks_on_host() -> int:
+    """How many ranks share this machine under a launcher (``LOCAL_WORLD_SIZE``, else ``WORLD_SIZE``)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ["WORLD_SIZE"])
+
+
+def device_of(backend: str, local_rank: int) -> torch.device:
+    """The device a rank computes on: its GPU under NCCL, else the CPU."""
+    return torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
+
+
+def group_timeout_for(job_timeout: float | None) -> timedelta:
+    """A process group's timeout for a job of ``job_timeout`` seconds (``None``: no limit):
+    the job's plus :data:`GROUP_MARGIN_S`.
+
+    >>> group_timeout_for(60).total_seconds()
+    120.0
+    """
+    return NO_LIMIT if job_timeout is None else timedelta(seconds=job_timeout + GROUP_MARGIN_S)
+
+
+def group_timeout() -> timedelta | None:
+    """The timeout every group made in this process gets (``new_group``, DeviceMesh): the world's,
+    set by :func:`open_process_group` (``None`` in a process group shardkit did not open: torch's default)."""
+    return _GROUP_TIMEOUT[-1] if _GROUP_TIMEOUT else None
+
+
+def set_group_timeout(timeout: timedelta) -> None:
+    """What :func:`group_timeout` returns from now on (meshes.py applies it to the groups already made)."""
+    _GROUP_TIMEOUT[:] = [timeout]
+
+
+def open_process_group(backend: str, local_rank: int, job_timeout: float | None, **init: Any) -> torch.device:
+    """Open the default process group for this rank and return its device: the GPU set first and
+    passed as ``device_id`` under NCCL, the timeout :func:`group_timeout_for` the job's. ``init``:
+    the rest of ``init_process_group``'s arguments (store, rank, world_size)."""
+    device = device_of(backend, local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    timeout = group_timeout_for(job_timeout)
+    set_group_timeout(timeout)
+    dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None, **init)
+    return device
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` on ``device``; from the CPU to a GPU through pinned memory, without blocking the CPU."""
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
+def synchronize(device: torch.device | None = None) -> None:
+    """Wait for the work queued on ``device`` (``None``: this process's GPU, if CUDA is in use)."""
+    if device is None:
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+    elif device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def clock(device: torch.device | None = None) -> float:
+    """Seconds (``perf_counter``) once the work queued on ``device`` has run: differences of two
+    readings time that work, not the launching of it.
+
+    >>> start = clock(); clock() - start >= 0
+    True
+    """
+    synchronize(device)
+    return time.perf_counter()
+
+
+def wall_ns(device: torch.device | None = None) -> int:
+    """Nanoseconds since the epoch (``time.time_ns``, one clock for the processes of a machine) once the
+    work queued on ``device`` has run: for timeline spans."""
+    synchronize(device)
+    return time.time_ns()
+
+
+class StepTimer:
+    """Seconds one step takes on ``device``: CUDA events around it on a GPU (read once they have
+    run), ``perf_counter`` on the CPU.
+
+    >>> timer = StepTimer(torch.device("cpu")).start()
+    >>> seconds = timer.stop()
+    """
+
+    def __init__(self, device: torch.device | str | None = None):
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self._events: tuple[Any, Any] | None = None
+        self._start = 0.0
+
+    def start(self) -> StepTimer:
+        if self.device.type == "cuda":
+            self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self._events[0].record()
+        else:
+            self._start = time.perf_counter()
+        return self
+
+    def stop(self) -> float:
+        """The seconds since :meth:`start`, once the step's work has run."""
+        if self._events is not None:
+            begin, end = self._events
+            end.record()
+            end.synchronize()
+            return begin.elapsed_time(end) / 1000.0
+        return time.perf_counter() - self._start
+
+
+def memory_mark(device: torch.device) -> int:
+    """Start a peak-memory measurement on a GPU: its peak statistic reset; returns the bytes
+    allocated now (what :func:`peak_growth` subtracts). 0 on the CPU (``observe.memory`` reads RSS)."""
+    if device.type != "cuda":
+        return 0
+    torch.cuda.reset_peak_memory_stats(device)
+    return torch.cuda.memory_allocated(device)
+
+
+def peak_growth(device: torch.device, mark: int) -> int:
+    """The most bytes allocated on a GPU since :func:`memory_mark` returned ``mark``, above ``mark``."""
+    return max(0, torch.cuda.max_memory_allocated(device) - mark)
+
+
+__all__ = ["BACKENDS", "GROUP_MARGIN_S", "INIT_DEVICE", "NO_LIMIT", "StepTimer", "choose_backend", "clock",
+           "device_of", "gpu_count", "group_timeout", "group_timeout_for", "launcher_local_rank",
+           "launcher_ranks_on_host", "memory_mark", "open_process_group", "peak_growth", "set_group_timeout",
+           "synchronize", "to_device",
+           "wall_ns"]
