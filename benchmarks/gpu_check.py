@@ -29,7 +29,6 @@ import os
 import re
 import signal
 import sys
-import time
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -38,6 +37,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from shardkit.runtime.devices import clock
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -159,7 +160,7 @@ def run_check(check: Check, env) -> Row:
     """One row: the check's result, or FAIL (wrong, raised, or over its time bound), or skipped."""
     import gpu_check_jobs as jobs
 
-    began, backstop = time.monotonic(), env.limit_s + min(15.0, env.limit_s)
+    began, backstop = clock(), env.limit_s + min(15.0, env.limit_s)
     try:
         with _alarm(backstop):  # world jobs and subprocesses stop at limit_s themselves
             status, detail = "ok", check.run(env)
@@ -172,7 +173,7 @@ def run_check(check: Check, env) -> Row:
     except Exception as exc:  # noqa: BLE001 - every error is a row of the table
         lines = str(exc).strip().splitlines() or [""]
         status, detail = "FAIL", f"{type(exc).__name__}: {lines[0][:300]}"
-    took = time.monotonic() - began
+    took = clock() - began
     if status == "ok" and took > env.limit_s:
         status, detail = "FAIL", f"took {took:.0f} s, over its bound of {env.limit_s:.0f} s; {detail}"
     return Row(check.name, status, round(took, 1), detail)
@@ -209,11 +210,11 @@ def run_checks(args: argparse.Namespace, worlds: Callable[[int], Any]) -> tuple[
              f"{args.world} CPU processes, gloo ({gpus} GPU(s) seen)") + f", {sizes.name} sizes"
     args.out.mkdir(parents=True, exist_ok=True)
     budget = args.budget or (420.0 if args.world <= 1 else 540.0) * sizes.slack
-    deadline = time.monotonic() + budget
+    deadline = clock() + budget
     rows: list[Row] = []
     for check in selected(checks(), args.only):
         cuda = gpus >= (args.world if check.multi else 1)
-        left = deadline - time.monotonic()  # no row runs past the budget: its bound is what is left
+        left = deadline - clock()  # no row runs past the budget: its bound is what is left
         env = jobs.Env(sizes=sizes, world=args.world, cuda=cuda, worlds=worlds, out=args.out.resolve(),
                        limit_s=min(check.limit_s * sizes.slack, left))
         if left < 5:
