@@ -11,7 +11,7 @@ time bound, each a row ``ok`` / ``FAIL`` / ``skipped: <reason>``:
   sp, HSDP and fsdp x tp on 4 or more, pipelines with a tied embedding under interleaved-1f1b
   and zbv, zero=1, recompute), sp=2 ring attention with a 64 MiB accumulator within 120 s,
   the profile's step spans against CUDA events, generation under tp and pp, checkpoints under
-  fsdp, a deliberately hung rank (a timeout report, not SIGABRT), ``torchrun ... --plan auto``.
+  fsdp, the dry run's bytes against the CUDA allocator's peak, a deliberately hung rank (a timeout report, not SIGABRT), ``torchrun ... --plan auto``.
 
 On CUDA (NCCL) when there is a GPU per rank, at the full sizes; otherwise on a gloo world of
 local CPU processes at tiny sizes, where the rows that need CUDA say ``skipped: no CUDA``.
@@ -64,7 +64,8 @@ def checks() -> list[Check]:
     multi = [*((f"verify {s}", partial(jobs.verify_strategy, name=s), 60) for s in strategies),
              ("sp=2 accumulator", jobs.sp_accumulator, 120), ("profile vs events", jobs.profile_events, 60),
              ("generate tp", jobs.generate_tp, 60), ("generate pp", jobs.generate_pp, 60),
-             ("checkpoint fsdp", jobs.checkpoint_multi, 60), ("hung rank", jobs.hung_rank, 60),
+             ("checkpoint fsdp", jobs.checkpoint_multi, 60), ("dry run vs cuda peak", jobs.dry_run_memory, 60),
+             ("hung rank", jobs.hung_rank, 60),
              ("torchrun plan auto", jobs.torchrun_plan_auto, 150)]
     return [*(Check(f"one: {n}", f, False, t) for n, f, t in one),
             *(Check(f"world: {n}", f, True, t) for n, f, t in multi)]

@@ -520,6 +520,38 @@ def profile_events(env: Env) -> str:
             f"{worst[1] * 1e3:.2f} ms); trace in {folder.name}/")
 
 
+def _real_peak_job(ctx, fields: dict, batch: tuple) -> int:
+    """The CUDA allocator's peak over what the dry run runs: shard a meta-built model, one AdamW step."""
+    from shardkit.runtime.devices import memory_mark, peak_growth
+
+    mark = memory_mark(ctx.device)
+    model = sk.shard(build_gpt_on_meta(fields), ctx.plan, ctx)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model.step(*ctx.shard_batch(*batch), gpt_loss)
+    opt.step()
+    return peak_growth(ctx.device, mark)
+
+
+def dry_run_memory(env: Env) -> str:
+    """``sk.dry_run``'s peak bytes of a rank (fake tensors, no device) against the CUDA allocator's peak
+    for the same step under fsdp over every device (within 30%)."""
+    try:
+        dry_run = sk.dry_run
+    except AttributeError as exc:
+        raise Failed("feature missing: sk.dry_run (branch dryrun not merged)") from exc
+    if not env.cuda:
+        raise Skipped("no CUDA (the dry run is compared with the CUDA allocator's peak)")
+    fields, plan = env.sizes.timed_gpt, sk.Plan(sk.Mesh(fsdp=env.world))
+    batch = tokens(fields["vocab"], env.sizes.batch, fields["seq_len"])
+    predicted = dry_run(partial(build_gpt, fields), plan, world_size=env.world, batch=env.sizes.batch,
+                        seq_len=fields["seq_len"], loss_fn=gpt_loss, estimate=False).ranks[0].memory["peak"]
+    real = env.worlds(env.world).run(_real_peak_job, fields, batch, plan=plan, timeout=env.limit_s)[0]
+    text = f"dry run {predicted / 2**20:,.0f} MiB, CUDA peak {real / 2**20:,.0f} MiB on rank 0 (ratio {predicted / real:.2f})"
+    if not 0.7 <= predicted / real <= 1.3:
+        raise Failed(f"more than 30% apart: {text}")
+    return text
+
+
 # -- failures and launchers -----------------------------------------------------------------------------
 def _ready(ctx) -> int:
     return ctx.rank
