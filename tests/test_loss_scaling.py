@@ -207,3 +207,78 @@ def test_scaled_float16_training_matches_one_process_and_overflow_skips_every_ra
             assert stepped is False, f"{name}: rank {rank} stepped although rank 1's gradients overflowed"
             assert all(torch.equal(after[n], trained[n]) for n in trained)
             assert (before, scale) == (2.0**16, 2.0**15), f"{name}: rank {rank}'s scale {before} -> {scale}"
+
+
+# -- the training loop: host reads, and the scale through a checkpoint ------------------------------------------
+#: What reads a tensor to the host (a sync with the device) when shardkit's code calls it.
+READS = ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__")
+
+
+class _Counted:
+    """A job's data whose batches note, as each is taken, the host reads and gathers made so far."""
+
+    def __init__(self, data, counts: dict):
+        self.data, self.counts = data, counts
+
+    def batches(self, *args, **kwargs):
+        for batch in self.data.batches(*args, **kwargs):
+            self.counts["at_batch"].append((self.counts["reads"], self.counts["gathers"]))
+            yield batch
+
+
+def _train_counting(ctx, job) -> tuple[list, list]:
+    """``train_rank`` with every host read shardkit's code makes (and every ``all_gather_object``) counted:
+    the rank's losses and the reads and gathers of each step but the last."""
+    import sys
+
+    import torch.distributed as dist
+
+    from shardkit.training.loop import train_rank
+
+    counts = {"reads": 0, "gathers": 0, "at_batch": []}
+
+    def counting(fn, key):
+        def wrapper(*args, **kwargs):
+            if sys._getframe(1).f_globals.get("__name__", "").startswith("shardkit"):
+                counts[key] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    saved = {name: getattr(torch.Tensor, name) for name in READS}
+    gather = dist.all_gather_object
+    try:
+        for name, fn in saved.items():
+            setattr(torch.Tensor, name, counting(fn, "reads"))
+        dist.all_gather_object = counting(gather, "gathers")
+        stats, _ = train_rank(ctx, replace(job, data=_Counted(job.data, counts)))
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.Tensor, name, fn)
+        dist.all_gather_object = gather
+    marks = counts["at_batch"]
+    return stats.losses, [(r1 - r0, g1 - g0) for (r0, g0), (r1, g1) in zip(marks, marks[1:])]
+
+
+@pytest.mark.world
+def test_training_loop_reads_the_host_only_when_asked_and_resumes_the_scale(world, tmp_path):
+    import json
+
+    base = sk.TrainConfig(model="gpt-tiny", plan=Plan(Mesh(fsdp=2)), param_dtype="float16", steps=5, batch_size=4,
+                          seq_len=16, data_mb=0.05, log_dir=tmp_path / "logs", log_every=3, save=tmp_path / "ck",
+                          save_every=3, optimizer="sgd", lr=0.5)
+    job = prepare(base)
+    assert job.plan.loss_scaling == "dynamic"  # float16 scales without being asked
+    found = world(2).run(_train_counting, job, plan=job.plan)
+    losses = found[0][0]
+    for rank, (_, steps) in enumerate(found):
+        # steps 1 and 2 neither log, evaluate nor save: one read each, the overflow flag; no gather
+        assert steps[:2] == [(1, 0), (1, 0)], f"rank {rank}: (host reads, gathers) of steps 1-2: {steps[:2]}"
+        reads, gathers = steps[2]  # step 3 logs and saves: the numbers asked for, in one read with the flag's
+        assert reads <= 3 and gathers >= 1, f"rank {rank}: step 3 made {reads} host reads, {gathers} gathers"
+    manifest = json.loads((tmp_path / "ck" / "step-00000003" / "manifest.json").read_text())
+    state = manifest["extra"]["loss_scale"]
+    assert state["scale"] < 2.0**16, "float16's first loss overflows at 2**16: the scale backed off"
+    again = replace(base, resume=tmp_path / "ck" / "step-00000003", log_dir=None, log_every=1, save=None,
+                    save_every=None)
+    resumed = world(2).run(_train_counting, prepare(again), plan=job.plan)
+    assert resumed[0][0] == losses[3:], "a resumed run (with its saved scale) trains steps 4-5 as the whole run did"
