@@ -275,10 +275,12 @@ def test_training_loop_reads_the_host_only_when_asked_and_resumes_the_scale(worl
         assert steps[:2] == [(1, 0), (1, 0)], f"rank {rank}: (host reads, gathers) of steps 1-2: {steps[:2]}"
         reads, gathers = steps[2]  # step 3 logs and saves: the numbers asked for, in one read with the flag's
         assert reads <= 3 and gathers >= 1, f"rank {rank}: step 3 made {reads} host reads, {gathers} gathers"
-    manifest = json.loads((tmp_path / "ck" / "step-00000003" / "manifest.json").read_text())
-    state = manifest["extra"]["loss_scale"]
-    assert state["scale"] < 2.0**16, "float16's first loss overflows at 2**16: the scale backed off"
-    again = replace(base, resume=tmp_path / "ck" / "step-00000003", log_dir=None, log_every=1, save=None,
+    def scale(folder: str) -> dict:
+        return json.loads((tmp_path / folder / "manifest.json").read_text())["extra"]["loss_scale"]
+
+    assert scale("ck/step-00000003")["scale"] < 2.0**16, "float16's first step overflows at 2**16: the scale backs off"
+    again = replace(base, resume=tmp_path / "ck" / "step-00000003", log_dir=None, log_every=1, save=tmp_path / "ck2",
                     save_every=None)
     resumed = world(2).run(_train_counting, prepare(again), plan=job.plan)
-    assert resumed[0][0] == losses[3:], "a resumed run (with its saved scale) trains steps 4-5 as the whole run did"
+    assert resumed[0][0] == losses[3:], "a resumed run trains steps 4-5 as the whole run did"
+    assert scale("ck2/step-00000005") == scale("ck/step-00000005"), "the scale and its good steps, resumed"
