@@ -79,7 +79,7 @@ def test_float16_without_a_scale_is_refused_by_name_recommending_bfloat16(tmp_pa
     # sk.train / shardkit train: refused before any process starts, from the flag or the job file
     config = sk.TrainConfig(model="gpt-tiny", plan=Plan(Mesh(fsdp=2)), param_dtype="float16", loss_scale="off",
                             steps=1, batch_size=2, seq_len=8, data_mb=0.01)
-    with pytest.raises(PlanError, match="loss_scale='off' with param_dtype='float16'"):
+    with pytest.raises(PlanError, match="^loss_scale=off: loss_scale='off' with param_dtype='float16'"):
         prepare(config)
     job = tmp_path / "job.yaml"
     job.write_text("model: gpt-tiny\nplan: {mesh: {fsdp: 2}, loss_scale: 64}\nprecision: {loss_scale: dynamic}\n")

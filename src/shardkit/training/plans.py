@@ -210,7 +210,8 @@ def _with_precision(plan: Plan, config: TrainConfig) -> Plan:
     plan = plan if scale is None else replace(plan, loss_scale=scale)
     problems = loss_scale_problems(plan.loss_scale, plan.fsdp.param_dtype, plan.fsdp.reduce_dtype)
     if problems:  # at once, before the model is built (sk.validate would say it too, later)
-        raise PlanError(problems)
+        where = f"{config.named('loss_scale')}: " if scale is not None else ""
+        raise PlanError([where + problem for problem in problems])
     return plan
 
 
