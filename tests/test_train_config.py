@@ -41,7 +41,8 @@ def test_the_docs_complete_file_loads_every_field(tmp_path):
     (tmp_path / "job.yaml").write_text(_doc_job())
     job = load_job(tmp_path / "job.yaml")
     every = {dest for dest, _ in FIELDS.values()}
-    assert set(job) == every - {"init_from", "momentum", "eval_holdout"}   # eval.holdout: the other way to eval.data
+    # eval.holdout: the other way to eval.data; precision.loss_scale: float16's, a comment beside bfloat16
+    assert set(job) == every - {"init_from", "momentum", "eval_holdout", "loss_scale"}
     assert job["plan"] == Plan(mesh=Mesh(fsdp=2))
     assert (job["lr"], job["betas"], job["grad_accum"], job["resume"]) == (3e-3, (0.9, 0.95), 2, True)
     assert job["data"] == tmp_path / "data" / "train"      # relative to the file's folder

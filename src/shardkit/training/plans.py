@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from ..models.registry import ModelEntry, is_builder_path
 from ..plan import FSDPOptions, LayoutMap, Mesh, Plan, PlanError
 from ..plan.files import read_file
+from ..plan.loss_scale import loss_scale_problems
 from ..plan.pipeline import pipeline_from_args
 from .model import meta_model_from_flag, model_from_flag
 
@@ -206,7 +207,12 @@ def _with_precision(plan: Plan, config: TrainConfig) -> Plan:
         raise PlanError([f"{clash}: give it in one place" for clash in clashes])
     if given:
         plan = replace(plan, fsdp=replace(plan.fsdp, **given))
-    return plan if scale is None else replace(plan, loss_scale=scale)
+    plan = plan if scale is None else replace(plan, loss_scale=scale)
+    problems = loss_scale_problems(plan.loss_scale, plan.fsdp.param_dtype, plan.fsdp.reduce_dtype)
+    if problems:  # at once, before the model is built (sk.validate would say it too, later)
+        where = f"{config.named('loss_scale')}: " if scale is not None else ""
+        raise PlanError([where + problem for problem in problems])
+    return plan
 
 
 __all__ = ["AUTO_PLAN", "DEFAULT_MESH", "PLAN_OPTIONS", "WHOLE_PLAN", "PlanFlags", "inferred_rules", "job_plan",
