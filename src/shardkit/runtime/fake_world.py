@@ -50,10 +50,20 @@ class DryRunMode(FakeTensorMode):
 
 def _forget_groups() -> None:
     """Drop the meshes and process groups cached for the world being left (they belong to its
-    process group)."""
+    process group), shardkit's and DTensor's: DTensor caches sharding decisions by mesh, and a
+    mesh of the next world equals this one's, so a cached decision would name this world's groups."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import _redistribute
+
     meshes._MESHES.clear()
     meshes._GROUPS.clear()
     groups._GROUPS.clear()
+    torch._C._clear_DTensor_sharding_propagator_cache()  # the C++ fast path's
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator.propagate_op_sharding.cache_clear()
+    propagator._propagate_tensor_meta_cached.cache_clear()
+    _redistribute._gen_transform_infos.cache_clear()
+    _redistribute._planner_cache.clear()
 
 
 @contextmanager

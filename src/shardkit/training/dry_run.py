@@ -11,7 +11,8 @@ See ``docs/dry-run.md``.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from contextlib import nullcontext
+from dataclasses import dataclass, replace
 from typing import Any
 
 from torch import nn
@@ -19,6 +20,7 @@ from torch import nn
 from ..observe.step_cost import Collective, StepCost
 from ..plan import Plan, UsageError
 from ..plan.text import format_bytes
+from ..runtime.context import Context
 
 #: The dry run's components beside the estimate's (``sk.estimate``'s memory keys they are compared with).
 COMPARED: dict[str, tuple[str, ...]] = {
@@ -181,24 +183,40 @@ def _checked(plan: Any, world_size: Any, batch: Any, seq_len: Any, ranks: Sequen
 
 def _one_rank(model: nn.Module, plan: Plan, rank: int, world_size: int, batch: int, seq_len: int,
               loss_fn: Callable | None, optimizer: str) -> tuple[dict[str, int], list[Collective]]:
+    from ..runtime.fake_world import fake_world
+
+    with fake_world(rank, world_size, plan) as ctx:
+        return measure_step(ctx, model, plan, batch, seq_len, loss_fn, optimizer)
+
+
+def measure_step(ctx: Context, model: nn.Module, plan: Plan, batch: int, seq_len: int,
+                 loss_fn: Callable | None = None, optimizer: str = "adamw") -> tuple[dict[str, int], list[Collective]]:
+    """Shard ``model`` (on meta) by ``plan`` in ``ctx``'s world, and run one training step of a global
+    batch of ``batch`` random sequences of ``seq_len`` tokens under :class:`StepCost`: the rank's
+    bytes by component and its collectives in the second step, the first having made the optimizer
+    state and a pipeline's buffers, as every later step finds them. The dry run calls it in its fake world; a real world's
+    job can call it too, and gets the same numbers (``tests/test_dry_run.py``)."""
     import torch
 
     from ..families import token_sizes
     from ..models.hf import hf_loss
     from ..runtime.apply import shard
-    from ..runtime.fake_world import fake_world
     from .step import make_optimizer
 
     vocab = token_sizes(model)[0] or 2
-    with fake_world(rank, world_size, plan) as ctx:
-        sharded = shard(model, plan, ctx)
-        opt = make_optimizer(sharded, optimizer, 1e-4)
-        tokens = torch.randint(0, vocab, (batch, seq_len + 1))
-        inputs, targets = ctx.shard_batch(tokens[:, :-1], tokens[:, 1:])
-        with StepCost(sharded, opt, plan.mesh) as cost:
+    ctx = replace(ctx, plan=plan)  # the batch splits over this plan's data ranks
+    sharded = shard(model, plan, ctx)
+    opt = make_optimizer(sharded, optimizer, 1e-4)
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, vocab, (batch, seq_len + 1), generator=generator)
+    inputs, targets = ctx.shard_batch(tokens[:, :-1], tokens[:, 1:])
+    for measured in (False, True):  # the first step makes the optimizer state (and a pipeline's buffers)
+        with StepCost(sharded, opt, plan.mesh) if measured else nullcontext() as cost:
             sharded.step(inputs, targets, loss_fn or hf_loss)
             opt.step()
+        if not measured:
+            opt.zero_grad(set_to_none=True)
     return cost.memory(), cost.collectives()
 
 
-__all__ = ["COMPARED", "DryRun", "FILL_ORDER", "RankCost", "dry_run"]
+__all__ = ["COMPARED", "DryRun", "FILL_ORDER", "RankCost", "dry_run", "measure_step"]
