@@ -27,11 +27,15 @@ def real(world):
 
 @pytest.mark.parametrize("name", list(PLANS))
 def test_a_dry_run_gives_the_bytes_and_collectives_of_a_real_four_process_run(real, name):
-    ranks = (0, 3)
+    ranks = (1,) if PLANS[name].pipeline else (0, 3)  # a dry run runs the first stage's ranks
     dry = sk.dry_run(build_tiny_llama, PLANS[name], world_size=4, batch=BATCH, seq_len=SEQ, ranks=ranks)
     for cost in dry.ranks:
         memory, collectives = real[name][cost.rank]
-        assert cost.memory == memory, (cost.rank, cost.memory, memory)
+        exact = {k: v for k, v in memory.items() if k not in ("temporaries", "peak")}
+        assert {k: cost.memory[k] for k in exact} == exact, (cost.rank, cost.memory, memory)
+        # the backward's temporaries differ by a few tensors between fake and real kernels (docs/dry-run.md)
+        for part in ("temporaries", "peak"):
+            assert abs(cost.memory[part] - memory[part]) <= 0.15 * memory[part], (part, cost.memory, memory)
         assert cost.collectives == collectives, cost.rank
         assert memory["parameters"] > 0 and memory["optimizer"] > 0 and memory["activations"] > 0
         assert {c.kind for c in collectives} >= {"all_gather_into_tensor", "reduce_scatter_tensor"}
@@ -47,6 +51,7 @@ def test_a_plan_that_does_not_fit_names_the_component_that_overflows():
     assert "optimizer overflows" in cost.overflow(30)
 
 
-def test_the_dry_run_refuses_ranks_outside_the_world():
-    with pytest.raises(sk.UsageError, match="ranks"):
-        sk.dry_run(build_tiny_llama, PLANS["pp x fsdp"], world_size=4, batch=BATCH, seq_len=SEQ, ranks=(4,))
+@pytest.mark.parametrize("ranks, match", [((4,), "from 0 to 3"), ((2,), "later pipeline stages")])
+def test_the_dry_run_refuses_ranks_it_cannot_run(ranks, match):
+    with pytest.raises(sk.UsageError, match=match):
+        sk.dry_run(build_tiny_llama, PLANS["pp x fsdp"], world_size=4, batch=BATCH, seq_len=SEQ, ranks=ranks)

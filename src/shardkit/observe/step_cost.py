@@ -60,8 +60,12 @@ def _tracker(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Any:
             self.component_peaks: dict[str, int] = {}
 
         def _update_peak_stats(self, peak_state: Any) -> None:
-            super()._update_peak_stats(peak_state)
-            for snapshot in self._curr_mem_snap.values():
+            # the device's peak and each component's; torch's own also updates every module's peak,
+            # per op, which the dry run does not read and which doubles its time
+            for device, snapshot in self._curr_mem_snap.items():
+                if self._peak_mem.get(device, 0) < snapshot["Total"]:
+                    self._peak_mem[device] = snapshot["Total"]
+                    self._peak_mem_snap[device] = dict(snapshot)
                 for part, size in _by_component(snapshot).items():
                     self.component_peaks[part] = max(self.component_peaks.get(part, 0), size)
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -52,8 +53,7 @@ def _forget_groups() -> None:
     """Drop the meshes and process groups cached for the world being left (they belong to its
     process group), shardkit's and DTensor's: DTensor caches sharding decisions by mesh, and a
     mesh of the next world equals this one's, so a cached decision would name this world's groups."""
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor import _redistribute
+    from torch.distributed.tensor import DTensor, _redistribute
 
     meshes._MESHES.clear()
     meshes._GROUPS.clear()
@@ -64,6 +64,36 @@ def _forget_groups() -> None:
     propagator._propagate_tensor_meta_cached.cache_clear()
     _redistribute._gen_transform_infos.cache_clear()
     _redistribute._planner_cache.clear()
+
+
+@contextmanager
+def _no_pipeline_neighbours() -> Iterator[None]:
+    """torch's pipeline stages learn their neighbours' shapes on the first step, by P2P objects (and a
+    vote on whether shapes change, by P2P tensors); in a fake world nothing arrives. While entered, a
+    stage sends nothing and receives what a real neighbour would send for the first stage: the
+    gradients' shapes of its own outputs, and the vote "static" (the dry run's shapes never change).
+    A later stage would need its input shapes from the stage before it, which only that stage knows:
+    refused by name. Replaced only inside :func:`fake_world` (torch has no hook for it)."""
+    from torch.distributed.pipelining import stage
+    from torch.distributed.pipelining._utils import _StageBackwardMeta
+
+    def recv_meta(self: Any, src_stage: int) -> Any:
+        if src_stage < self.stage_index:
+            raise UsageError(f"a dry run runs ranks of the first pipeline stage; this rank holds stage "
+                             f"{self.stage_index}, whose input shapes only stage {src_stage}'s rank knows: choose "
+                             f"ranks on stage 0")
+        return _StageBackwardMeta(backward_metas=self._stage_meta.outputs)
+
+    def backward_result(self: Any, received_result: torch.Tensor | None = None) -> torch.Tensor:
+        return received_result if received_result is not None else torch.ones(1, dtype=torch.int32)
+
+    base = stage.PipelineStage
+    saved = base._recv_meta, base._send_meta, base._warmup_backward_result
+    base._recv_meta, base._send_meta, base._warmup_backward_result = recv_meta, lambda *a: None, backward_result
+    try:
+        yield
+    finally:
+        base._recv_meta, base._send_meta, base._warmup_backward_result = saved
 
 
 @contextmanager
@@ -87,7 +117,7 @@ def fake_world(rank: int, world_size: int, plan: Plan | None = None) -> Iterator
         ctx = Context(rank, world_size, 0, torch.device("cpu"), plan)
         if plan is not None:  # DeviceMesh computes coordinates on real tensors: made before fake mode
             meshes.meshes_for(plan.resolved(world_size), "cpu")
-        with DryRunMode():
+        with DryRunMode(), _no_pipeline_neighbours():
             yield ctx
     finally:
         _forget_groups()

@@ -11,7 +11,6 @@ See ``docs/dry-run.md``.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -133,10 +132,14 @@ def dry_run(build: Callable[..., nn.Module] | Any, plan: Plan, *, world_size: in
     from ..planner.estimate import estimate as sk_estimate
     from ..planner.hardware import hardware as as_hardware
     from ..planner.meta import meta_model
+    from ..planner.validate import validate
 
     builder = _builder(build)
     plan = _checked(plan, world_size, batch, seq_len, ranks)
     hw = as_hardware(hardware)
+    # every check before any rank runs, and outside fake tensors: a pipeline's stages are proven on a
+    # real miniature of the model (the proof is kept, and sk.shard's own validation finds it)
+    validate(plan, meta_model(builder), world_size)
     costs = []
     for rank in ranks:
         start = time.process_time()
@@ -173,6 +176,11 @@ def _checked(plan: Any, world_size: Any, batch: Any, seq_len: Any, ranks: Sequen
     if not ranks or outside:
         raise UsageError(f"dry_run(ranks={list(ranks)!r}): give one or more ranks from 0 to {world_size - 1}")
     plan = plan.resolved(world_size)
+    later = [r for r in ranks if plan.pipeline is not None and plan.mesh.coordinates(r).get("pp", 0)]
+    if later:
+        raise UsageError(f"dry_run(ranks={list(ranks)!r}): rank(s) {later} hold later pipeline stages, whose input "
+                         f"shapes only the stage before knows; a dry run runs ranks of the first stage (pp "
+                         f"coordinate 0), e.g. {[r for r in range(world_size) if not plan.mesh.coordinates(r)['pp']][:4]}")
     problems = plan.problems() + plan.batch_problems(batch, seq_len)
     if problems:
         from ..plan import PlanError
@@ -193,8 +201,8 @@ def measure_step(ctx: Context, model: nn.Module, plan: Plan, batch: int, seq_len
                  loss_fn: Callable | None = None, optimizer: str = "adamw") -> tuple[dict[str, int], list[Collective]]:
     """Shard ``model`` (on meta) by ``plan`` in ``ctx``'s world, and run one training step of a global
     batch of ``batch`` random sequences of ``seq_len`` tokens under :class:`StepCost`: the rank's
-    bytes by component and its collectives in the second step, the first having made the optimizer
-    state and a pipeline's buffers, as every later step finds them. The dry run calls it in its fake world; a real world's
+    bytes by component and its collectives in a step that finds the optimizer state made, as every
+    step but the first does (:func:`_steady_state`). The dry run calls it in its fake world; a real world's
     job can call it too, and gets the same numbers (``tests/test_dry_run.py``)."""
     import torch
 
@@ -210,13 +218,26 @@ def measure_step(ctx: Context, model: nn.Module, plan: Plan, batch: int, seq_len
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, vocab, (batch, seq_len + 1), generator=generator)
     inputs, targets = ctx.shard_batch(tokens[:, :-1], tokens[:, 1:])
-    for measured in (False, True):  # the first step makes the optimizer state (and a pipeline's buffers)
-        with StepCost(sharded, opt, plan.mesh) if measured else nullcontext() as cost:
-            sharded.step(inputs, targets, loss_fn or hf_loss)
-            opt.step()
-        if not measured:
-            opt.zero_grad(set_to_none=True)
+    _steady_state(sharded, opt, plan, inputs, targets, loss_fn or hf_loss)
+    with StepCost(sharded, opt, plan.mesh) as cost:
+        sharded.step(inputs, targets, loss_fn or hf_loss)
+        opt.step()
     return cost.memory(), cost.collectives()
+
+
+def _steady_state(model: nn.Module, opt: Any, plan: Plan, inputs: Any, targets: Any, loss_fn: Callable) -> None:
+    """What the first step leaves for the next: the optimizer's state (one optimizer step on zero
+    gradients), and with a pipeline, torch's stages initialised (their first step infers shapes with
+    ``autograd.grad``, which the memory tracker's module hooks refuse): one whole step there."""
+    import torch
+
+    if plan.pipeline is not None:
+        model.step(inputs, targets, loss_fn)
+    else:
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
 
 
 __all__ = ["COMPARED", "DryRun", "FILL_ORDER", "RankCost", "dry_run", "measure_step"]
