@@ -50,6 +50,7 @@ _EXPORTS = {
     # training: one job from one configuration
     "train": "shardkit.training.run",
     "TrainConfig": "shardkit.training.config",
+    "dry_run": "shardkit.training.dry_run",
     # observe and io
     "CommCounter": "shardkit.observe.comm",
     "PeakMemory": "shardkit.observe.memory",

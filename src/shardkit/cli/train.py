@@ -11,6 +11,7 @@ only parses, builds the configuration, and prints::
     shardkit train --model hf/llama --mesh tp=2      # a model folder: built from its config.json
     shardkit train --init-from hf/llama --mesh fsdp=2  # ... and started from its weights
     shardkit train --config job.yaml --steps 500     # a job file (docs/train.md); flags win over it
+    shardkit train --dry-run --mesh fsdp=8,tp=8 --world-size 64   # one rank's step on fake tensors (cli/dry_run.py)
 """
 
 from __future__ import annotations
@@ -22,12 +23,13 @@ from contextlib import nullcontext
 from dataclasses import replace
 
 from ..io.data import DEFAULT_MAX_BYTES
-from ..plan import Plan, PlanError
+from ..plan import Plan, PlanError, UsageError
 from ..runtime.limits import DEFAULT_TIMEOUT_S
 from ..training.config import CONFIG_FIELDS, DEFAULT_MODEL, VERIFY_STEPS, TrainConfig, job_config
 from ..training.fields import BUILDS, OPTIMIZERS
 from ..training.model import TRAINABLE
 from ..training.plans import AUTO_PLAN, PlanFlags, flag_text, job_plan
+from . import dry_run
 from .options import (
     add_model_option,
     fraction,
@@ -137,6 +139,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     seeing.add_argument("--eval-every", type=positive_int, metavar="N", help="evaluate every N steps")
     seeing.add_argument("--eval-batches", type=positive_int, metavar="N",
                         help="global batches per evaluation (default: 1)")
+    dry_run.add_options(parser)
     parser.set_defaults(func=run, given_flags=frozenset())
 
 
@@ -207,6 +210,10 @@ def run(args: argparse.Namespace) -> int:
     from ..runtime.torchrun import in_torchrun
     from ..training.run import is_leader, prepare, start_line, train
 
+    if args.dry_run:
+        return dry_run.run(args, build_config(args))
+    if {"ranks", "device_memory"} & args.given_flags:
+        raise UsageError("--ranks and --device-memory choose what a dry run runs and compares with; add --dry-run")
     job = prepare(build_config(args))
     config, leader = job.config, is_leader()
     if leader:

@@ -130,7 +130,9 @@ class PipelineRuntime:
                     args = tuple(x.to(device) for x in part_inputs) if self.has_first else ()
                     target = part_targets.to(device) if self.has_last else None
                     part_losses: list[torch.Tensor] = []  # torch's schedule clears the list it is given
-                    self.schedule.step(*args, target=target, losses=part_losses)
+                    # return_outputs=False: else the last stage keeps every micro-batch's output (the logits)
+                    # until the step ends, which nothing here reads
+                    self.schedule.step(*args, target=target, losses=part_losses, return_outputs=False)
                     losses += part_losses
             finally:
                 if self.data_parallel is not None:

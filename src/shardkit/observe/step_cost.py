@@ -1,0 +1,186 @@
+"""What one training step costs one rank: bytes by component and the collectives it issues
+(``sk.dry_run``; the same tracker on a real run is the dry run's test).
+
+Memory: torch's ``FSDPMemTracker`` (``torch.distributed._tools``; ``MemTracker`` for a model
+with no FSDP2), a dispatch mode that follows every tensor's storage, fake or real, and files it
+as a parameter, gradient, optimizer state, FSDP2's gathered copies and communication buffers, an
+activation (made in the forward, or in recompute) or a temporary (made in the backward). What it
+lacks and :class:`_ComponentPeaks` adds: the peak of each component on its own (torch keeps the
+total's peak and the split at that moment). Components (:data:`COMPONENTS`), in the words of
+``sk.estimate``: ``parameters``, ``gradients``, ``optimizer`` at the step's end; ``gathered``,
+``activations``, ``temporaries`` at their own peaks; ``peak``: the most bytes live at once.
+
+Collectives: :class:`CollectiveLog`, a dispatch mode like :class:`~shardkit.observe.comm.CommCounter`
+(the same op table and byte convention: the payload this rank hands to the op) that also names
+each call's group by the mesh axes its ranks span.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..plan import Mesh
+from .comm import _OPS, _group, payload_bytes
+
+#: component -> the tracker's categories (``_MemRefType`` / ``_FSDPRefType`` member names) it sums
+COMPONENTS: dict[str, tuple[str, ...]] = {
+    "parameters": ("PARAM", "SHARDED_PARAM"),
+    "gradients": ("GRAD", "SHARDED_GRAD"),
+    "optimizer": ("OPT",),
+    "gathered": ("UNSHARDED_PARAM", "UNSHARDED_GRAD", "ALL_GATHER", "REDUCE_SCATTER"),
+    "activations": ("ACT",),
+    "temporaries": ("TEMP",),
+    "other": ("BUFFER", "INP", "OTH"),
+}
+#: components read at the step's end (the state a rank keeps); the others at their own peak
+STATE = ("parameters", "gradients", "optimizer")
+
+
+def _by_component(snapshot: dict[Any, int]) -> dict[str, int]:
+    names = {getattr(key, "name", key): size for key, size in snapshot.items()}
+    return {part: sum(names.get(c, 0) for c in kinds) for part, kinds in COMPONENTS.items()}
+
+
+def _tracker(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Any:
+    """torch's memory tracker for ``model``, with each component's own peak recorded."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed.fsdp import FSDPModule
+
+    base = FSDPMemTracker if isinstance(model, FSDPModule) else MemTracker
+
+    class _ComponentPeaks(base):  # type: ignore[misc, valid-type]
+        def __init__(self) -> None:
+            super().__init__(model, optimizer) if base is FSDPMemTracker else super().__init__()
+            self.component_peaks: dict[str, int] = {}
+
+        def _update_peak_stats(self, peak_state: Any) -> None:
+            # the device's peak and each component's; torch's own also updates every module's peak,
+            # per op, which the dry run does not read and which doubles its time
+            for device, snapshot in self._curr_mem_snap.items():
+                if self._peak_mem.get(device, 0) < snapshot["Total"]:
+                    self._peak_mem[device] = snapshot["Total"]
+                    self._peak_mem_snap[device] = dict(snapshot)
+                for part, size in _by_component(snapshot).items():
+                    self.component_peaks[part] = max(self.component_peaks.get(part, 0), size)
+
+    tracker = _ComponentPeaks()
+    if base is MemTracker:
+        tracker.track_external(model, *([optimizer] if optimizer is not None else []))
+    return tracker
+
+
+@dataclass(frozen=True)
+class Collective:
+    """Calls of one collective ``kind`` on the group spanning mesh ``axes``, and their payload bytes."""
+
+    kind: str
+    axes: tuple[str, ...]
+    calls: int
+    bytes: int
+
+
+def _group_arg(args: tuple) -> Any:
+    """The group an op names: a boxed ProcessGroup (``c10d`` ops; their reduce op is boxed too),
+    or the last string (functional ops: ``group_name`` comes after a reduce op's name)."""
+    for a in args:
+        if isinstance(a, torch.ScriptObject) and "ProcessGroup" in a._type().qualified_name():
+            return a
+    names = [a for a in args if isinstance(a, str)]
+    return names[-1] if names else None
+
+
+class CollectiveLog(TorchDispatchMode):
+    """Every collective this process issues while entered, by kind and group (the mesh axes its
+    ranks span; ``("world",)`` without a mesh), with calls and payload bytes.
+
+    >>> with CollectiveLog(Mesh(fsdp=2, tp=2)) as log:     # doctest: +SKIP
+    ...     model.step(x, y, loss_fn)
+    >>> log.collectives()                                  # doctest: +SKIP
+    [Collective(kind='all_gather_into_tensor', axes=('fsdp',), calls=6, bytes=...), ...]
+    """
+
+    def __init__(self, mesh: Mesh | None = None) -> None:
+        super().__init__()
+        from torch.distributed.tensor import DTensor
+
+        self._dtensor = DTensor
+        self._mesh = mesh
+        self._counts: dict[tuple[str, tuple[str, ...]], list[int]] = {}
+        self._axes: dict[Any, tuple[str, ...]] = {}
+
+    def _axes_of(self, group: Any) -> tuple[str, ...]:
+        import torch.distributed as dist
+
+        pg = _group(group) or dist.group.WORLD
+        if pg not in self._axes:
+            ranks = dist.get_process_group_ranks(pg)
+            if self._mesh is None:
+                self._axes[pg] = ("world",) if len(ranks) == dist.get_world_size() else (f"{len(ranks)} ranks",)
+            else:
+                coords = [self._mesh.coordinates(r) for r in ranks]
+                self._axes[pg] = tuple(a for a in self._mesh.names if len({c[a] for c in coords}) > 1)
+        return self._axes[pg]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, self._dtensor) for t in types):
+            return NotImplemented  # DTensor lowers the op; its collectives come back through this mode
+        kwargs = kwargs or {}
+        kind = _OPS.get(getattr(func, "namespace", ""), {}).get(getattr(func, "_opname", ""))
+        if kind is not None:
+            name, index = kind
+            entry = self._counts.setdefault((name, self._axes_of(_group_arg(args))), [0, 0])
+            entry[0] += 1
+            if index is not None:
+                entry[1] += payload_bytes(args[index] if index < len(args) else None)
+        return func(*args, **kwargs)
+
+    def collectives(self) -> list[Collective]:
+        """The calls by (kind, axes), sorted."""
+        return [Collective(kind, axes, calls, size) for (kind, axes), (calls, size) in sorted(self._counts.items())]
+
+
+class StepCost:
+    """Bytes by component (:data:`COMPONENTS`) and collectives of what runs while entered, on
+    ``model`` and ``optimizer`` (fake tensors or real ones).
+
+    >>> with StepCost(model, optimizer, plan.mesh) as cost:      # doctest: +SKIP
+    ...     model.step(x, y, loss_fn); optimizer.step()
+    >>> cost.memory()["activations"], cost.collectives()         # doctest: +SKIP
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, mesh: Mesh | None = None) -> None:
+        self._tracker = _tracker(model, optimizer)
+        self._log = CollectiveLog(mesh)
+        self._end: dict[str, int] = {}
+        self._peak = 0
+
+    def __enter__(self) -> StepCost:
+        self._tracker.__enter__()
+        self._log.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._log.__exit__(*exc)
+        current = self._tracker.get_tracker_snapshot("current")
+        self._end = _by_component(next(iter(current.values()), {}))
+        self._peak = max((snap.get("Total", 0) for snap in self._tracker.get_tracker_snapshot("peak").values()),
+                         default=0)
+        self._tracker.__exit__(*exc)
+
+    def memory(self) -> dict[str, int]:
+        """``{component: bytes}`` (state at the step's end, the rest at their own peaks) and ``peak``."""
+        peaks = self._tracker.component_peaks
+        out = {part: self._end.get(part, 0) if part in STATE else peaks.get(part, 0) for part in COMPONENTS}
+        return {**out, "peak": self._peak}
+
+    def collectives(self) -> list[Collective]:
+        return self._log.collectives()
+
+
+__all__ = ["COMPONENTS", "Collective", "CollectiveLog", "STATE", "StepCost"]

@@ -1,0 +1,127 @@
+"""One rank of an N-process world in this process, on torch's fake process group and fake
+tensors (``sk.dry_run``): no memory is allocated and no collective moves data.
+
+torch gives both halves: the ``"fake"`` backend (``FakeStore``: every collective returns at
+once, the rank and world size are whatever we say) and ``FakeTensorMode`` (tensors with shapes,
+dtypes and devices but no storage). What it lacks, and :class:`DryRunMode` adds: DeviceMesh,
+DTensor and FSDP2 compute rank coordinates, shard sizes and offsets with small integer tensors
+(``(mesh == rank).nonzero()``, ``arange(n).tolist()``), which fake tensors cannot answer. So an
+op whose tensor inputs are all real runs for real, and a factory op (no tensor input) that makes
+integers (indices, token ids, positions) makes a real tensor; every floating-point tensor the
+model, FSDP2 or the optimizer makes stays fake.
+
+>>> with fake_world(rank=5, world_size=64) as ctx:     # doctest: +SKIP
+...     model = sk.shard(sk.meta_model(build), plan, ctx)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
+from torch.utils._pytree import tree_leaves
+
+from ..plan import Plan, UsageError
+from . import groups, meshes
+from .context import Context
+
+
+class DryRunMode(FakeTensorMode):
+    """torch's ``FakeTensorMode`` where real integer bookkeeping stays real (module docstring)."""
+
+    def __init__(self) -> None:
+        super().__init__(allow_non_fake_inputs=True)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tensors = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        if tensors and not any(isinstance(t, FakeTensor) for t in tensors):
+            with unset_fake_temporarily():
+                return func(*args, **kwargs)
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if not tensors and isinstance(out, torch.Tensor) and not (out.is_floating_point() or out.is_complex()):
+            with unset_fake_temporarily():  # indices, token ids, positions: values the bookkeeping reads
+                return func(*args, **kwargs)
+        return out
+
+
+def _forget_groups() -> None:
+    """Drop the meshes and process groups cached for the world being left (they belong to its
+    process group), shardkit's and DTensor's: DTensor caches sharding decisions by mesh, and a
+    mesh of the next world equals this one's, so a cached decision would name this world's groups."""
+    from torch.distributed.tensor import DTensor, _redistribute
+
+    meshes._MESHES.clear()
+    meshes._GROUPS.clear()
+    groups._GROUPS.clear()
+    torch._C._clear_DTensor_sharding_propagator_cache()  # the C++ fast path's
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator.propagate_op_sharding.cache_clear()
+    propagator._propagate_tensor_meta_cached.cache_clear()
+    _redistribute._gen_transform_infos.cache_clear()
+    _redistribute._planner_cache.clear()
+
+
+@contextmanager
+def _no_pipeline_neighbours() -> Iterator[None]:
+    """torch's pipeline stages learn their neighbours' shapes on the first step, by P2P objects (and a
+    vote on whether shapes change, by P2P tensors); in a fake world nothing arrives. While entered, a
+    stage sends nothing and receives what a real neighbour would send for the first stage: the
+    gradients' shapes of its own outputs, and the vote "static" (the dry run's shapes never change).
+    A later stage would need its input shapes from the stage before it, which only that stage knows:
+    refused by name. Replaced only inside :func:`fake_world` (torch has no hook for it)."""
+    from torch.distributed.pipelining import stage
+    from torch.distributed.pipelining._utils import _StageBackwardMeta
+
+    def recv_meta(self: Any, src_stage: int) -> Any:
+        if src_stage < self.stage_index:
+            raise UsageError(f"a dry run runs ranks of the first pipeline stage; this rank holds stage "
+                             f"{self.stage_index}, whose input shapes only stage {src_stage}'s rank knows: choose "
+                             f"ranks on stage 0")
+        return _StageBackwardMeta(backward_metas=self._stage_meta.outputs)
+
+    def backward_result(self: Any, received_result: torch.Tensor | None = None) -> torch.Tensor:
+        return received_result if received_result is not None else torch.ones(1, dtype=torch.int32)
+
+    base = stage.PipelineStage
+    saved = base._recv_meta, base._send_meta, base._warmup_backward_result
+    base._recv_meta, base._send_meta, base._warmup_backward_result = recv_meta, lambda *a: None, backward_result
+    try:
+        yield
+    finally:
+        base._recv_meta, base._send_meta, base._warmup_backward_result = saved
+
+
+@contextmanager
+def fake_world(rank: int, world_size: int, plan: Plan | None = None) -> Iterator[Context]:
+    """Rank ``rank`` of a ``world_size``-process world on torch's fake process group, its plan's
+    meshes made, under :class:`DryRunMode`; yields the rank's :class:`Context` (CPU device).
+
+    This process must not be in a world already (``sk.launch``'s jobs are).
+    """
+    if type(world_size) is not int or world_size < 1 or type(rank) is not int or not 0 <= rank < world_size:
+        raise UsageError(f"fake_world(rank={rank!r}, world_size={world_size!r}): give world_size >= 1 and a rank "
+                         f"from 0 to world_size - 1")
+    if dist.is_initialized():
+        raise UsageError("a dry run simulates its own world, but this process is already in one (inside sk.launch "
+                         "or torchrun); run it from a plain process")
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    _forget_groups()
+    try:
+        ctx = Context(rank, world_size, 0, torch.device("cpu"), plan)
+        if plan is not None:  # DeviceMesh computes coordinates on real tensors: made before fake mode
+            meshes.meshes_for(plan.resolved(world_size), "cpu")
+        with DryRunMode(), _no_pipeline_neighbours():
+            yield ctx
+    finally:
+        _forget_groups()
+        dist.destroy_process_group()
+
+
+__all__ = ["DryRunMode", "fake_world"]

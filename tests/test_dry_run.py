@@ -1,0 +1,57 @@
+"""``sk.dry_run``: one rank's training step on fake tensors and torch's fake process group gives the
+bytes per component and the collectives a real 4-process run of the same plan measures."""
+
+from __future__ import annotations
+
+import pytest
+
+import shardkit as sk
+from shardkit.models.hf import LLAMA_RULES, build_tiny_llama
+from shardkit.training.dry_run import RankCost, measure_step
+
+BATCH, SEQ = 4, 32
+PLANS = {
+    "fsdp x tp, recompute": sk.Plan(sk.Mesh(fsdp=2, tp=2), rules=LLAMA_RULES, recompute="full"),
+    "pp x fsdp": sk.Plan(sk.Mesh(pp=2, fsdp=2), pipeline=sk.Pipeline(microbatches=2)),
+}
+
+
+def _real_steps(ctx, names):
+    return [measure_step(ctx, sk.meta_model(build_tiny_llama), PLANS[name].resolved(4), BATCH, SEQ) for name in names]
+
+
+@pytest.fixture(scope="module")
+def real(world):
+    return world.run_cases({4: list(PLANS)}, _real_steps)
+
+
+@pytest.mark.parametrize("name", list(PLANS))
+def test_a_dry_run_gives_the_bytes_and_collectives_of_a_real_four_process_run(real, name):
+    ranks = (1,) if PLANS[name].pipeline else (0, 3)  # a dry run runs the first stage's ranks
+    dry = sk.dry_run(build_tiny_llama, PLANS[name], world_size=4, batch=BATCH, seq_len=SEQ, ranks=ranks)
+    for cost in dry.ranks:
+        memory, collectives = real[name][cost.rank]
+        exact = {k: v for k, v in memory.items() if k not in ("temporaries", "peak")}
+        assert {k: cost.memory[k] for k in exact} == exact, (cost.rank, cost.memory, memory)
+        # the backward's temporaries differ by a few tensors between fake and real kernels (docs/dry-run.md)
+        for part in ("temporaries", "peak"):
+            assert abs(cost.memory[part] - memory[part]) <= 0.15 * memory[part], (part, cost.memory, memory)
+        assert cost.collectives == collectives, cost.rank
+        assert memory["parameters"] > 0 and memory["optimizer"] > 0 and memory["activations"] > 0
+        assert {c.kind for c in collectives} >= {"all_gather_into_tensor", "reduce_scatter_tensor"}
+    assert set(dry.ratios()) >= {"parameters", "gradients", "optimizer", "activations"}
+
+
+def test_a_plan_that_does_not_fit_names_the_component_that_overflows():
+    memory = {"parameters": 10, "gradients": 10, "optimizer": 20, "other": 0, "gathered": 5, "activations": 50,
+              "temporaries": 5, "peak": 100}
+    cost = RankCost(3, memory, [], 0.0)
+    assert cost.overflow(100) is None
+    assert "activations overflows" in cost.overflow(80) and "rank 3" in cost.overflow(80)
+    assert "optimizer overflows" in cost.overflow(30)
+
+
+@pytest.mark.parametrize("ranks, match", [((4,), "from 0 to 3"), ((2,), "later pipeline stages")])
+def test_the_dry_run_refuses_ranks_it_cannot_run(ranks, match):
+    with pytest.raises(sk.UsageError, match=match):
+        sk.dry_run(build_tiny_llama, PLANS["pp x fsdp"], world_size=4, batch=BATCH, seq_len=SEQ, ranks=ranks)
