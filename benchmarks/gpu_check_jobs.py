@@ -539,12 +539,13 @@ def dry_run_memory(env: Env) -> str:
         dry_run = sk.dry_run
     except AttributeError as exc:
         raise Failed("feature missing: sk.dry_run (branch dryrun not merged)") from exc
-    if not env.cuda:
-        raise Skipped("no CUDA (the dry run is compared with the CUDA allocator's peak)")
     fields, plan = env.sizes.timed_gpt, sk.Plan(sk.Mesh(fsdp=env.world))
     batch = tokens(fields["vocab"], env.sizes.batch, fields["seq_len"])
     predicted = dry_run(partial(build_gpt, fields), plan, world_size=env.world, batch=env.sizes.batch,
                         seq_len=fields["seq_len"], loss_fn=gpt_loss, estimate=False).ranks[0].memory["peak"]
+    if not env.cuda:
+        raise Skipped(f"no CUDA (the dry run's {predicted / 2**20:,.1f} MiB on rank 0 is compared with the CUDA "
+                      f"allocator's peak)")
     real = env.worlds(env.world).run(_real_peak_job, fields, batch, plan=plan, timeout=env.limit_s)[0]
     text = f"dry run {predicted / 2**20:,.0f} MiB, CUDA peak {real / 2**20:,.0f} MiB on rank 0 (ratio {predicted / real:.2f})"
     if not 0.7 <= predicted / real <= 1.3:

@@ -26,7 +26,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake
 from torch.utils._pytree import tree_leaves
 
 from ..plan import Plan, UsageError
-from . import groups, meshes
+from . import meshes
 from .context import Context
 
 
@@ -56,8 +56,8 @@ def _forget_groups() -> None:
     from torch.distributed.tensor import DTensor, _redistribute
 
     meshes._MESHES.clear()
-    meshes._GROUPS.clear()
-    groups._GROUPS.clear()
+    meshes._GROUPS.clear()  # replica groups' too: groups.py makes them through meshes.py
+    meshes._USED.clear()
     torch._C._clear_DTensor_sharding_propagator_cache()  # the C++ fast path's
     propagator = DTensor._op_dispatcher.sharding_propagator
     propagator.propagate_op_sharding.cache_clear()
