@@ -46,6 +46,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @dataclass(frozen=True)
 class Check:
+    """One row: its name, the check (``gpu_check_jobs``), where it runs, its time bound."""
+
     name: str
     run: Callable
     multi: bool  # on --world processes, else on a world of one
@@ -198,6 +200,7 @@ def write_table(out: Path, found: dict[str, Any], where: str, rows: list[Row]) -
 
 
 def selected(all_checks: list[Check], only: str | None) -> list[Check]:
+    """The checks ``--only`` names (each name a whole check name or its beginning); all without it."""
     if not only:
         return all_checks
     names = [n.strip() for n in only.split(",") if n.strip()]
