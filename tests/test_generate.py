@@ -102,6 +102,46 @@ def _scaled_gpt() -> torch.nn.Module:
     return model.eval()
 
 
+class HostReads:
+    """Counts the reads of a tensor's values into Python (a device sync on CUDA) while it is entered."""
+
+    NAMES = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__")
+
+    def __init__(self):
+        self.count, self.saved = 0, {name: getattr(torch.Tensor, name) for name in self.NAMES}
+
+    def _counted(self, read):
+        def counted(tensor, *args, **kwargs):
+            self.count += 1
+            return read(tensor, *args, **kwargs)
+        return counted
+
+    def __enter__(self):
+        for name, read in self.saved.items():
+            setattr(torch.Tensor, name, self._counted(read))
+        return self
+
+    def __exit__(self, *exc):
+        for name, read in self.saved.items():
+            setattr(torch.Tensor, name, read)
+
+
+def reads_per_token(model: torch.nn.Module, **kwargs) -> float:
+    """Host reads per generated token of ``generate`` (the difference of 2 and 8 tokens: checks before the loop
+    cancel)."""
+    counts = []
+    for new in (2, 8):
+        with HostReads() as reads:
+            generate(model, PROMPT, max_new_tokens=new, **kwargs)
+        counts.append(reads.count)
+    return (counts[1] - counts[0]) / 6
+
+
+@pytest.mark.parametrize("build,kwargs", [(build_tiny_gpt, {"eos_token_id": STOP_ONE}), (build_tiny_gpt, SAMPLING)])
+def test_one_host_read_per_generated_token(build, kwargs):
+    assert reads_per_token(build(), **kwargs) == 1
+
+
 def _tp_generation(ctx, folder):
     """Every tp=2 check in one job: greedy and sampled tokens of Llama and the reference GPT, cache heads;
     then a GPT checkpoint with scaled weights saved in ``folder`` for the command line."""
@@ -114,6 +154,7 @@ def _tp_generation(ctx, folder):
         out[name, "sampled"] = generate(model, PROMPT, max_new_tokens=NEW, **SAMPLING)
         out[name, "cache"] = _cache_heads(model, PROMPT)
         out[name, "training"] = model.training
+        out[name, "reads"] = reads_per_token(model, eos_token_id=STOP_ONE)
         if name == "llama":
             out.update(_llama_stops(model))
     gpt2 = shard(build_tiny_gpt2(), Plan(mesh=Mesh(tp=2), rules=GPT2_RULES), ctx)  # fused, permuted c_attn
@@ -147,6 +188,7 @@ def test_every_rank_generates_the_same_tokens(tp_results, name):
         assert torch.equal(tp_results[0][name, kind], tp_results[1][name, kind])
     assert torch.equal(tp_results[0][name, "streamed"], tp_results[0][name, "greedy"][:, PROMPT.shape[1]:])
     assert tp_results[0][name, "training"]  # the model's mode is given back
+    assert [rank[name, "reads"] for rank in tp_results] == [1, 1]  # one host read per token on each rank
 
 
 def test_llama_greedy_under_tp_equals_transformers_generate(tp_results):

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from shardkit.plan import Mesh, Plan, PlanError, ReplicaGrouping, UsageError
+from shardkit.runtime import collectives
 from shardkit.runtime.collectives import (
     all_gather,
     all_reduce,
@@ -122,6 +123,22 @@ def test_grouped_variables_and_retrieval_modes(world):
 
 
 # -- collectives ---------------------------------------------------------------------------------
+def _checks(calls) -> int:
+    """How many shape checks ``calls()`` runs."""
+    count, check = [0], collectives._check_same
+
+    def counted(*args):
+        count[0] += 1
+        return check(*args)
+
+    collectives._check_same = counted
+    try:
+        calls()
+    finally:
+        collectives._check_same = check
+    return count[0]
+
+
 def _collectives_job(ctx) -> dict:
     x = _input(ctx.rank)
     out: dict = {}
@@ -144,7 +161,10 @@ def _collectives_job(ctx) -> dict:
     out["unequal_scatter"] = _error(reduce_scatter, x, UNEQUAL)
     out["bad_op"] = _error(all_reduce, x, GROUPINGS["consecutive"], "median")
     out["indivisible"] = _error(reduce_scatter, x[:3], GROUPINGS["strided"])
-    out["shape_mismatch"] = _error(all_reduce, x[:3] if ctx.rank == 3 else x, GROUPINGS["consecutive"])
+    out["shape_mismatch"] = _error(all_reduce, x[:3] if ctx.rank == 3 else x, GROUPINGS["consecutive"], check=True)
+    # by default only the first call of a collective on a group checks (no host read on later calls)
+    collectives._CHECKED.clear()  # on every rank, as a fresh process
+    out["checked_once"] = _checks(lambda: [all_reduce(x, GROUPINGS["strided"], "sum", transpose=True) for _ in range(3)])
     out["not_differentiable"] = _error(all_reduce, x.clone().requires_grad_(), None, "max")
 
     # gradients under the tensor-parallel convention (downstream identical on every member)
@@ -222,6 +242,7 @@ def test_grouped_collectives_match_numpy(collective_results):
         assert "replica 3: (3, 6)" in results[rank]["shape_mismatch"]
         assert "replica 2: (4, 6)" in results[rank]["shape_mismatch"]
     assert results[0]["shape_mismatch"] == "no error"
+    assert [r["checked_once"] for r in results] == [1] * len(results)
     assert "not differentiable" in first["not_differentiable"]
 
 

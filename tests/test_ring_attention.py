@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardkit.plan import Mesh, Plan, PlanError, UsageError
+from shardkit.runtime import ring_kernels
 from shardkit.runtime.ring_attention import (
     gather_sequence,
     ring_attention,
@@ -54,8 +55,90 @@ def test_ring_attention_rejects_bad_shapes_and_kernels():
     q = torch.zeros(1, 4, 8, 4)
     with pytest.raises(UsageError, match="multiple of key/value heads"):  # a misused function: UsageError
         ring_attention(q, torch.zeros(1, 3, 8, 4), torch.zeros(1, 3, 8, 4), group=None)
-    with pytest.raises(UsageError, match="kernel='fast'.*'flash_cpu', 'math'"):
+    with pytest.raises(UsageError, match="kernel='fast'.*'efficient_cuda', 'flash_cpu', 'flash_cuda', 'math'"):
         ring_attention(q, q, q, group=None, kernel="fast")
+    with pytest.raises(UsageError, match=r"kernel='flash_cuda'.* cpu torch.float32.*valid there: 'auto' or one of "
+                                         r"\['flash_cpu', 'math'\]"):
+        ring_attention(q, q, q, group=None, kernel="flash_cuda")
+
+
+# -- the kernels on CUDA, faked on CPU --------------------------------------------------------
+@pytest.mark.parametrize("dtype,head_dim,expected", [
+    (torch.bfloat16, 64, "flash_cuda"), (torch.float16, 16, "flash_cuda"), (torch.bfloat16, 12, "efficient_cuda"),
+    (torch.float32, 64, "efficient_cuda"), (torch.float64, 64, "math"),
+])
+def test_auto_takes_the_fused_kernels_on_cuda(monkeypatch, dtype, head_dim, expected):
+    monkeypatch.setattr(ring_kernels, "device_type", lambda t: "cuda")
+    assert ring_kernels.choose("auto", torch.zeros(1, 2, 8, head_dim, dtype=dtype)).name == expected
+
+
+class FakeAten:
+    """Stand-ins for the CUDA SDPA ops: the math kernel's output and log-sum-exp, with the calls recorded."""
+
+    def __init__(self):
+        self.calls = []
+
+    def _scaled_dot_product_flash_attention(self, q, k, v, dropout, causal, debug, *, scale):
+        self.calls.append(("flash", q.dtype, causal, dropout, debug))
+        out, lse, _ = ring_kernels._math_forward(q, k, v, scale, causal)
+        return (out.to(q.dtype), lse.float(), "cum_q", "cum_k", q.shape[2], k.shape[2], "seed", "offset", None)
+
+    def _scaled_dot_product_flash_attention_backward(self, dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k,
+                                                     dropout, causal, seed, offset, *, scale):
+        assert (cum_q, cum_k, max_q, max_k, seed, offset) == ("cum_q", "cum_k", q.shape[2], k.shape[2], "seed",
+                                                              "offset"), "the block's own forward state"
+        assert lse.dtype == torch.float32 and lse.is_contiguous() and out.dtype == q.dtype
+        self.calls.append(("flash_backward", q.dtype, causal, dropout))
+        return tuple(g.to(q.dtype) for g in ring_kernels._math_backward(dout, q, k, v, out, lse, scale, causal, None))
+
+    def _scaled_dot_product_efficient_attention(self, q, k, v, bias, compute_lse, dropout, causal, *, scale):
+        self.calls.append(("efficient", q.dtype, causal, dropout, bias, compute_lse))
+        out, lse, _ = ring_kernels._math_forward(q, k, v, scale, causal)
+        padded = torch.nn.functional.pad(lse, (0, -lse.shape[-1] % 32), value=1e4)  # as the CUDA kernel pads
+        return out.to(q.dtype), padded, "seed", "offset"
+
+    def _scaled_dot_product_efficient_attention_backward(self, dout, q, k, v, bias, out, lse, seed, offset, dropout,
+                                                         mask, causal, *, scale):
+        assert lse.shape[-1] % 32 == 0 and lse.shape[-1] >= q.shape[2] and (seed, offset) == ("seed", "offset")
+        self.calls.append(("efficient_backward", q.dtype, causal, dropout, bias, tuple(mask)))
+        grads = ring_kernels._math_backward(dout, q, k, v, out, lse[..., :q.shape[2]], scale, causal, None)
+        return (*(g.to(q.dtype) for g in grads), None)
+
+
+def _ring_on_fake_cuda(ctx, heads, kv_heads, seq, head_dim):
+    """The ring over stand-ins of the CUDA kernels: float32 against SDPA (memory-efficient kernel), bfloat16
+    against the ring's math kernel (flash); and the calls the stand-ins saw."""
+    fake, saved = FakeAten(), (ring_kernels.ATEN, ring_kernels.device_type)
+    ring_kernels.ATEN, ring_kernels.device_type = fake, lambda t: "cuda"
+    try:
+        diffs = _ring_vs_sdpa(ctx, 2, heads, kv_heads, seq, head_dim, "auto")
+        group = ctx.mesh["sp"].get_group()
+        sp_rank, sp = ctx.coordinates()["sp"], ctx.plan.mesh["sp"]
+        qkvd = [shard_sequence(t.bfloat16(), sp_rank, sp, dim=2) for t in _qkvd(2, 2, heads, kv_heads, seq, head_dim)]
+        grads = {}
+        for kernel in ("auto", "math"):
+            local = [t.clone().requires_grad_() for t in qkvd[:3]]
+            out = ring_attention(*local, group, kernel=kernel)
+            out.backward(qkvd[3])
+            grads[kernel] = [out.float()] + [t.grad.float() for t in local]
+    finally:
+        ring_kernels.ATEN, ring_kernels.device_type = saved
+    bf16 = max(float((a - b).abs().max()) for a, b in zip(grads["auto"], grads["math"]))
+    return diffs, bf16, sorted(set(fake.calls), key=str)
+
+
+def test_ring_attention_runs_the_cuda_kernels_it_chooses_and_merges_their_lse(world):
+    results = world(2).run(_ring_on_fake_cuda, 4, 2, 16, 8, plan=Plan(mesh=Mesh(sp=2)))
+    f32, bf16 = torch.float32, torch.bfloat16
+    for rank, (diffs, bf16_diff, calls) in enumerate(results):
+        assert max(diffs.values()) < TOL, f"rank {rank}: {diffs}"
+        assert bf16_diff < 2e-2, f"rank {rank}: bfloat16 flash ring differs from the math ring by {bf16_diff}"
+        assert calls == sorted({  # no upcast, no dropout; causal on the own block only
+            ("efficient", f32, True, 0.0, None, True), ("efficient", f32, False, 0.0, None, True),
+            ("efficient_backward", f32, True, 0.0, None, (True, True, True, False)),
+            ("efficient_backward", f32, False, 0.0, None, (True, True, True, False)),
+            ("flash", bf16, True, 0.0, False), ("flash", bf16, False, 0.0, False),
+            ("flash_backward", bf16, True, 0.0), ("flash_backward", bf16, False, 0.0)}, key=str), calls
 
 
 # -- ring attention in a world ----------------------------------------------------------------

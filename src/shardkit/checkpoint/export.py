@@ -41,6 +41,7 @@ from ..io.safetensors import SafetensorsWriter
 from ..io.stacked import Stacking, unstacked
 from ..plan import UsageError
 from ..plan.text import parse_bytes
+from ..runtime import p2p
 from ..runtime.pieces import full_parameter, pieces
 from .state import load_model_tensors
 from .store import CONFIG_FILES, check_files, checkpoint_to_load, write_model_config
@@ -265,7 +266,7 @@ def export_hf(path: str | os.PathLike, model: nn.Module, *, max_shard_size: str 
                     if rank == 0 and tensor is None:
                         tensor = _receive(owner, shape[1:], kind)
                     elif rank != 0 and rank == owner:
-                        dist.send(tensor.to(kind).contiguous().reshape(-1).view(torch.uint8), dst=0)
+                        p2p.exchange_and_wait(None, sends=[(0, tensor.to(kind).contiguous().reshape(-1).view(torch.uint8))])
                     yield tensor if rank == 0 else None
                 continue
             tensor = None
@@ -275,7 +276,7 @@ def export_hf(path: str | os.PathLike, model: nn.Module, *, max_shard_size: str 
             if rank == 0 and tensor is None:
                 tensor = _receive(holders[name][0], shape, kind)
             elif rank != 0 and rank == holders[name][0]:
-                dist.send(tensor.to(kind).contiguous().reshape(-1).view(torch.uint8), dst=0)
+                p2p.exchange_and_wait(None, sends=[(0, tensor.to(kind).contiguous().reshape(-1).view(torch.uint8))])
             if name in stacked:  # gathered whole (an expert split across ranks), written expert by expert
                 yield from (tensor[e] if rank == 0 else None for e in range(shape[0]))
             else:
@@ -371,7 +372,7 @@ def _receive(source: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.T
     nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dist.recv(buffer, src=source)
+    p2p.exchange_and_wait(None, receives=[(source, buffer)])
     return buffer.view(dtype).reshape(shape).cpu()
 
 

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ..planner.counters import OpCounter
+from ..runtime import p2p
 from ..runtime.devices import clock
 
 #: Where the largest message of the sweep takes less than :data:`GROWTH` times the smallest's time,
@@ -222,10 +223,7 @@ def _all_gather(tensors: tuple[torch.Tensor, torch.Tensor], rank: int, world: in
 
 def _p2p(tensors: tuple[torch.Tensor, torch.Tensor], rank: int, world: int) -> None:
     """Every rank sends to the next and receives from the previous at once (a ring step)."""
-    received = dist.irecv(tensors[1], (rank - 1) % world)
-    sent = dist.isend(tensors[0], (rank + 1) % world)
-    sent.wait()
-    received.wait()
+    p2p.exchange_and_wait(None, sends=[((rank + 1) % world, tensors[0])], receives=[((rank - 1) % world, tensors[1])])
 
 
 _OPS = {"all_reduce": _all_reduce, "all_gather": _all_gather, "p2p": _p2p}

@@ -2,7 +2,9 @@
 
 torch's c10d collectives work on one process group at a time and are not differentiable;
 the functions here take a :class:`ReplicaGrouping` (or its transpose), check that every
-member passed the same shape and dtype, and carry gradients under the convention of tensor
+member passed the same shape and dtype (by default on the first call of each collective on each
+group only: the check is a collective and a host read, which a training step should not pay on
+every call), and carry gradients under the convention of tensor
 parallelism: what follows a collective is computed identically by every member, so the
 backward of ``all_reduce`` (sum) is the identity, of ``all_gather`` taking this member's
 slice, of ``reduce_scatter`` an all-gather, of ``broadcast`` the identity at the source.
@@ -29,6 +31,20 @@ def _op(op: str) -> Any:
     if op not in REDUCE_OPS:
         raise UsageError(f"reduce op {op!r} is unknown; valid: {list(REDUCE_OPS)}")
     return getattr(dist.ReduceOp, REDUCE_OPS[op])
+
+
+#: (process group, collective) pairs whose first call checked the members' shapes and dtypes (every member
+#: calls the same collectives on a group in the same order, so all of them skip the same later checks).
+_CHECKED: set[tuple[Any, str]] = set()
+
+
+def _wants_check(check: bool | None, process_group: Any, what: str) -> bool:
+    """``check=None``: only on the first call of ``what`` on ``process_group``; ``True``: always; ``False``: never."""
+    if check is not None:
+        return check
+    first = (process_group, what) not in _CHECKED
+    _CHECKED.add((process_group, what))
+    return first
 
 
 def _check_same(tensor: torch.Tensor, group: ReplicaGroup, what: str) -> None:
@@ -127,25 +143,27 @@ class _Broadcast(torch.autograd.Function):
 
 
 def _prepare(tensor: torch.Tensor, grouping: ReplicaGrouping | None, transpose: bool, what: str,
-             check: bool, equal_groups: bool = False) -> ReplicaGroup:
+             check: bool | None, equal_groups: bool = False) -> ReplicaGroup:
     if not isinstance(tensor, torch.Tensor):
         raise UsageError(f"{what} takes a torch.Tensor, got {type(tensor).__name__}")
     group = replica_group(grouping, transpose=transpose)
     if equal_groups:
         _needs_equal_groups(group, what.split("(")[0])
-    if check and group.process_group is not None:
+    if group.process_group is not None and _wants_check(check, group.process_group, what):
         _check_same(tensor, group, what)
     return group
 
 
 def all_reduce(tensor: torch.Tensor, grouping: ReplicaGrouping | None = None, op: str = "sum", *,
-               transpose: bool = False, check: bool = True) -> torch.Tensor:
+               transpose: bool = False, check: bool | None = None) -> torch.Tensor:
     """Reduce ``tensor`` over the replicas of each group; every member gets the result.
 
     ``op``: ``"sum"``, ``"mean"``, ``"max"``, ``"min"`` or ``"product"``; ``grouping=None``
     is one group of all replicas; ``transpose=True`` uses ``grouping.transpose()``.
     Returns a new tensor. Differentiable for sum and mean. ``check`` verifies first that
-    every member passed the same shape and dtype (one small extra collective).
+    every member passed the same shape and dtype (one small extra collective and a host read):
+    ``None`` (every collective here) on the first call of this collective on this group only,
+    ``True`` on every call, ``False`` never.
 
     >>> total = all_reduce(torch.ones(2), ReplicaGrouping(8, group_size=2))   # doctest: +SKIP
     """
@@ -157,7 +175,7 @@ def all_reduce(tensor: torch.Tensor, grouping: ReplicaGrouping | None = None, op
 
 
 def all_gather(tensor: torch.Tensor, grouping: ReplicaGrouping | None = None, *, dim: int = 0,
-               stack: bool = False, transpose: bool = False, check: bool = True) -> torch.Tensor:
+               stack: bool = False, transpose: bool = False, check: bool | None = None) -> torch.Tensor:
     """The members' tensors concatenated along ``dim`` in replica order (``stack=True``: a new dim).
 
     Needs groups of equal size. Differentiable: the backward keeps this member's slice.
@@ -167,7 +185,7 @@ def all_gather(tensor: torch.Tensor, grouping: ReplicaGrouping | None = None, *,
 
 
 def reduce_scatter(tensor: torch.Tensor, grouping: ReplicaGrouping | None = None, op: str = "sum", *,
-                   dim: int = 0, transpose: bool = False, check: bool = True) -> torch.Tensor:
+                   dim: int = 0, transpose: bool = False, check: bool | None = None) -> torch.Tensor:
     """Reduce over each group, then member ``i`` keeps the ``i``-th of ``group_size`` chunks along ``dim``.
 
     Needs groups of equal size and ``tensor.shape[dim]`` divisible by the group size.
@@ -185,7 +203,7 @@ def reduce_scatter(tensor: torch.Tensor, grouping: ReplicaGrouping | None = None
 
 
 def broadcast(tensor: torch.Tensor, grouping: ReplicaGrouping | None = None, *, src: int = 0,
-              transpose: bool = False, check: bool = True) -> torch.Tensor:
+              transpose: bool = False, check: bool | None = None) -> torch.Tensor:
     """Every member gets the tensor of the group's ``src``-th member (0: the group's first replica)."""
     group = _prepare(tensor, grouping, transpose, "broadcast", check)
     if not 0 <= src < min(group.grouping.group_sizes):
@@ -230,8 +248,9 @@ def average_gradients(module: nn.Module | Iterable[torch.Tensor], grouping: Repl
         for dtype in sorted(by_dtype, key=str):
             bucket = by_dtype[dtype]
             flat = torch.cat([g.reshape(-1) for g in bucket])
-            if group is not None:
-                _check_same(flat, group, "average_gradients (all gradients of one dtype, flattened)")
+            what = "average_gradients (all gradients of one dtype, flattened)"
+            if group is not None and _wants_check(None, pg, f"{what} {dtype}"):  # once per group and dtype
+                _check_same(flat, group, what)
             dist.all_reduce(flat, group=pg)
             flat /= size
             offset = 0

@@ -202,22 +202,25 @@ def generate(model: nn.Module, input_ids: torch.Tensor, *, max_new_tokens: int, 
                     dist.broadcast(token, group=group, group_src=0)
                 if pipeline is not None:
                     dist.broadcast(token, group=pipeline.pp_group, group_src=pipeline.last_pp_rank)
-                bad = not done and bool((token < 0).any())  # every rank of this data rank sees the flag
-                if not done and not bad:
+                chosen = token
+                bad = (token < 0).any() if not done else torch.zeros((), dtype=torch.bool, device=device)
+                if not done:
                     # a finished row goes on with the token chosen for it, not the pad (which some configs set
                     # outside the vocabulary): rows do not see each other, so the other rows' tokens are transformers'
                     tokens = token[:, None]
                     if eos is not None:  # from the broadcast token: every rank finishes the same rows at one step
                         token = token.masked_fill(finished, stop[1])
-                        finished |= torch.isin(token, eos)
+                        finished = finished | torch.isin(token, eos)
+                # the step's one host read: this rank's flags and (one all_reduce) whether any rank runs or failed;
+                # a rank whose rows are done runs its last tokens again, its results discarded, until every rank is
+                now_done, mine_bad, running, bad_rank = _flags(finished.all() if not done else None, bad, together)
+                if not done and not mine_bad:
                     new.append(token)
                     if on_token is not None:
                         on_token(token)
-                    done = bool(finished.all())
-                # a rank whose rows are done runs its last tokens again, its results discarded, until every rank is
-                running, bad_rank = _step_together(done, bad) if together else (not done, 0 if bad else None)
+                    done = now_done
                 if bad_rank is not None:  # every rank sees the flag, so every rank stops here
-                    where = f"prompt(s) {(token < 0).nonzero().flatten().tolist()}" if bad else \
+                    where = f"prompt(s) {(chosen < 0).nonzero().flatten().tolist()}" if mine_bad else \
                         f"rank {bad_rank}'s prompt(s)"
                     raise UsageError(f"sk.generate: the model's logits for new token {step + 1} of {where} are nan "
                                      f"or +inf: its weights or activations are not finite (check the weights it "
@@ -269,13 +272,18 @@ def _agree(problem: Exception | None, max_new_tokens: object) -> None:
                          f"plan with data axes step together; pass the same max_new_tokens on every rank")
 
 
-def _step_together(done: bool, bad: bool) -> tuple[bool, int | None]:
-    """After a step, over every rank (one ``all_reduce``): whether any rank has an unfinished row,
-    and the first rank whose logits were not finite (``None``: none)."""
-    world = dist.get_world_size()
-    flags = torch.tensor([0 if done else 1, world - dist.get_rank() if bad else 0])
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    return bool(flags[0]), (world - int(flags[1])) if int(flags[1]) else None
+def _flags(done: torch.Tensor | None, bad: torch.Tensor, together: bool) -> tuple[bool, bool, bool, int | None]:
+    """After a step, in one host read: whether this rank's rows are all done (``done``: a flag on the device;
+    ``None``: done before this step), whether its logits were not finite (``bad``), and over every rank when
+    ``together`` (one ``all_reduce``) or this one: whether any rank has an unfinished row, and the first rank
+    whose logits were not finite (``None``: none)."""
+    world, rank = (dist.get_world_size(), dist.get_rank()) if together else (1, 0)
+    done = torch.ones((), dtype=torch.bool, device=bad.device) if done is None else done
+    every = torch.stack([(~done).long(), bad.long() * (world - rank)])  # MAX: any running; the first bad rank
+    if together:
+        dist.all_reduce(every, op=dist.ReduceOp.MAX)
+    mine_done, mine_bad, running, first_bad = torch.cat([torch.stack([done, bad]).long(), every]).tolist()
+    return bool(mine_done), bool(mine_bad), bool(running), (world - first_bad) if first_bad else None
 
 
 def _check_arguments(input_ids: object, max_new_tokens: object, temperature: object, top_k: object,

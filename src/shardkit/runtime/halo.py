@@ -10,7 +10,7 @@ so each chunk needs the last ``d x (k-1)`` positions of the chunk before it (a *
   rank, its own first chunk).
 
 So every rank sends the tail of its first chunk to rank ``r+1`` and the tail of its second to
-rank ``r-1``, all four sends and receives posted in one ``batch_isend_irecv`` (one message per
+rank ``r-1``, all four sends and receives posted in one batch (:func:`shardkit.runtime.p2p.exchange`) (one message per
 direction and pair, so NCCL matches them whatever the order); the backward sends the halos'
 gradients back the same way, to be added to the tails they came from.
 
@@ -38,16 +38,9 @@ from torch.overrides import TorchFunctionMode
 
 from ..plan import PlanError
 from ..planner.sequence_mixing import CausalConv
+from . import p2p
 
 _WRAPPED = "_shardkit_halo"
-
-
-def _exchange(group: dist.ProcessGroup, sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor]) -> None:
-    """Post every send and receive (``{group peer: tensor}``) in one batch and wait for all of them."""
-    ops = [dist.P2POp(dist.isend, t.contiguous(), group=group, group_peer=peer) for peer, t in sends.items()]
-    ops += [dist.P2POp(dist.irecv, t, group=group, group_peer=peer) for peer, t in recvs.items()]
-    for work in dist.batch_isend_irecv(ops) if ops else []:
-        work.wait()
 
 
 class _Halo(torch.autograd.Function):
@@ -68,7 +61,7 @@ class _Halo(torch.autograd.Function):
         if rank > 0:
             sends[rank - 1] = second_tail
             recvs[rank - 1] = before_first
-        _exchange(group, sends, recvs)
+        p2p.exchange_and_wait(group, list(sends.items()), list(recvs.items()))
         ctx.group, ctx.width, ctx.shape = group, width, x.shape
         return before_first, before_second
 
@@ -87,7 +80,7 @@ class _Halo(torch.autograd.Function):
         if rank < size - 1:  # our second halo came from rank+1's second chunk; our first tail went to rank+1
             sends[rank + 1] = grad_second
             recvs[rank + 1] = from_next
-        _exchange(group, sends, recvs)
+        p2p.exchange_and_wait(group, list(sends.items()), list(recvs.items()))
         if rank < size - 1:
             grad[..., half - width:half] += from_next
         else:

@@ -1,17 +1,28 @@
-"""Point-to-point transfer of a tensor of any shape between two ranks of a process group.
+"""Every point-to-point exchange of shardkit: sends and receives posted together in one batch.
+
+Why one home: on NCCL the sends and receives that must progress together (a ring step: each
+rank sends to the next and receives from the previous) have to be posted in one group, which
+``torch.distributed.batch_isend_irecv`` is; a send posted alone, with its receive in a later
+batch of the other rank, waits for it, and around a ring that wait closes a cycle that hangs
+as soon as a message outgrows NCCL's buffers. So the rule is: a message's send and its receive
+are in the *same* batch on both sides (:func:`exchange`), and ``tests/test_p2p_pairing.py``
+records every batch of ring attention, a pipeline step and generation on gloo and checks that
+no batch waits on a later one, and refuses a bare ``isend``/``irecv``/``send``/``recv`` in the
+package. Messages between one pair of ranks match in the order they are given.
 
 The pipeline's forward-only path (:meth:`PipelinedModule.through_stages`: evaluation and
 generation) sends each stage's output to the next stage's rank, with a shape that changes
 from call to call (a prompt, then one token at a time), which torch's ``PipelineStage``
-cannot (it fixes its buffers' shapes at its first step). So a header
-(:mod:`shardkit.runtime.tensor_header`) goes first, then the data into a buffer of that shape.
+cannot (it fixes its buffers' shapes at its first step). So :func:`send` posts a header
+(:mod:`shardkit.runtime.tensor_header`) first, then the data into a buffer of that shape.
 
-Every exchange is posted with ``torch.distributed.batch_isend_irecv`` (on NCCL, a send and its
-matching receive must be posted as point-to-point operations both sides see alike; a batch of
-one works on gloo and NCCL) and waited for before it returns.
+>>> exchange(None, sends=[], receives=[])
+[]
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -22,30 +33,52 @@ from . import tensor_header
 #: dtypes a pipeline stage may send (its hidden states or logits).
 SENDABLE = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
+#: ``(peer, tensor)``: the peer's rank in the exchange's group (the global rank when the group is ``None``).
+Message = tuple[int, torch.Tensor]
+
+
+def exchange(group: dist.ProcessGroup | None, sends: Sequence[Message] = (), receives: Sequence[Message] = ()
+             ) -> list:
+    """Post ``sends`` and ``receives`` in one ``batch_isend_irecv``; returns the works (see :func:`wait`).
+
+    The other side of every message must post its half in its matching batch; between one pair
+    of ranks, messages match in the order given. Receive buffers are filled in place.
+    """
+    ops = [dist.P2POp(dist.isend, t.contiguous(), group=group, group_peer=peer) for peer, t in sends]
+    ops += [dist.P2POp(dist.irecv, t, group=group, group_peer=peer) for peer, t in receives]
+    return dist.batch_isend_irecv(ops) if ops else []
+
+
+def wait(works: Sequence) -> None:
+    """Wait for the works of :func:`exchange`."""
+    for work in works:
+        work.wait()
+
+
+def exchange_and_wait(group: dist.ProcessGroup | None, sends: Sequence[Message] = (),
+                      receives: Sequence[Message] = ()) -> None:
+    """:func:`exchange`, then wait for it."""
+    wait(exchange(group, sends, receives))
+
 
 def send(tensor: torch.Tensor, group: dist.ProcessGroup, dst: int) -> None:
-    """Send ``tensor`` to group rank ``dst``: its header, then its data."""
+    """Send ``tensor`` to group rank ``dst``: its header, then its data (two batches, as :func:`receive`)."""
     if tensor.dtype not in SENDABLE or tensor.dim() > tensor_header.MAX_DIMS:
         raise UsageError(f"a pipeline stage's output of dtype {tensor.dtype} and shape {list(tensor.shape)} cannot be "
                          f"sent to the next stage: give {[str(d) for d in SENDABLE]} with at most "
                          f"{tensor_header.MAX_DIMS} dims")
-    _exchange(dist.isend, tensor_header.encode(tensor), group, dst)
-    _exchange(dist.isend, tensor.contiguous(), group, dst)
+    exchange_and_wait(group, sends=[(dst, tensor_header.encode(tensor))])
+    exchange_and_wait(group, sends=[(dst, tensor)])
 
 
 def receive(group: dist.ProcessGroup, src: int, device: torch.device) -> torch.Tensor:
     """The tensor group rank ``src`` sends with :func:`send`."""
     header = tensor_header.empty(device)
-    _exchange(dist.irecv, header, group, src)
+    exchange_and_wait(group, receives=[(src, header)])
     shape, dtype = tensor_header.decode(header)
     tensor = torch.empty(shape, dtype=dtype, device=device)
-    _exchange(dist.irecv, tensor, group, src)
+    exchange_and_wait(group, receives=[(src, tensor)])
     return tensor
 
 
-def _exchange(op: object, tensor: torch.Tensor, group: dist.ProcessGroup, peer: int) -> None:
-    for work in dist.batch_isend_irecv([dist.P2POp(op, tensor, group=group, group_peer=peer)]):
-        work.wait()
-
-
-__all__ = ["SENDABLE", "receive", "send"]
+__all__ = ["SENDABLE", "Message", "exchange", "exchange_and_wait", "receive", "send", "wait"]

@@ -81,6 +81,7 @@ def sum_tied_grads(copies: list[TiedCopy], before: list[torch.Tensor | None]) ->
     Every copy takes part in every step, frozen or not (so no device waits for another), and
     says whether it requires grad: a tie frozen under one name and not another (one parameter
     in one process) would let the copies drift, so it stops every device."""
+    learning = []  # how many copies of each tie require grad, read once for all ties (one host read a step)
     with torch.no_grad():
         for tie, old in zip(copies, before):
             param = tie.param
@@ -91,15 +92,17 @@ def sum_tied_grads(copies: list[TiedCopy], before: list[torch.Tensor | None]) ->
             gained[:-1] = (grad - old if old is not None else grad).flatten()
             gained[-1] = float(param.requires_grad)
             dist.all_reduce(gained, group=tie.group)
-            learning, count = int(gained[-1].item()), dist.get_world_size(tie.group)
-            if learning not in (0, count):
-                raise UsageError(f"parameter {tie.name!r} is tied to {tie.first!r} (one parameter in one process), but "
-                                 f"only {learning} of the {count} pipeline devices holding a copy have it "
-                                 f"requires_grad=True: freeze or unfreeze it under every name it has on every stage "
-                                 f"(model.tied_copies lists a stage's other names)")
+            learning.append(gained[-1].float())
             if param.requires_grad:
                 gained = gained[:-1].view_as(grad)
                 grad.copy_(gained if old is None else old + gained)
+    for tie, count in zip(copies, torch.stack(learning).tolist() if learning else []):
+        holders = dist.get_world_size(tie.group)
+        if round(count) not in (0, holders):
+            raise UsageError(f"parameter {tie.name!r} is tied to {tie.first!r} (one parameter in one process), but "
+                             f"only {round(count)} of the {holders} pipeline devices holding a copy have it "
+                             f"requires_grad=True: freeze or unfreeze it under every name it has on every stage "
+                             f"(model.tied_copies lists a stage's other names)")
 
 
 def _local_grad(param: nn.Parameter) -> torch.Tensor:

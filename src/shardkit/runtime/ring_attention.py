@@ -14,9 +14,10 @@ Why not torch's ``torch.distributed.tensor.experimental.context_parallel`` (chec
 SDPA runs ``aten._scaled_dot_product_flash_attention_for_cpu``, for which it raises "does not
 have a sharding strategy registered"; it also shards its buffers in place, which fails for
 leaf tensors that require grad. This module therefore implements the ring with
-``torch.distributed.batch_isend_irecv``, which runs on gloo and NCCL alike. Each block runs
-torch's fused CPU flash-attention op on CPU (``aten._scaled_dot_product_flash_attention_for_cpu``
-and its backward, which return and take the log-sum-exp), or plain float32 matmuls elsewhere.
+``torch.distributed.batch_isend_irecv`` (:mod:`shardkit.runtime.p2p`: each ring step's sends
+and receives, key/values and gradient accumulators alike, in one batch, as NCCL needs), which
+runs on gloo and NCCL alike. Each block runs a fused SDPA kernel that returns the log-sum-exp
+(flash or memory-efficient on CUDA, flash on CPU; :mod:`shardkit.runtime.ring_kernels`).
 
 >>> import torch
 >>> shard_sequence(torch.arange(8), sp_rank=0, sp_size=2, dim=0).tolist()
@@ -34,6 +35,8 @@ import torch
 import torch.distributed as dist
 
 from ..plan import PlanError, UsageError
+from . import p2p
+from .ring_kernels import accumulation_dtype, choose
 
 
 # -- load-balanced sequence layout ------------------------------------------------------------
@@ -85,32 +88,12 @@ def gather_sequence(t: torch.Tensor, group: dist.ProcessGroup, dim: int = 1) -> 
 
 
 # -- ring attention ---------------------------------------------------------------------------
-def _exchange(group: dist.ProcessGroup, send: torch.Tensor | None, recv: torch.Tensor | None,
-              extra_recv: torch.Tensor | None = None) -> list:
-    """Start the ring step: send to the next rank, receive from the previous one (async works).
-
-    Sends and receives between a pair of ranks must be posted in the same order on both
-    sides (NCCL matches by order): ``extra_recv`` (a gradient accumulator) comes first.
-    """
+def _ring_step(group: dist.ProcessGroup, send: Sequence[torch.Tensor], recv: Sequence[torch.Tensor]) -> list:
+    """Start one ring step in one batch (:func:`~shardkit.runtime.p2p.exchange`): ``send`` to the next
+    rank, ``recv`` from the previous one, in that order on both sides (async works)."""
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     nxt, prev = (rank + 1) % size, (rank - 1) % size
-    ops = []
-    if extra_recv is not None:
-        ops.append(dist.P2POp(dist.irecv, extra_recv, group=group, group_peer=prev))
-    if send is not None:
-        ops.append(dist.P2POp(dist.isend, send, group=group, group_peer=nxt))
-    if recv is not None:
-        ops.append(dist.P2POp(dist.irecv, recv, group=group, group_peer=prev))
-    return dist.batch_isend_irecv(ops) if ops else []
-
-
-def _wait(works: list) -> None:
-    for work in works:
-        work.wait()
-
-
-def _accumulation_dtype(t: torch.Tensor) -> torch.dtype:
-    return torch.promote_types(t.dtype, torch.float32)  # float32, or float64 for float64 inputs
+    return p2p.exchange(group, [(nxt, t) for t in send], [(prev, t) for t in recv])
 
 
 def _step_blocks(step: int, src: int, rank: int, local_len: int) -> tuple[slice, slice, bool]:
@@ -137,59 +120,6 @@ def _reduce_heads(t: torch.Tensor, groups: int) -> torch.Tensor:
     return t if groups == 1 else t.unflatten(1, (-1, groups)).sum(2)
 
 
-# Block kernels: attention of some query rows over some key columns, returning the block's output
-# and log-sum-exp; their backward takes the *final* output and log-sum-exp (flash-attention's
-# identity: with those, each block's gradients are exact and simply add up).
-def _flash_cpu_forward(q, k, v, scale, causal):
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q.contiguous(), k.contiguous(), v.contiguous(), 0.0, causal, scale=scale)
-    return out, lse
-
-
-def _flash_cpu_backward(dout, q, k, v, out, lse, scale, causal):
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(), lse.contiguous(),
-        0.0, causal, scale=scale)
-
-
-def _scores(q, k, scale, causal):
-    s = torch.matmul(q, k.transpose(-2, -1)) * scale
-    if causal:
-        mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1)
-        s = s.masked_fill(mask, float("-inf"))
-    return s
-
-
-def _math_forward(q, k, v, scale, causal):
-    acc = _accumulation_dtype(q)
-    s = _scores(q.to(acc), k.to(acc), scale, causal)
-    lse = torch.logsumexp(s, dim=-1)
-    return torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v.to(acc)), lse
-
-
-def _math_backward(dout, q, k, v, out, lse, scale, causal):
-    acc = _accumulation_dtype(q)
-    q, k, v, dout = q.to(acc), k.to(acc), v.to(acc), dout.to(acc)
-    p = torch.exp(_scores(q, k, scale, causal) - lse.unsqueeze(-1))
-    dv = torch.matmul(p.transpose(-2, -1), dout)
-    ds = p * (torch.matmul(dout, v.transpose(-2, -1)) - (dout * out.to(acc)).sum(-1, keepdim=True))
-    return torch.matmul(ds, k) * scale, torch.matmul(ds.transpose(-2, -1), q) * scale, dv
-
-
-#: ``kernel`` name -> (forward, backward). "flash_cpu" is torch's fused CPU flash-attention op
-#: (about 15x faster than "math" on one thread, no ``local x local`` score matrix); "math" is
-#: plain matmuls in float32, for every device.
-KERNELS = {"flash_cpu": (_flash_cpu_forward, _flash_cpu_backward), "math": (_math_forward, _math_backward)}
-
-
-def _kernel_for(name: str, q: torch.Tensor):
-    if name == "auto":
-        name = "flash_cpu" if q.device.type == "cpu" and q.dtype != torch.float16 else "math"
-    if name not in KERNELS:
-        raise UsageError(f"ring_attention(kernel={name!r}); valid: 'auto' or one of {sorted(KERNELS)}")
-    return KERNELS[name]
-
-
 class _RingAttention(torch.autograd.Function):
     """Exact causal attention over the sp ring; float32 (or wider) merging of partial results;
     grouped-query attention without repeating k/v in transit."""
@@ -197,30 +127,32 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, scale, kernel):
         rank, size = dist.get_rank(group), dist.get_world_size(group)
-        forward_fn, _ = _kernel_for(kernel, q)
-        groups, acc = q.shape[1] // k.shape[1], _accumulation_dtype(q)
+        forward_fn = choose(kernel, q).forward
+        groups, acc = q.shape[1] // k.shape[1], accumulation_dtype(q)
         kv = torch.stack([k, v]).contiguous()
         # [batch, len, heads, dim] in memory, as SDPA returns it: the caller's transpose back to
         # [batch, len, heads * dim] is then a view, not a copy kept alive for the output projection
         batch, heads, length, dim = q.shape
         out = torch.zeros(batch, length, heads, dim, dtype=acc, device=q.device).transpose(1, 2)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
+        saved = []  # each block's kernel state for its backward
         for step in range(size):
             incoming = torch.empty_like(kv) if step < size - 1 else None
-            works = _exchange(group, kv if incoming is not None else None, incoming)
+            works = _ring_step(group, [kv], [incoming]) if incoming is not None else []
             rows, cols, causal = _step_blocks(step, (rank - step) % size, rank, q.shape[2])
             kb, vb = (_expand_heads(t[:, :, cols], groups) for t in kv)
-            block_out, block_lse = forward_fn(q[:, :, rows], kb, vb, scale, causal)
+            block_out, block_lse, block_saved = forward_fn(q[:, :, rows], kb, vb, scale, causal)
+            saved.append(block_saved)
             block_lse = block_lse.to(acc)
             merged = torch.logaddexp(lse[:, :, rows], block_lse)
             out[:, :, rows] = (out[:, :, rows] * torch.exp(lse[:, :, rows] - merged).unsqueeze(-1)
                                + block_out.to(acc) * torch.exp(block_lse - merged).unsqueeze(-1))
             lse[:, :, rows] = merged
-            _wait(works)
+            p2p.wait(works)
             kv = incoming
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.scale, ctx.kernel = group, scale, kernel
+        ctx.group, ctx.scale, ctx.kernel, ctx.blocks = group, scale, kernel, saved
         return out
 
     @staticmethod
@@ -228,33 +160,32 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         group, scale = ctx.group, ctx.scale
         rank, size = dist.get_rank(group), dist.get_world_size(group)
-        _, backward_fn = _kernel_for(ctx.kernel, q)
-        groups, acc = q.shape[1] // k.shape[1], _accumulation_dtype(q)
+        backward_fn = choose(ctx.kernel, q).backward
+        groups, acc = q.shape[1] // k.shape[1], accumulation_dtype(q)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         kv = torch.stack([k, v]).contiguous()
-        dkv_sent = None
+        dkv = None  # the accumulator of the keys held at the previous step, to send on with them
         for step in range(size):
             incoming = torch.empty_like(kv) if step < size - 1 else None
-            # the accumulator for the keys we now hold, from the rank that held them one step ago
+            # one batch per step (NCCL needs a ring's sends and receives in one group): the previous keys'
+            # accumulator goes on to the next rank, while the accumulator for the keys we now hold (which the
+            # previous rank finished at its previous step) comes in, with the next keys
             dkv_in = torch.empty(kv.shape, dtype=acc, device=kv.device) if step else None
-            works = _exchange(group, kv if incoming is not None else None, incoming, extra_recv=dkv_in)
+            sends = ([dkv] if step else []) + ([kv] if incoming is not None else [])
+            works = _ring_step(group, sends, [t for t in (dkv_in, incoming) if t is not None])
             rows, cols, causal = _step_blocks(step, (rank - step) % size, rank, q.shape[2])
             kb, vb = (_expand_heads(t[:, :, cols], groups) for t in kv)
             dqb, dkb, dvb = backward_fn(dout[:, :, rows], q[:, :, rows], kb, vb, out[:, :, rows],
-                                        lse[:, :, rows], scale, causal)
+                                        lse[:, :, rows], scale, causal, ctx.blocks[step])
             dq[:, :, rows] += dqb
-            _wait(works)
-            if dkv_sent is not None:
-                _wait(dkv_sent)
+            p2p.wait(works)
             dkv = dkv_in if dkv_in is not None else torch.zeros(kv.shape, dtype=acc, device=kv.device)
             dkv[0, :, :, cols] += _reduce_heads(dkb, groups)
             dkv[1, :, :, cols] += _reduce_heads(dvb, groups)
-            dkv_sent = _exchange(group, dkv, None) if size > 1 else None
             kv = incoming
-        if size > 1:
+        if size > 1:  # the last accumulator on to its owner (the next rank), ours back from the previous
             own = torch.empty((2, *k.shape), dtype=acc, device=k.device)
-            _wait(_exchange(group, None, own))  # our keys' accumulator, back from its last stop
-            _wait(dkv_sent)
+            p2p.wait(_ring_step(group, [dkv], [own]))
             dkv = own
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
@@ -267,8 +198,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dis
     head_dim]`` (``heads`` a multiple of ``kv_heads``: grouped-query attention). Tensors hold
     this rank's tokens in the load-balanced layout of :func:`shard_sequence`. Differentiable;
     equal to ``F.scaled_dot_product_attention(..., is_causal=True)`` on the full sequence.
-    ``kernel``: the per-block attention (see :data:`KERNELS`); ``"auto"`` takes torch's CPU
-    flash kernel on CPU and ``"math"`` elsewhere.
+    ``kernel``: the per-block attention (:data:`~shardkit.runtime.ring_kernels.KERNELS`);
+    ``"auto"`` takes torch's fused kernels that return the log-sum-exp (flash or memory-efficient
+    on CUDA, flash on CPU) and float32 matmuls where none runs.
 
     >>> out = ring_attention(q, k, v, group=mesh["sp"].get_group())   # doctest: +SKIP
     """
@@ -282,7 +214,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dis
         raise UsageError(f"ring_attention: local sequence length {q.shape[2]} must be even (two load-balanced "
                         f"chunks per rank); shard the sequence with shard_sequence")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    _kernel_for(kernel, q)
+    choose(kernel, q)
     return _RingAttention.apply(q, k, v, group, scale, kernel)
 
 
@@ -302,5 +234,5 @@ class RingAttention:
         return f"RingAttention(sp={dist.get_world_size(self.group)})"
 
 
-__all__ = ["KERNELS", "RingAttention", "gather_sequence", "ring_attention", "sequence_positions", "shard_sequence",
+__all__ = ["RingAttention", "gather_sequence", "ring_attention", "sequence_positions", "shard_sequence",
            "unshard_sequence"]
