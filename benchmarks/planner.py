@@ -237,7 +237,7 @@ def megatron_table() -> None:
         accumulation = 1 if row.pp > 1 else m
         plan = sk.Plan(sk.Mesh(**{k: v for k, v in mesh.items() if v > 1} or {"dp": 1}),
                        rules=_megatron_rules(row) if row.tp > 1 else None,
-                       fsdp=sk.FSDPOptions(param_dtype="float16", reduce_dtype="float32"),
+                       fsdp=sk.FSDPOptions(param_dtype="float16", reduce_dtype="float16"),
                        pipeline=sk.Pipeline(schedule="1f1b", microbatches=m) if row.pp > 1 else None,
                        sequence_parallel=False, recompute="full")
         e = estimate(row.name, plan, batch_size=row.batch, seq_len=MEGATRON_SEQ_LEN, hardware="a100-80g",
@@ -251,7 +251,8 @@ def megatron_table() -> None:
     console.print(f"predicted / published TFLOP/s per GPU: {min(ratios):.2f} to {max(ratios):.2f} (geometric mean "
                   f"{statistics.geometric_mean(ratios):.2f}). TFLOP/s as the paper counts them (its eq. 3: "
                   f"96 B s l h^2 (1 + s/6h + V/16lh), the recomputed forward included); 1F1B, full recompute, "
-                  f"micro-batch size 1, fp16 compute. Memory as shardkit's runtime holds it: torch's pipelining keeps "
+                  f"micro-batch size 1 (without a pipeline: gradient accumulation over batch / dp steps), fp16 "
+                  f"compute and gradient all-reduce (Megatron-LM's DDP of 2021). Memory as shardkit's runtime holds it: torch's pipelining keeps "
                   f"a receive buffer for every micro-batch's activations and gradients")
 
 

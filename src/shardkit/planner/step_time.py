@@ -25,7 +25,9 @@ are consecutive and fit in one, else across nodes:
   forward, another backward (with resharding) and a reduce-scatter (HSDP adds an all-reduce of
   the shard); ``overlap`` of it runs while the backward computes (DDP: the last micro-batch's
   backward only, the one that makes the gradients), except the last bucket / the first unit's gather;
-- ``pp``: point-to-point of each micro-batch's hidden states, forward and backward; with an
+- ``pp``: point-to-point of each micro-batch's hidden states, forward and backward: the fill's
+  and the drain's ``p - 1`` transfers each way on the critical path, ``overlap`` of the
+  steady state's behind the compute (the sends are asynchronous); with an
   embedding tied to the LM head, one all-reduce of its gradient between the first and the last
   device a step (none under ``zbv``, which puts both ends on one device);
 - ``sp``: ring attention's key/value passes, ``overlap`` of them behind the attention core;
@@ -132,7 +134,10 @@ def time_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer: 
     # pipeline: each micro-batch's hidden states sent forward and their gradients back
     if p > 1:
         link = _link(hw, shape, ("pp",), "p2p")
-        parts["pp"] = 2 * (m * v + p - 1) * (link.latency + hidden_bytes / link.bandwidth)
+        send = link.latency + hidden_bytes / link.bandwidth
+        # sends are asynchronous: in the steady state a micro-batch's transfer runs while the stages compute
+        # others, and only the fill's and the drain's transfers (p - 1 each way) are on the critical path
+        parts["pp"] = 2 * (p - 1) * send + _exposed(2 * m * v * send, compute, hw)
         if n.tied and s.schedule != "zbv":  # the embedding's and the LM head's gradients summed once a step
             parts["pp"] += _collective("all_reduce", n.embedding_params / shards * reduce, 2,
                                        _link(hw, shape, ("pp",), "all_reduce"))
