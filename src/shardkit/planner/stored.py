@@ -36,9 +36,11 @@ def store_folder() -> Path | None:
     """The folder results are stored in, or ``None`` when ``SHARDKIT_CACHE=off``.
 
     >>> import os
-    >>> os.environ[CACHE_ENV] = "off"; store_folder() is None
-    True
-    >>> del os.environ[CACHE_ENV]
+    >>> before = os.environ.get(CACHE_ENV)
+    >>> os.environ[CACHE_ENV] = "off"
+    >>> store_folder() is None, stored("example", "1 + 1", lambda: 1 + 1)
+    (True, 2)
+    >>> _ = os.environ.pop(CACHE_ENV) if before is None else os.environ.update({CACHE_ENV: before})
     """
     chosen = os.environ.get(CACHE_ENV)
     if chosen == "off":
