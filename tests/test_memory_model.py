@@ -35,3 +35,14 @@ def test_selective_recompute_saves_at_least_what_the_estimate_credits_it_with():
     measured = memory_model.measured_peak(build, "none") - memory_model.measured_peak(build, "selective")
     predicted = memory_model.predicted(build, "none") - memory_model.predicted(build, "selective")
     assert 0 < predicted <= measured, (predicted, measured)
+
+
+def test_dropout_is_priced_as_one_fused_kernel_not_cpus_three():
+    from shardkit.planner.counters import OpCounter
+
+    booked = []
+    x = torch.randn(1000)
+    with OpCounter(lambda traffic, calls=1: booked.append((traffic, calls))):
+        torch.nn.functional.dropout(x, 0.1, training=True)
+    # a GPU's native_dropout: the input read, the output and a one-byte mask written, one kernel
+    assert sum(t for t, _ in booked) == 4000 + 4000 + 1000 and sum(c for _, c in booked) == 1, booked

@@ -88,7 +88,10 @@ def _bytes(tensor: torch.Tensor) -> int:
 
 
 def _storage(tensor: torch.Tensor) -> int:
-    return tensor.untyped_storage()._cdata
+    try:
+        return tensor.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):  # a tensor subclass without storage of its own
+        return -1
 
 
 def _tensors(value: object) -> list[torch.Tensor]:
@@ -97,8 +100,8 @@ def _tensors(value: object) -> list[torch.Tensor]:
 
 class OpCounter(TorchDispatchMode):
     """Books each ATen operator that launches a kernel (not in :data:`_NO_KERNEL`, not a view) as
-    one call (``book(traffic)``; ``book(traffic, 0)``: bytes of a kernel already called), and, unless torch's FLOP counter prices it (matrix products,
-    convolutions, attention kernels), its traffic: the bytes of its tensor inputs and outputs.
+    one call (``book(traffic)``; ``book(traffic, 0)``: bytes of a kernel already called), and,
+    unless torch's FLOP counter prices it (matrix products, convolutions, attention kernels), its traffic: the bytes of its tensor inputs and outputs.
     Gathers read the rows they gather, not their whole table: an embedding lookup counts its
     indices and its output twice (rows read, rows written), the loss's ``nll_loss`` its targets,
     one log-probability per target, and its outputs.
