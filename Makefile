@@ -27,6 +27,8 @@ bench: $(STAMP)
 	$(PY) benchmarks/checkpoint.py --repeats 3
 	$(PY) benchmarks/recompute.py
 	$(PY) benchmarks/planner.py --steps 3
+	$(PY) benchmarks/memory_model.py
+	$(PY) benchmarks/cold_start.py
 	$(PY) benchmarks/generate.py --new 16 --rounds 1
 	$(PY) benchmarks/moe.py --steps 3
 	$(PY) benchmarks/cli_startup.py --repeats 5

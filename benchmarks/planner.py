@@ -233,17 +233,16 @@ def megatron_table() -> None:
     for row in MEGATRON_TABLE1:
         mesh = {"pp": row.pp, "dp": row.dp, "tp": row.tp}
         m = row.batch // row.dp
-        # without a pipeline Megatron accumulates gradients over m micro-batches of one sequence:
-        # one micro-batch step is estimated, and its time counted m times
-        batch, repeats = (row.batch, 1) if row.pp > 1 else (row.dp, m)
+        # without a pipeline Megatron accumulates gradients over m micro-batches of one sequence
+        accumulation = 1 if row.pp > 1 else m
         plan = sk.Plan(sk.Mesh(**{k: v for k, v in mesh.items() if v > 1} or {"dp": 1}),
                        rules=_megatron_rules(row) if row.tp > 1 else None,
-                       fsdp=sk.FSDPOptions(param_dtype="float16", reduce_dtype="float32"),
+                       fsdp=sk.FSDPOptions(param_dtype="float16", reduce_dtype="float16"),
                        pipeline=sk.Pipeline(schedule="1f1b", microbatches=m) if row.pp > 1 else None,
                        sequence_parallel=False, recompute="full")
-        e = estimate(row.name, plan, batch_size=batch, seq_len=MEGATRON_SEQ_LEN, hardware="a100-80g")
-        data = e.step_time_parts.get("dp", 0.0)  # the gradient all-reduce runs once per step
-        flops = _megatron_flops(row) / ((e.step_time - data) * repeats + data) / row.gpus / 1e12
+        e = estimate(row.name, plan, batch_size=row.batch, seq_len=MEGATRON_SEQ_LEN, hardware="a100-80g",
+                     grad_accum=accumulation)
+        flops = _megatron_flops(row) / e.step_time / row.gpus / 1e12
         ratios.append(flops / row.tflops_per_gpu)
         table.add_row(row.name, str(row.tp), str(row.pp), str(row.dp), str(row.gpus), str(row.batch),
                       format_bytes(e.memory["total"], digits=1), "yes" if e.fits else "no", f"{flops:.0f}",
@@ -252,7 +251,8 @@ def megatron_table() -> None:
     console.print(f"predicted / published TFLOP/s per GPU: {min(ratios):.2f} to {max(ratios):.2f} (geometric mean "
                   f"{statistics.geometric_mean(ratios):.2f}). TFLOP/s as the paper counts them (its eq. 3: "
                   f"96 B s l h^2 (1 + s/6h + V/16lh), the recomputed forward included); 1F1B, full recompute, "
-                  f"micro-batch size 1, fp16 compute. Memory as shardkit's runtime holds it: torch's pipelining keeps "
+                  f"micro-batch size 1 (without a pipeline: gradient accumulation over batch / dp steps), fp16 "
+                  f"compute and gradient all-reduce (Megatron-LM's DDP of 2021). Memory as shardkit's runtime holds it: torch's pipelining keeps "
                   f"a receive buffer for every micro-batch's activations and gradients")
 
 

@@ -6,6 +6,8 @@ processes, started once per test session (restarted if a previous job failed).
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from hypothesis import settings
@@ -21,6 +23,10 @@ settings.load_profile("shardkit")
 # The pytest process runs the single-process references of sk.verify; on 2 shared cores one
 # intra-op thread is faster than two fighting with the worker processes.
 torch.set_num_threads(1)
+
+# The planner's disk store (planner/stored.py) stays off: a test measures, and one test's stored
+# analysis never answers for another's patched code (tests/test_cold_start.py turns it on in its own folder).
+os.environ.setdefault("SHARDKIT_CACHE", "off")
 
 
 class _Worlds:

@@ -37,6 +37,7 @@ from .expert_costs import ExpertCosts, block_experts, routing_watch
 from .measure import COMPONENTS, Measurement, Piece, Tally, block_names, first_blocks, measure
 from .model_rules import axis_plan, default_rules, fsdp_dims
 from .one_rank import sliced_parameters
+from .stored import stored
 
 #: Blocks built from a config: two, so tensors every block saves alike can be told apart.
 BLOCKS_BUILT = 2
@@ -256,6 +257,22 @@ def _from_module(model: nn.Module, seq_len: int | None, tp: int, dtype: torch.dt
 @functools.lru_cache(maxsize=512)
 def _from_config(source: _Keyed, seq_len: int | None, tp: int, dtype: torch.dtype | None,
                  rules: _Keyed) -> ModelAnalysis:
+    """Cached in the process, and on disk between processes (:mod:`shardkit.planner.stored`)."""
+    key = f"{source.key}|name={source.value[1]}|seq_len={seq_len}|tp={tp}|dtype={dtype}|rules={rules.key}"
+    return stored("analysis", key, lambda: _measured_config(source, seq_len, tp, dtype, rules))
+
+
+def model_key(model: Any) -> str | None:
+    """What a model given by config or catalogue name is keyed by in the planner's stores (``None``
+    for an ``nn.Module``, which has no such key)."""
+    if isinstance(model, nn.Module):
+        return None
+    config = catalogue_config(model) if isinstance(model, str) else model
+    return f"{_config_key(config)}|name={model if isinstance(model, str) else None}"
+
+
+def _measured_config(source: _Keyed, seq_len: int | None, tp: int, dtype: torch.dtype | None,
+                     rules: _Keyed) -> ModelAnalysis:
     config, name = source.value
     model, layers = _built(source)
     label = name or (f"gpt(dim={config.dim}, layers={config.layers})" if isinstance(config, GPTConfig)
@@ -417,4 +434,4 @@ def _family_label(model: nn.Module, family: Family) -> str:
     return model_type if isinstance(model_type, str) and model_type else family.name
 
 
-__all__ = ["probe_model", "BLOCKS_BUILT", "Components", "ModelAnalysis", "PartCost", "analyse"]
+__all__ = ["model_key", "probe_model", "BLOCKS_BUILT", "Components", "ModelAnalysis", "PartCost", "analyse"]

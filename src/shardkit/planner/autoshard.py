@@ -18,31 +18,28 @@ time; GPipe only adds memory to 1F1B, so it is tried only where 1F1B cannot run)
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-from torch import nn
 
-from ..plan import FSDPOptions, LayoutMap, Mesh, Plan, PlanError, PlanWarning, UsageError
+from ..plan import FSDPOptions, LayoutMap, Mesh, Plan, PlanError, UsageError
 from ..plan.dtypes import FLOATING, torch_dtype
 from ..plan.pipeline import Pipeline
 from ..plan.sequence import sequence_problems
 from ..plan.text import format_bytes
-from .analysis import ModelAnalysis, probe_model
+from .analysis import ModelAnalysis
 from .costs import MESH_ORDER, OPTIMIZER_STATES, Costs, Setting, mesh_of
 from .estimate import Estimate, estimate_of, evaluate
-from .expert_search import ep_refusal, expert_degrees
+from .expert_search import ep_refusal
 from .hardware import Hardware
 from .hardware import hardware as as_hardware
 from .memory import memory_of
+from .search_checks import ModelChecks
 from .space import AXES
 from .step_time import time_of
 
-#: What sk.validate said of each probe plan, per model (a model's kinds of plan do not change while it lives).
-_REFUSALS: weakref.WeakKeyDictionary[nn.Module, dict[str, str | None]] = weakref.WeakKeyDictionary()
 _RECOMPUTE = ("none", "selective", "full")
 
 
@@ -148,7 +145,7 @@ class _Search:
         self.considered = 0
         self.costs: dict[int, Costs] = {}
         self.sequence_parallel: dict[int, bool] = {}
-        self.probe = probe_model(model)
+        self.checks = ModelChecks(model)
         self.allowed = self._allowed()
 
     # -- the walk -------------------------------------------------------------------------------
@@ -178,8 +175,7 @@ class _Search:
                                      f"{data} data-parallel replicas")
                         continue
                     found = None
-                    for ep in expert_degrees(self.probe, self.axes, data, Setting(tp=tp, pp=pp, sp=sp),
-                                             self._reject):
+                    for ep in self._expert_degrees(data, Setting(tp=tp, pp=pp, sp=sp)):
                         for dp in _divisors(data // ep):
                             fsdp = data // ep // dp
                             if (dp > 1 and "dp" not in self.axes) or (fsdp > 1 and "fsdp" not in self.axes):
@@ -222,24 +218,14 @@ class _Search:
         self.costs[tp] = costs
         return costs
 
+    def _expert_degrees(self, data: int, base: Setting) -> list[int]:
+        found, refused = self.checks.expert_degrees(self.axes, data, base)
+        for family, reason in refused:
+            self._reject(family, reason)
+        return found
+
     def _refusal(self, plan: Plan) -> str | None:
-        """Why ``sk.validate`` refuses ``plan`` on the model (``None``: it accepts it): a kind of plan the
-        model does not allow is left out of the search, with that reason."""
-        import warnings
-
-        from .validate import validate
-
-        known = _REFUSALS.setdefault(self.probe, {})
-        key = plan.to_json(indent=None)
-        if key not in known:
-            try:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore", PlanWarning)
-                    validate(plan, self.probe)
-                known[key] = None
-            except PlanError as exc:
-                known[key] = exc.problems[0] if exc.problems else str(exc)
-        return known[key]
+        return self.checks.refusal(plan)
 
     def _allowed(self) -> dict[str, bool]:
         """Which kinds of plan the model allows (pipelines, context parallel, each recompute), each

@@ -128,6 +128,7 @@ class Numbers:
     expert_params: int = 0  # elements of one block's experts (all E), per tp rank
     expert_shapes: tuple[tuple[int, ...], ...] = ()  # each expert parameter's shape: ep splits dim 0 (E)
     dense_pieces: tuple[Piece, ...] = ()  # block_pieces less the experts'
+    intermediate: int = 0  # the MLP's width on this rank (its hidden units over tp)
 
     def block_params_at(self, ep: int) -> int:
         """Elements of one block a rank holds before FSDP: its experts split over ``ep``."""
@@ -149,7 +150,8 @@ class Numbers:
                    a.embedding.traffic_per_token, a.head.traffic_per_token, a.block.ops, round(share * a.block.ops),
                    a.embedding.ops, a.head.ops, a.block.activations, acts["norm"] + acts["other"],
                    acts["attention_core"], max(0.0, acts["attention_core"] - qkvo), a.embedding.activations,
-                   a.head.activations, a.block.pieces, a.embedding.pieces, a.head.pieces, a.head.borrowed, *experts)
+                   a.head.activations, a.block.pieces, a.embedding.pieces, a.head.pieces, a.head.borrowed, *experts,
+                   intermediate=a.intermediate // a.tp if a.intermediate % a.tp == 0 else a.intermediate)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -87,14 +87,21 @@ def _bytes(tensor: torch.Tensor) -> int:
     return prod(n for n, stride in zip(tensor.shape, tensor.stride()) if stride) * tensor.element_size()
 
 
+def _storage(tensor: torch.Tensor) -> int:
+    try:
+        return tensor.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):  # a tensor subclass without storage of its own
+        return -1
+
+
 def _tensors(value: object) -> list[torch.Tensor]:
     return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
 class OpCounter(TorchDispatchMode):
     """Books each ATen operator that launches a kernel (not in :data:`_NO_KERNEL`, not a view) as
-    one call (``book(traffic)``), and, unless torch's FLOP counter prices it (matrix products,
-    convolutions, attention kernels), its traffic: the bytes of its tensor inputs and outputs.
+    one call (``book(traffic)``; ``book(traffic, 0)``: bytes of a kernel already called), and,
+    unless torch's FLOP counter prices it (matrix products, convolutions, attention kernels), its traffic: the bytes of its tensor inputs and outputs.
     Gathers read the rows they gather, not their whole table: an embedding lookup counts its
     indices and its output twice (rows read, rows written), the loss's ``nll_loss`` its targets,
     one log-probability per target, and its outputs.
@@ -103,15 +110,21 @@ class OpCounter(TorchDispatchMode):
     launches nor bytes moved, hence this mode. ``paused`` is set while shardkit's stand-ins for
     torch's collectives run (``measure``'s local shard): communication is priced apart."""
 
-    def __init__(self, book: Callable[[float], None]):
+    def __init__(self, book: Callable[..., None]):
         super().__init__()
         self.book = book
         self.paused = False
+        self._masks: set[int] = set()  # storages of dropout masks being made (CPU's unfused dropout)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = meta_call(func, args, kwargs or {})
         packet = func._overloadpacket
         if self.paused or func.is_view or packet in _NO_KERNEL:
+            return out
+        dropout = self._dropout(packet, args, out)
+        if dropout is not None:
+            if dropout:
+                self.book(dropout)
             return out
         if packet in flop_registry or packet in EXTRA_FLOPS:
             traffic = 0
@@ -123,6 +136,30 @@ class OpCounter(TorchDispatchMode):
             traffic = sum(map(_bytes, _tensors((args, kwargs)) + _tensors(out)))
         self.book(traffic)
         return out
+
+    def _dropout(self, packet, args, out) -> float | None:
+        """Dropout as a GPU runs it, one fused kernel (``aten.native_dropout``: the input read, the
+        output and a one-byte mask written), not as the CPU the measurement runs on decomposes it
+        (``bernoulli_`` of a mask, ``div_`` of it, ``mul`` by it: three kernels, five passes). The
+        fused kernel is booked at the ``bernoulli_`` (a call, the mask's bytes), the product by
+        the mask as its traffic without a call of its own (``0.0``), the scaling not at all.
+        ``None``: not part of a dropout."""
+        if packet is _aten.bernoulli_:
+            self._masks.add(_storage(args[0]))
+            return float(args[0].numel())
+        if not self._masks:
+            return None
+        inputs = _tensors(args)
+        masks = [t for t in inputs if _storage(t) in self._masks]
+        if not masks:
+            return None
+        if packet is _aten.div_:
+            return 0.0
+        if packet is _aten.mul:
+            self._masks.discard(_storage(masks[0]))
+            self.book(sum(_bytes(t) for t in inputs if t is not masks[0]) + sum(map(_bytes, _tensors(out))), 0)
+            return 0.0
+        return None
 
     @contextmanager
     def pause(self) -> Iterator[None]:

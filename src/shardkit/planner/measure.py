@@ -172,9 +172,9 @@ class _Recorder:
             self.parts[part].flops[self.scopes.component(self.stack, part)] += total - self.counted
             self.counted = total
 
-    def book_op(self, traffic: float) -> None:
+    def book_op(self, traffic: float, calls: int = 1) -> None:
         tally = self.parts[self.part()]
-        tally.ops += 1
+        tally.ops += calls
         tally.traffic += traffic
 
     def enter(self, name: str, module: nn.Module) -> None:

@@ -24,8 +24,10 @@ list with the reasons):
   micro-batches in flight on the device (no pipeline: 1; GPipe: m; 1F1B: min(m, p);
   interleaved: min(m, p)(1 + (p-1)/(p v))); Megatron sequence parallel divides the norm and
   residual terms by ``tp``; context parallel (``sp``) divides the tokens; recompute
-  ``selective`` drops the attention core, ``full`` keeps each block's input only, plus one
-  block recomputed at a time and its gradients.
+  ``selective`` drops the attention core, ``full`` keeps each block's input only (the stored
+  checkpoints), plus the backward's peak: one block rebuilt at a time, its saved tensors and the
+  gradients its backward allocates (:func:`backward_transient`), less the head's saved tensors
+  and the logits' gradient, which are freed before the blocks' backward starts.
 - ``logits``: the transient of the loss's backward (the logits' gradient, as large as the
   logits); under tensor parallel shardkit's column-parallel head gathers the whole vocabulary.
 - ``buffers``: communication buffers: a pipeline stage keeps a receive buffer for every
@@ -99,6 +101,22 @@ def block_saved(n: Numbers, s: Setting) -> float:
     return n.block_saved
 
 
+def backward_transient(n: Numbers) -> float:
+    """Bytes per token a block's backward allocates beside its saved tensors, at its peak: the
+    gradient flowing in (hidden wide) and the gradient of its widest intermediate (the MLP's), in
+    the parameters' dtype."""
+    return (n.hidden + n.intermediate) * n.itemsize
+
+
+def _rebuilt(n: Numbers, saved: float, tokens: float, last: bool) -> float:
+    """What full recompute adds to the stored checkpoints at the backward's peak (parameters'
+    dtype): one block rebuilt at a time, its saved tensors and its backward's transient. The
+    head's saved tensors and the logits' gradient are freed before the first block's backward
+    starts, so the two phases' peaks do not add: only the block's excess over the head's counts."""
+    head = (n.head_act + n.vocab * n.itemsize) * tokens if last else 0.0
+    return max(0.0, (saved + backward_transient(n)) * tokens - head)
+
+
 def memory_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer: str = "adamw") -> dict[str, int]:
     """Bytes on the most loaded device by component (:data:`MEMORY_KEYS`), and ``total``.
 
@@ -142,8 +160,8 @@ def memory_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer
             gathered = (params if not s.reshard else 2 * unit) * compute + (params if accumulating else unit) * reduce
         per_token = blocks * block_act + (n.embedding_act if first else 0) + (n.head_act if last else 0)
         held = per_token * tokens * _inflight(s, 0 if first else s.pp - 1)
-        if s.recompute == "full":  # one block rebuilt at a time during backward, and its gradients
-            held += 2 * saved * tokens
+        if s.recompute == "full":
+            held += _rebuilt(n, saved, tokens, last)
         # ZeRO-1: torch's ZeroRedundancyOptimizer gives each dp rank the state of 1/dp of the parameters
         optimized = -(-params // s.dp) * master if s.zero == 1 else stored
         memory = {"parameters": stored, "gradients": stored, "optimizer": states * optimized, "gathered": int(gathered),
@@ -158,5 +176,5 @@ def memory_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer
     return best
 
 
-__all__ = ["ALLOCATOR_OVERHEAD", "MEMORY_KEYS", "block_saved", "blocks_per_device", "memory_of", "stored_block",
+__all__ = ["ALLOCATOR_OVERHEAD", "MEMORY_KEYS", "backward_transient", "block_saved", "blocks_per_device", "memory_of", "stored_block",
            "stored_experts", "tokens_per_microbatch"]

@@ -8,7 +8,8 @@ are consecutive and fit in one, else across nodes:
 
 - ``compute``: per micro-batch, matmul FLOPs over ``peak FLOP/s x matmul_efficiency`` in the
   compute dtype, plus the bytes the other operators read and write over ``memory_bandwidth``,
-  plus operator calls x ``op_overhead``; the backward costs twice the forward, recompute runs
+  plus operator calls x ``op_overhead``; the backward costs twice the forward's FLOPs and calls
+  and :data:`BACKWARD_TRAFFIC` times its bytes, recompute runs
   the forward (``full``) or the attention core (``selective``: its share of the block's FLOPs,
   bytes and calls) again;
 - ``optimizer``: the step reads each parameter, gradient and optimizer state and writes the
@@ -22,9 +23,11 @@ are consecutive and fit in one, else across nodes:
   logits, not overlapped;
 - ``dp`` / ``fsdp``: gradient all-reduce in DDP's 25 MiB buckets, or per FSDP unit an all-gather
   forward, another backward (with resharding) and a reduce-scatter (HSDP adds an all-reduce of
-  the shard); ``overlap`` of it runs while the backward computes, except the last bucket / the
-  first unit's gather;
-- ``pp``: point-to-point of each micro-batch's hidden states, forward and backward; with an
+  the shard); ``overlap`` of it runs while the backward computes (DDP: the last micro-batch's
+  backward only, the one that makes the gradients), except the last bucket / the first unit's gather;
+- ``pp``: point-to-point of each micro-batch's hidden states, forward and backward: the fill's
+  and the drain's ``p - 1`` transfers each way on the critical path, ``overlap`` of the
+  steady state's behind the compute (the sends are asynchronous); with an
   embedding tied to the LM head, one all-reduce of its gradient between the first and the last
   device a step (none under ``zbv``, which puts both ends on one device);
 - ``sp``: ring attention's key/value passes, ``overlap`` of them behind the attention core;
@@ -47,6 +50,11 @@ from .memory import blocks_per_device, tokens_per_microbatch
 
 #: DDP's default bucket: gradients are all-reduced in pieces of this many bytes.
 DDP_BUCKET_BYTES = 25 * 2**20
+#: Bytes the backward of a memory-bound operator moves per byte its forward moves: an elementwise
+#: op, a norm or a softmax reads its input and writes its output forward (2 passes), and reads
+#: the gradient and the saved tensor and writes the input's gradient backward (3 passes); the
+#: backward's matrix products are priced by their FLOPs (twice the forward's).
+BACKWARD_TRAFFIC = 1.5
 
 
 def time_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer: str = "adamw") -> dict[str, float]:
@@ -70,7 +78,7 @@ def time_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer: 
         ends = (max(n.embedding_flops, n.head_flops), max(n.embedding_traffic, n.head_traffic),
                 max(n.embedding_ops, n.head_ops))
     flops = 3 * ends[0] + blocks * (3 * n.block_flops + again[0])
-    traffic = 3 * ends[1] + blocks * (3 * n.block_traffic + again[1])
+    traffic = (1 + BACKWARD_TRAFFIC) * (ends[1] + blocks * n.block_traffic) + blocks * again[1]
     ops = 3 * ends[2] + blocks * (3 * n.block_ops + again[2])
     traffic *= itemsize / n.itemsize  # measured in the parameters' dtype, moved in the compute dtype
     compute = m * (tokens * (flops / flops_rate + traffic / hw.memory_bandwidth) + ops * hw.op_overhead)
@@ -116,7 +124,9 @@ def time_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer: 
         if experts and s.dp > 1:
             comm += _collective("all_reduce", experts * reduce, s.dp, _link(hw, shape, ("dp",), "all_reduce"),
                                 calls=max(1, math.ceil(experts * reduce / DDP_BUCKET_BYTES)))
-        parts["dp"] = _exposed(comm - comm / buckets, compute * 2 / 3, hw) + comm / buckets  # the last bucket waits
+        # only the last micro-batch's backward produces the gradients to reduce: the buckets but the last hide
+        # behind it, not behind the whole step's compute (accumulation steps skip the reduction)
+        parts["dp"] = _exposed(comm - comm / buckets, compute * 2 / 3 / m, hw) + comm / buckets
     # expert parallel: per MoE layer the exchanges of expert_costs.exchanges, on the critical path
     if s.ep > 1 and n.moe_modules:
         parts["ep"] = m * blocks * n.moe_modules * all_to_all_seconds(n, s, tokens, itemsize, _link(
@@ -124,7 +134,10 @@ def time_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer: 
     # pipeline: each micro-batch's hidden states sent forward and their gradients back
     if p > 1:
         link = _link(hw, shape, ("pp",), "p2p")
-        parts["pp"] = 2 * (m * v + p - 1) * (link.latency + hidden_bytes / link.bandwidth)
+        send = link.latency + hidden_bytes / link.bandwidth
+        # sends are asynchronous: in the steady state a micro-batch's transfer runs while the stages compute
+        # others, and only the fill's and the drain's transfers (p - 1 each way) are on the critical path
+        parts["pp"] = 2 * (p - 1) * send + _exposed(2 * m * v * send, compute, hw)
         if n.tied and s.schedule != "zbv":  # the embedding's and the LM head's gradients summed once a step
             parts["pp"] += _collective("all_reduce", n.embedding_params / shards * reduce, 2,
                                        _link(hw, shape, ("pp",), "all_reduce"))
@@ -192,4 +205,4 @@ def _collective(name: str, size: float, n: int, link: Link, calls: int = 1) -> f
     return link.seconds(size, factor=factor, steps=steps * calls)
 
 
-__all__ = ["DDP_BUCKET_BYTES", "all_to_all_seconds", "layer_exchanges", "time_of"]
+__all__ = ["BACKWARD_TRAFFIC", "DDP_BUCKET_BYTES", "all_to_all_seconds", "layer_exchanges", "time_of"]
