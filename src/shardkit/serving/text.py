@@ -21,6 +21,9 @@ from .protocol import RequestError
 
 #: The vocabulary of a byte-level model: token id = byte.
 BYTE_VOCAB = 256
+#: Tokens a U+FFFD at the end of the text is held back for: a UTF-8 character has at most 4 bytes, so
+#: one still there after them is an invalid byte, not an unfinished character.
+MAX_HELD = 4
 #: Files that mark a folder as holding a transformers tokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -101,13 +104,14 @@ def load_tokenizer(folder: Path | str | None, vocab: int | None) -> Tokenizer:
 class TextStream:
     """A request's tokens as text, piece by piece: ``push`` answers ``(new text, stopped)``.
 
-    Text is held back while it ends in an unfinished UTF-8 character or could be the start of a stop
-    string; at a stop string the text ends before it (as OpenAI's ``stop``)."""
+    Text is held back while it ends in an unfinished UTF-8 character (at most :data:`MAX_HELD` tokens) or
+    could be the start of a stop string; at a stop string the text ends before it (as OpenAI's ``stop``)."""
 
     def __init__(self, decode: Callable[[Sequence[int]], str], stops: Sequence[str] = ()):
         self._decode, self._stops = decode, tuple(stops)
         self._ids: list[int] = []
         self._sent = 0  # characters of the text given out
+        self._held = 0  # tokens in a row whose text ended in U+FFFD
         self.text = ""
 
     def push(self, token: int) -> tuple[str, bool]:
@@ -116,7 +120,10 @@ class TextStream:
         found = [i for i in (self.text.find(s) for s in self._stops) if i >= 0]
         if found:
             return self._give(min(found)), True
-        end = len(self.text.rstrip("\ufffd"))
+        end = len(self.text)
+        if self._held < MAX_HELD:  # an unfinished character decodes as U+FFFD until its last byte comes
+            end = len(self.text.rstrip("\ufffd"))
+            self._held = self._held + 1 if end < len(self.text) else 0
         for k in range(min(end, max((len(s) for s in self._stops), default=1) - 1), 0, -1):
             if any(s.startswith(self.text[end - k:end]) for s in self._stops):
                 end -= k
@@ -128,6 +135,8 @@ class TextStream:
         return self._give(len(self.text))
 
     def _give(self, end: int) -> str:
+        if end == len(self.text):
+            self._held = 0
         out = self.text[self._sent:end] if end > self._sent else ""
         self._sent = max(self._sent, end)
         return out
