@@ -8,6 +8,7 @@ One server serves every test up to SIGTERM (the last of them); the faults start 
 
 from __future__ import annotations
 
+import contextlib
 import html
 import json
 import os
@@ -79,6 +80,17 @@ def _alive(process: tuple[int, str]) -> bool:
     return fields[19] == process[1] and fields[0] != "Z"
 
 
+def _sockets(pid: int) -> set[str]:
+    """The inodes of the sockets ``pid`` holds open."""
+    found = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            target = os.readlink(fd)
+            if target.startswith("socket:["):
+                found.add(target[len("socket:["):-1])
+    return found
+
+
 class Served:
     """A ``shardkit serve`` process, started and waited for until it listens."""
 
@@ -110,9 +122,7 @@ class Served:
                      if line.split()[1].endswith(f":{port:04X}") and line.split()[3] == "0A"}
         workers = [pid for pid, _ in _process_tree(self.proc.pid)
                    if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
-        leader = [pid for pid in workers if any(os.readlink(fd).strip("socket:[]") in listening
-                                                for fd in Path(f"/proc/{pid}/fd").iterdir()
-                                                if os.readlink(fd).startswith("socket:"))]
+        leader = [pid for pid in workers if _sockets(pid) & listening]
         assert len(workers) == 2 and len(leader) == 1, (workers, leader)
         return {0: leader[0], 1: next(pid for pid in workers if pid != leader[0])}
 
