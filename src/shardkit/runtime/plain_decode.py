@@ -311,12 +311,25 @@ def _share(tensors: list[torch.Tensor]) -> torch.Tensor:
     """The concatenation of ``tensors`` along dim 0, each of them re-pointed to its slice of it (same values)."""
     if len(tensors) == 1:
         return tensors[0]
+    first, rows = tensors[0], sum(t.shape[0] for t in tensors)
+    if _adjacent(tensors):  # fused by an earlier decoder: the same storage, read as one tensor again
+        return first.as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())
     fused = torch.cat(tensors, dim=0)
     start = 0
     for t in tensors:
         t.data = fused[start:start + t.shape[0]]
         start += t.shape[0]
     return fused
+
+
+def _adjacent(tensors: list[torch.Tensor]) -> bool:
+    """Whether ``tensors`` are contiguous and lie one after the other in one storage."""
+    storage, offset = tensors[0].untyped_storage().data_ptr(), tensors[0].storage_offset()
+    for t in tensors:
+        if not t.is_contiguous() or t.untyped_storage().data_ptr() != storage or t.storage_offset() != offset:
+            return False
+        offset += t.numel()
+    return True
 
 
 __all__ = ["PlainDecoder", "plain_problems"]
