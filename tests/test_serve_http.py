@@ -234,3 +234,12 @@ def test_draining_refuses_new_requests_and_finishes_those_in_flight():
         assert not running.engine.thread.is_alive()  # the engine saw the inbox close and stopped
     finally:
         running.http.stop()
+
+
+def test_text_is_held_back_only_while_a_character_may_be_unfinished():
+    from shardkit.serving.text import MAX_HELD, TextStream
+
+    stream = TextStream(ByteTokenizer().decode)
+    invalid = [stream.push(b)[0] for b in (0xFF,) * (MAX_HELD + 1)]  # bytes no character starts with
+    assert invalid == [""] * MAX_HELD + ["\ufffd" * (MAX_HELD + 1)]
+    assert [stream.push(b)[0] for b in "€!".encode()] == ["", "", "€", "!"]  # 3 bytes, then one
