@@ -16,7 +16,7 @@ end-of-sequence id (every request makes all its tokens).
    world's cores), static batches of each concurrency: time to first token is the batch's prefill and
    first step, inter-token gaps its later steps (timed by a stopping criterion called every step).
 
-    python benchmarks/serve.py [--concurrency 1,4,16,64] [--requests 64] [--prompt 32] [--new 32]
+    python benchmarks/serve.py [--concurrency 1,4,16,64] [--requests 16] [--prompt 32] [--new 32]
                                [--layers 24] [--mesh tp=2]
 """
 
