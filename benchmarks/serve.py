@@ -13,7 +13,7 @@ end-of-sequence id (every request makes all its tokens).
    time to first token, the gaps between tokens; per level: output tokens/s over the level's wall time.
 2. baseline (a): one request at a time through the same server (concurrency 1).
 3. baseline (b): transformers' ``generate`` in this process (the same weights, ``torch`` threads = the
-   world's cores), static batches of each concurrency: time to first token is the batch's prefill and
+   world's cores), one static batch of each concurrency's size: time to first token is the batch's prefill and
    first step, inter-token gaps its later steps (timed by a stopping criterion called every step).
 
     python benchmarks/serve.py [--concurrency 1,4,16,64] [--requests 16] [--prompt 32] [--new 32]
@@ -121,14 +121,9 @@ def summary(ttft: list[float], gaps: list[float], tokens: int, wall: float) -> d
             "itl p99": gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))], "tokens": tokens, "wall": wall}
 
 
-def transformers_static(folder: Path, work: list[list[int]], new: int, batch: int, threads: int) -> dict:
+def transformers_static(model, work: list[list[int]], new: int, batch: int) -> dict:
     """transformers' generate on static batches of ``batch`` prompts, in this process."""
-    from transformers import AutoModelForCausalLM, StoppingCriteria
-
-    torch.set_num_threads(threads)
-    model = AutoModelForCausalLM.from_pretrained(folder).eval()
-    with torch.no_grad():  # warm-up
-        model.generate(torch.tensor(work[:1]), max_new_tokens=2, do_sample=False, pad_token_id=0)
+    from transformers import StoppingCriteria
 
     class Clock(StoppingCriteria):
         def __init__(self):
@@ -154,6 +149,13 @@ def transformers_static(folder: Path, work: list[list[int]], new: int, batch: in
 
 
 MODEL_NAME = [""]
+
+
+def show(console: Console, name: str, r: dict) -> None:
+    """One row as soon as it is measured (the table at the end has them all, with the ratios)."""
+    console.print(f"{name}: {r['tokens/s']:.2f} tokens/s, time to first token p50 {r['ttft p50']:.3f} s, "
+                  f"inter-token p50 {r['itl p50']:.3f} s, p99 {r['itl p99']:.3f} s ({r['tokens']} tokens in "
+                  f"{r['wall']:.1f} s)")
 
 
 def stop_server(thread: threading.Thread) -> None:
@@ -201,11 +203,18 @@ def main() -> None:
     for c in levels:
         name = "one at a time (same server)" if c == 1 else f"continuous batching, {c} clients"
         rows[name] = asyncio.run(level(url, work[:max(args.requests, c)], args.new, c))
+        show(console, name, rows[name])
     stop_server(server)
-    cores = len(os.sched_getaffinity(0))
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(len(os.sched_getaffinity(0)))  # the cores the world's ranks shared
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    with torch.no_grad():  # warm-up
+        model.generate(torch.tensor(work[:1]), max_new_tokens=2, do_sample=False, pad_token_id=0)
     for b in levels:
-        rows[f"transformers generate, static batch {b}"] = transformers_static(
-            folder, work[:max(b, min(args.requests, 2 * b))], args.new, b, cores)
+        name = f"transformers generate, static batch {b}"
+        rows[name] = transformers_static(model, work[:b], args.new, b)
+        show(console, name, rows[name])
     base = rows["one at a time (same server)"]["tokens/s"]
     table = Table(title="shardkit serve: output tokens/s and latency (seconds)")
     for column in ("run", "tokens/s", "x one at a time", "ttft p50", "inter-token p50", "inter-token p99"):
