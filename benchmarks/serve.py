@@ -13,7 +13,7 @@ end-of-sequence id (every request makes all its tokens).
    time to first token, the gaps between tokens; per level: output tokens/s over the level's wall time.
 2. baseline (a): one request at a time through the same server (concurrency 1).
 3. baseline (b): transformers' ``generate`` in this process (the same weights, ``torch`` threads = the
-   world's cores), one static batch of each concurrency's size: time to first token is the batch's prefill and
+   world's cores), static batches of each concurrency's size (two of them where ``--requests`` allows): time to first token is the batch's prefill and
    first step, inter-token gaps its later steps (timed by a stopping criterion called every step).
 
     python benchmarks/serve.py [--concurrency 1,4,16,64] [--requests 16] [--prompt 32] [--new 32]
@@ -213,7 +213,7 @@ def main() -> None:
         model.generate(torch.tensor(work[:1]), max_new_tokens=2, do_sample=False, pad_token_id=0)
     for b in levels:
         name = f"transformers generate, static batch {b}"
-        rows[name] = transformers_static(model, work[:b], args.new, b)
+        rows[name] = transformers_static(model, work[:max(b, min(args.requests, 2 * b))], args.new, b)
         show(console, name, rows[name])
     base = rows["one at a time (same server)"]["tokens/s"]
     table = Table(title="shardkit serve: output tokens/s and latency (seconds)")
