@@ -15,8 +15,9 @@ processes three decoders continue the same prompt (``--batch`` rows of ``--promp
 - **DTensor**: :class:`shardkit.runtime.generate.Decoder` on the DTensor model (``sk.generate``'s
   decode before the plain path: torch's dispatch on every operator).
 
-Each round runs ``--new`` decode steps of each variant in turn (so load on the shared machine hits
-all of them alike); per variant, the median step time over every round is kept. The first step's
+Each round runs ``--new`` decode steps, one step of each variant in turn (so load on the shared
+machine hits all of them alike; a barrier, untimed, before each step, so that no step absorbs the
+ranks' skew from the step before it); per variant, the median step time over every round is kept. The first step's
 logits of plain and hand-written are checked to agree. Printed: tokens/s (batch / step time) and
 ratios plain / hand-written and plain / DTensor.
 
@@ -112,6 +113,10 @@ class HandDecoder:
         return logits
 
 
+def _last_position(decoder: Decoder):
+    return lambda ids, pos: decoder.step(ids)[:, -1]
+
+
 def measure(ctx, batch: int, prompt_len: int, new: int, rounds: int, dtype: str) -> dict:
     torch.set_num_threads(1)
     model = sk.shard(build_llama(tiny_llama_config(**SIZES)).to(getattr(torch, dtype)), ctx.plan, ctx).eval()
@@ -122,20 +127,17 @@ def measure(ctx, batch: int, prompt_len: int, new: int, rounds: int, dtype: str)
         plain = PlainDecoder(model, slots=batch, max_len=prompt_len + new + 1)
         hand = HandDecoder(model, batch, prompt_len + new + 1) if dtype == "float32" else None
         dtensor = Decoder(model)
-        steps = {"plain": lambda ids, pos: plain.step(ids, pos),
-                 "hand-written": hand.step if hand is not None else None,
-                 "DTensor": lambda ids, pos: dtensor.step(ids)[:, -1]}
+        steps = {"plain": plain.step, "DTensor": _last_position(dtensor)}
         first = {"plain": plain.step(prompt, 0), "DTensor": dtensor.step(prompt)[:, -1]}
         if hand is not None:
-            first["hand-written"] = hand.prefill(prompt)
+            steps["hand-written"], first["hand-written"] = hand.step, hand.prefill(prompt)
             agree = float((first["plain"] - first["hand-written"]).abs().max())
-        for name, step in steps.items():
-            if step is None:
-                continue
-            ids = first[name].argmax(-1, keepdim=True)
-            for pos in range(prompt_len, prompt_len + new):
+        ids = {name: logits.argmax(-1, keepdim=True) for name, logits in first.items()}
+        for pos in range(prompt_len, prompt_len + new):
+            for name, step in steps.items():  # one step of each in turn: the machine's load hits all alike
+                dist.barrier()  # untimed: no step absorbs the ranks' skew from the one before
                 start = time.perf_counter()
-                ids = step(ids, pos).argmax(-1, keepdim=True)
+                ids[name] = step(ids[name], pos).argmax(-1, keepdim=True)
                 times[name].append(time.perf_counter() - start)
     return {name: statistics.median(t) for name, t in times.items() if t} | {"max |plain - hand|": agree}
 

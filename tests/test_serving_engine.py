@@ -117,3 +117,19 @@ def test_a_request_that_does_not_fit_ends_with_the_reason():
     inbox.close()
     Engine(build_tiny_llama(), inbox, slots=1, max_len=32, quiet=True).run()
     assert events[0].finish is Finish.ERROR and "valid: max_new_tokens <= 29" in events[0].error
+
+
+def test_a_sink_that_raises_cancels_only_its_request():
+    inbox, events = Inbox(max_queue=2), []
+
+    def gone(event):
+        events.append(event)
+        if event.token is not None:
+            raise ConnectionError("client gone")
+
+    inbox.submit(GenerationRequest("x", (1, 2, 3), 5), gone)
+    inbox.submit(GenerationRequest("y", (1, 2), 3), events.append)
+    inbox.close()
+    Engine(build_tiny_llama(), inbox, slots=2, max_len=32, quiet=True).run()
+    assert [e.finish for e in events if e.request_id == "x"] == [None, Finish.CANCELLED]
+    assert [e.token for e in events if e.request_id == "y"][:3] == _hf_greedy((1, 2), 3)

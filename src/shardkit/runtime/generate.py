@@ -9,6 +9,11 @@ heads, so its cache holds only its own KV heads (a plan whose KV heads do not sp
   ``DynamicCache``, passed as its forward's ``cache`` (``past_key_values`` before v5);
 - a model with ``kv_cache()`` whose forward takes ``cache=`` (the reference GPT).
 
+When the model is one :mod:`.plain_decode` runs (the reference GPT, transformers' Llama and Qwen2)
+and the plan splits over ``tp`` alone, the steps run there instead (:class:`PlainSteps`: each rank's
+local shards as plain tensors, one ``all_reduce`` per row-parallel layer, no DTensor dispatch per
+operator); pipelines, the data axes and other models run the model's own forward (:class:`Decoder`).
+
 transformers' ``generate`` is not used on a sharded model because it runs its own loop of
 stopping criteria, padding and logits processors per rank; ours is the loop of this module,
 with the chosen token broadcast from the first ``tp`` rank so every rank feeds the same token

@@ -75,6 +75,7 @@ class Engine:
         self.sinks: dict[str, Sink] = {}
         self.generators: dict[str, torch.Generator | None] = {}
         self.chosen: list[int] = []  # rank 0: the next token of each row, sent with the next schedule
+        self.failed: list[str] = []  # rank 0: requests whose sink raised, cancelled at the next step
         if self.leader and not quiet:
             Console(stderr=True).print(
                 f"KV cache: {slots} sequences of {max_len} positions, {slots * per_sequence / 2**20:.1f} MiB per rank "
@@ -105,7 +106,8 @@ class Engine:
         header = torch.zeros(HEADER + self.decoder.slots, dtype=torch.long)
         if self.leader:
             arrivals = self.inbox.poll(self.batch.free, 0 if self.batch.rows else IDLE_WAIT_S)
-            objects = [self._admitted(arrivals.arrived), arrivals.cancelled]
+            objects = [self._admitted(arrivals.arrived), arrivals.cancelled + self.failed]
+            self.failed = []
             header[0] = arrivals.closing
             header[1] = bool(objects[0] or objects[1])
             header[HEADER:HEADER + len(self.chosen)] = torch.tensor(self.chosen, dtype=torch.long)
@@ -177,7 +179,13 @@ class Engine:
         return (Finish.LENGTH, None) if row.made >= row.request.max_new_tokens else None
 
     def _emit(self, event: TokenEvent) -> None:
-        self.sinks[event.request_id](event)
+        """Send ``event`` to its request's sink; a sink that raises cancels its request (the other ranks
+        would otherwise wait for rank 0 in the next broadcast for ever)."""
+        try:
+            self.sinks[event.request_id](event)
+        except Exception:  # noqa: BLE001 - whatever the server's sink raised, the engine serves on
+            if event.finish is None:
+                self.failed.append(event.request_id)
 
 
 def _tp_size(model: nn.Module) -> int:
