@@ -19,10 +19,11 @@ REFUSED = [
     ["data", "--bogus"], ["data", "shard", "a", "b", "--shards", "0"],
     ["calibrate", "--bogus"], ["calibrate", "--world", "zero"],
     ["replicas", "--bogus"],
+    ["serve", "--bogus"], ["serve", "--hf", "x", "--port", "70000"],
     ["no-such-command"],
 ]
 HELP = [["--help"], *([name, "--help"] for name in ("train", "explain", "plan", "generate", "checkpoint", "data",
-                                                    "calibrate", "replicas"))]
+                                                    "calibrate", "replicas", "serve"))]
 HEAVY = ("torch", "transformers", "rich", "numpy")
 
 _PROBE = """

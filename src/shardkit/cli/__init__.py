@@ -18,7 +18,7 @@ from ..plan import PlanError, UsageError
 from .options import OneLineParser
 
 #: Sub-command modules; each defines ``register(subparsers)`` which sets ``func`` on its parser.
-COMMANDS = ("train", "explain", "plan", "replicas", "data", "checkpoint", "calibrate", "generate")
+COMMANDS = ("train", "explain", "plan", "replicas", "data", "checkpoint", "calibrate", "generate", "serve")
 #: Sub-commands that leave no process running and no file open when they return: as the program,
 #: they end without the interpreter's teardown (:func:`exit_now`).
 EXIT_AT_ONCE = ("explain", "plan")

@@ -9,6 +9,11 @@ heads, so its cache holds only its own KV heads (a plan whose KV heads do not sp
   ``DynamicCache``, passed as its forward's ``cache`` (``past_key_values`` before v5);
 - a model with ``kv_cache()`` whose forward takes ``cache=`` (the reference GPT).
 
+When the model is one :mod:`.plain_decode` runs (the reference GPT, transformers' Llama and Qwen2)
+and the plan splits over ``tp`` alone, the steps run there instead (:class:`PlainSteps`: each rank's
+local shards as plain tensors, one ``all_reduce`` per row-parallel layer, no DTensor dispatch per
+operator); pipelines, the data axes and other models run the model's own forward (:class:`Decoder`).
+
 transformers' ``generate`` is not used on a sharded model because it runs its own loop of
 stopping criteria, padding and logits processors per rank; ours is the loop of this module,
 with the chosen token broadcast from the first ``tp`` rank so every rank feeds the same token
@@ -52,6 +57,7 @@ from ..plan import Plan, PlanError, UsageError
 from ..plan.mesh import DATA_AXES
 from ..planner.pipeline_proof import decode_problems
 from .pipeline import PipelinedModule
+from .plain_decode import PlainDecoder, plain_problems
 
 #: The only mesh axis generation may split (every other axis must have size 1).
 GENERATION_AXIS = "tp"
@@ -190,7 +196,8 @@ def generate(model: nn.Module, input_ids: torch.Tensor, *, max_new_tokens: int, 
     model.eval()
     try:
         with torch.no_grad():
-            decoder = Decoder(model)
+            plain = pipeline is None and not together and _tp_only(plan) and not plain_problems(model)
+            decoder = PlainSteps(model, *input_ids.shape, max_new_tokens) if plain else Decoder(model)
             tokens, new, done = input_ids.to(device), [], False
             finished = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=device)
             eos = None if stop is None else torch.tensor(stop[0], device=device)
@@ -378,6 +385,24 @@ class Decoder:
                    if isinstance(t, torch.Tensor))
 
 
+class PlainSteps:
+    """:class:`Decoder`'s ``step`` on :class:`~shardkit.runtime.plain_decode.PlainDecoder` (plain tensors, one
+    ``all_reduce`` per row-parallel layer): what :func:`generate` runs on a model it can decode that way."""
+
+    def __init__(self, model: nn.Module, batch: int, prompt_len: int, max_new_tokens: int):
+        self.decoder, self.past = PlainDecoder(model, slots=batch, max_len=prompt_len + max_new_tokens), 0
+
+    def step(self, ids: torch.Tensor) -> torch.Tensor:
+        past, self.past = self.past, self.past + ids.shape[1]
+        return self.decoder.step(ids, past)[:, None]
+
+
+def _tp_only(plan: object) -> bool:
+    """Whether ``plan`` (or no plan: an unsharded model) splits over ``tp`` alone."""
+    return not isinstance(plan, Plan) or all(size == 1 or axis == GENERATION_AXIS
+                                              for axis, size in zip(plan.mesh.names, plan.mesh.shape))
+
+
 def _choose_or_flag(logits: torch.Tensor, temperature: float, top_k: int | None,
                     generator: torch.Generator | None) -> torch.Tensor:
     """:func:`_choose`, with ``-1`` for each row whose logits hold nan or +inf (no token can be chosen)."""
@@ -409,4 +434,4 @@ def _tp_group(plan: object):
     return meshes_for(plan, current_context().device.type).axis(GENERATION_AXIS).get_group()
 
 
-__all__ = ["MODEL_EOS", "Decoder", "ModelEos", "check_generation", "generate", "generation_problems", "stop_tokens"]
+__all__ = ["MODEL_EOS", "Decoder", "ModelEos", "PlainSteps", "check_generation", "generate", "generation_problems", "stop_tokens"]

@@ -1,0 +1,194 @@
+"""``shardkit serve``: an OpenAI-compatible HTTP server over a tensor-parallel model::
+
+    shardkit serve --model gpt-small --checkpoint runs/gpt --mesh tp=2 --port 8000
+    shardkit serve --model exported --hf exported --mesh tp=2 --max-batch 16
+
+Every process of the world runs the decode engine (continuous batching); rank 0 also serves HTTP
+(``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``/health``, ``/metrics``,
+and a page to try it at ``/``). Everything is checked before any process starts: the plan against the
+model, the weights, the tokenizer (the model folder's, or bytes for a byte-level model), the sizes,
+the port. SIGTERM stops taking requests, finishes those in flight (at most ``--drain-timeout``) and
+exits 0; Ctrl-C stops at once (130); a rank that dies ends every open request with a 5xx and the
+command exits 1 naming it. See docs/serve.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import multiprocessing
+import os
+import signal
+import socket
+import sys
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ..models.registry import MODELS
+from ..plan import Plan, PlanError, UsageError
+from .options import (
+    add_model_option,
+    meta_model_from_flag,
+    model_from_flag,
+    path,
+    positive_float,
+    positive_int,
+)
+from .plan_flags import add_rules_option, model_rules, parse_mesh_flag
+
+if TYPE_CHECKING:
+    from ..runtime.context import Context
+    from ..serving.run import ServeOptions
+
+DEFAULT_MESH = "tp=1"
+#: The only axis the engine splits a model over.
+SERVE_AXIS = "tp"
+
+
+@dataclass(frozen=True)
+class ServeJob:
+    """What every rank needs (plain picklable data); the model is built again in each process."""
+
+    model: str
+    checkpoint: str | None
+    hf: str | None
+    options: ServeOptions
+    eos_ids: frozenset[int]
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    usable = MODELS.buildable()
+    parser = subparsers.add_parser(
+        "serve", help="serve a sharded model over HTTP with OpenAI's API (continuous batching)",
+        description="Serve a model split over 'tp' across a local world (or torchrun's) with OpenAI's "
+                    "completions and chat API, weights from a checkpoint (sk.save) or a HuggingFace folder "
+                    "(its tokenizer and chat template too). Everything is checked before any process starts.")
+    add_model_option(parser, "gpt-tiny", usable)
+    weights = parser.add_mutually_exclusive_group(required=True)
+    weights.add_argument("--checkpoint", type=path, metavar="DIR",
+                         help="a folder of checkpoints written by sk.save / shardkit train --save (the latest "
+                              "complete one is read), or one checkpoint folder (byte-level models)")
+    weights.add_argument("--hf", type=path, metavar="DIR",
+                         help="a HuggingFace model folder: safetensors weights, its tokenizer, generation_config")
+    parser.add_argument("--mesh", default=DEFAULT_MESH, metavar="AXES",
+                        help=f"the mesh; only 'tp' may be larger than 1 (default: {DEFAULT_MESH})")
+    add_rules_option(parser)
+    parser.add_argument("--host", default="127.0.0.1", help="the address to listen on (default: 127.0.0.1)")
+    parser.add_argument("--port", type=_port, default=8000,
+                        help="the port to listen on; 0: any free port, printed at start (default: 8000)")
+    parser.add_argument("--max-batch", type=positive_int, default=8, metavar="N",
+                        help="requests decoded together: the KV cache holds N sequences (default: 8)")
+    parser.add_argument("--max-tokens", type=positive_int, metavar="N",
+                        help="positions one request may use, prompt and completion together (default: the "
+                             "model's positions); sizes the KV cache with --max-batch")
+    parser.add_argument("--max-queue", type=positive_int, default=256, metavar="N",
+                        help="requests that may wait for a place in the batch; beyond, 429 (default: 256)")
+    parser.add_argument("--drain-timeout", type=positive_float, default=30.0, metavar="SECONDS",
+                        help="on SIGTERM, how long requests in flight may take to finish before they are "
+                             "cancelled (default: 30)")
+    parser.set_defaults(func=run)
+
+
+def _port(text: str) -> int:
+    if not text.isdigit() or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number from 0 to 65535, got {text!r}")
+    return int(text)
+
+
+def check_job(args: argparse.Namespace) -> tuple[Plan, ServeJob]:
+    """Everything checked before launch; :class:`PlanError` / :class:`UsageError` naming the flag."""
+    from ..families import token_sizes
+    from ..planner.validate import validate
+    from ..runtime.generate import MODEL_EOS, stop_tokens
+    from ..runtime.materialize import open_weights
+    from ..runtime.plain_decode import plain_problems
+    from ..serving.run import ServeOptions
+    from ..serving.text import load_tokenizer
+    from .generate import _check_checkpoint, use_generation_config
+
+    entry = model_from_flag(args.model)
+    model = meta_model_from_flag(args.model, entry)
+    mesh = parse_mesh_flag(args.mesh)
+    if not mesh.is_resolved:
+        raise PlanError(f"--mesh {args.mesh}: give every axis its size (no -1), e.g. --mesh tp=2")
+    others = [f"{axis}={size}" for axis, size in zip(mesh.names, mesh.shape) if axis != SERVE_AXIS and size > 1]
+    if others:
+        raise PlanError(f"--mesh {args.mesh}: the server splits a model over {SERVE_AXIS!r} only, but "
+                        f"{', '.join(others)}; valid: e.g. --mesh tp=2")
+    problems = plain_problems(model)
+    if problems:
+        raise UsageError(f"--model {args.model}: {'; '.join(problems)}")
+    plan = Plan(mesh=mesh, rules=model_rules(args.model, entry, mesh, args.rules)).resolved(mesh.size)
+    validate(plan, model, world_size=mesh.size)
+    if args.hf is not None:
+        open_weights(args.hf, model)  # every name and shape, before any process starts
+        use_generation_config(model, args.hf)
+    else:
+        _check_checkpoint(args.checkpoint, model)
+    vocab, positions = token_sizes(model)
+    load_tokenizer(args.hf, vocab)
+    if args.max_tokens is not None and positions is not None and args.max_tokens > positions:
+        raise UsageError(f"--max-tokens {args.max_tokens}: model {args.model!r} has {positions} positions; "
+                         f"valid: 1 to {positions}")
+    if args.max_tokens is None and positions is None:
+        raise UsageError(f"--model {args.model}: its positions are unknown; give --max-tokens N")
+    _check_port(args.host, args.port)
+    eos = stop_tokens(model, MODEL_EOS)
+    options = ServeOptions(name=args.model, host=args.host, port=args.port, max_batch=args.max_batch,
+                           max_len=args.max_tokens, max_queue=args.max_queue, drain_s=args.drain_timeout,
+                           mesh=args.mesh, tokenizer=None if args.hf is None else str(args.hf))
+    return plan, ServeJob(args.model, None if args.checkpoint is None else str(args.checkpoint),
+                          options.tokenizer, options, frozenset(eos[0]) if eos else frozenset())
+
+
+def _check_port(host: str, port: int) -> None:
+    """Refuse a port in use (or an address that is not this machine's) before any process starts."""
+    if port == 0:
+        return
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise UsageError(f"--host {host} --port {port}: cannot listen there ({exc.strerror}); choose another "
+                             f"--port, or --port 0 for any free one") from None
+
+
+def serve_job(ctx: Context, job: ServeJob) -> None:
+    """One rank: build on meta, shard, read the weights, serve until stopped."""
+    from ..checkpoint.store import load
+    from ..planner.meta import meta_model
+    from ..runtime.apply import shard
+    from ..runtime.torchrun import in_torchrun
+    from ..serving.run import serve_rank
+    from .generate import use_generation_config
+
+    model = shard(meta_model(model_from_flag(job.model).build), ctx.plan, ctx, weights=job.hf)
+    if job.hf is not None:
+        use_generation_config(model, job.hf)
+    if job.checkpoint is not None:
+        load(job.checkpoint, model)
+    serve_rank(model, ctx.rank, ctx.world_size, job.options, job.eos_ids, in_torchrun())
+
+
+def _forward_sigterm(signum: int, frame: object) -> None:
+    """SIGTERM to the command is rank 0's to handle (it drains); in a local world it is a child process."""
+    for child in multiprocessing.active_children():
+        if child.name == "shardkit-rank0":
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child.pid, signal.SIGTERM)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..runtime.torchrun import in_torchrun
+    from ..runtime.world import WorldError, launch
+
+    plan, job = check_job(args)
+    if not in_torchrun():
+        signal.signal(signal.SIGTERM, _forward_sigterm)
+    try:
+        launch(serve_job, plan, job, world_size=plan.mesh.size, timeout=None)
+    except WorldError as exc:
+        print(f"shardkit serve: {exc}", file=sys.stderr)
+        return 1
+    return 0
