@@ -6,6 +6,8 @@ processes, started once per test session (restarted if a previous job failed).
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from hypothesis import settings
@@ -17,6 +19,10 @@ from shardkit.runtime.world import LocalWorld
 # fixed derandomised profile so a run is reproducible.
 settings.register_profile("shardkit", deadline=None, derandomize=True)
 settings.load_profile("shardkit")
+
+# The tests compare with one CPU process: their worlds run on the CPU on a machine with GPUs too
+# (shardkit refuses fewer GPUs than ranks rather than falling back; runtime/devices.py).
+os.environ.setdefault("SHARDKIT_BACKEND", "gloo")
 
 # The pytest process runs the single-process references of sk.verify; on 2 shared cores one
 # intra-op thread is faster than two fighting with the worker processes.
