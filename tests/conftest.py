@@ -20,6 +20,10 @@ from shardkit.runtime.world import LocalWorld
 settings.register_profile("shardkit", deadline=None, derandomize=True)
 settings.load_profile("shardkit")
 
+# The tests compare with one CPU process: their worlds run on the CPU on a machine with GPUs too
+# (shardkit refuses fewer GPUs than ranks rather than falling back; runtime/devices.py).
+os.environ.setdefault("SHARDKIT_BACKEND", "gloo")
+
 # The pytest process runs the single-process references of sk.verify; on 2 shared cores one
 # intra-op thread is faster than two fighting with the worker processes.
 torch.set_num_threads(1)

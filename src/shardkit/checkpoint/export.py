@@ -42,6 +42,7 @@ from ..io.stacked import Stacking, unstacked
 from ..plan import UsageError
 from ..plan.text import parse_bytes
 from ..runtime import p2p
+from ..runtime.devices import rank_device
 from ..runtime.pieces import full_parameter, pieces
 from .state import load_model_tensors
 from .store import CONFIG_FILES, check_files, checkpoint_to_load, write_model_config
@@ -370,8 +371,7 @@ def _rank0_value(value: str, world: int) -> str:
 def _receive(source: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A whole tensor sent by ``source`` (as bytes, so any dtype travels on any backend)."""
     nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    buffer = torch.empty(nbytes, dtype=torch.uint8, device=rank_device())
     p2p.exchange_and_wait(None, receives=[(source, buffer)])
     return buffer.view(dtype).reshape(shape).cpu()
 

@@ -107,6 +107,11 @@ def device_of(backend: str, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
 
 
+def rank_device() -> torch.device:
+    """This rank's device in the open process group: its current GPU under NCCL, else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
 def group_timeout_for(job_timeout: float | None) -> timedelta:
     """A process group's timeout for a job of ``job_timeout`` seconds (``None``: no limit):
     the job's plus :data:`GROUP_MARGIN_S`.
@@ -222,6 +227,6 @@ def peak_growth(device: torch.device, mark: int) -> int:
 
 __all__ = ["BACKENDS", "GROUP_MARGIN_S", "INIT_DEVICE", "NO_LIMIT", "StepTimer", "choose_backend", "clock",
            "device_of", "gpu_count", "group_timeout", "group_timeout_for", "launcher_local_rank",
-           "launcher_ranks_on_host", "memory_mark", "open_process_group", "peak_growth", "set_group_timeout",
+           "launcher_ranks_on_host", "memory_mark", "open_process_group", "peak_growth", "rank_device", "set_group_timeout",
            "synchronize", "to_device",
            "wall_ns"]

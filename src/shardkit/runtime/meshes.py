@@ -19,8 +19,9 @@ once per process and cached here; callers ask by axis name:
 - :func:`process_group`: a group for an arbitrary list of ranks (replica groups).
 
 Every group gets the world's timeout (devices.py's :func:`group_timeout`: the job's plus a margin).
-What a job did not use is freed when it ends (:func:`release_unused`): meshes and groups a job
-asks for again are reused, others' communicators do not pile up over a world's life.
+The groups of :func:`process_group` a job did not use are freed when it ends
+(:func:`release_unused`); the plans' DeviceMeshes are kept for the process's life, as torch's
+DTensor caches assume (see there).
 
 Axis roles themselves are stated once, in :mod:`shardkit.plan.mesh`.
 """
@@ -179,7 +180,7 @@ def _set_timeout(*meshes: Any) -> None:
 
 
 _MESHES: dict[tuple, Meshes] = {}
-_USED: set[tuple] = set()  # the keys of _MESHES and _GROUPS the running job asked for
+_USED: set[tuple] = set()  # the keys of _GROUPS the running job asked for
 
 
 def meshes_for(plan: Plan, device_type: str) -> Meshes:
@@ -188,7 +189,6 @@ def meshes_for(plan: Plan, device_type: str) -> Meshes:
     key = (device_type, mesh.names, mesh.shape, plan.replicas, needs_unit_data_dim(plan))
     if key not in _MESHES:
         _MESHES[key] = Meshes(plan, device_type)
-    _USED.add(key)
     return _MESHES[key]
 
 
@@ -205,26 +205,27 @@ def use_timeout(job_timeout: float | None) -> None:
 
     set_group_timeout(timeout)
     groups = [dist.group.WORLD, *(g for m in _MESHES.values() for g in m.groups()), *_GROUPS.values()]
-    for group in {id(g): g for g in groups if g is not None}.values():
+    for group in {id(g): g for g in groups if isinstance(g, dist.ProcessGroup)}.values():
         _set_pg_timeout(timeout, group)
 
 
 def release_unused() -> None:
-    """At the end of a job (every rank, in the same order): destroy the meshes' and groups' communicators
-    the job did not ask for. Never the world's group (nor one named as it: a 1-D mesh over the world is
-    the world's group), nor one that a kept mesh or group still holds."""
-    gone = [k for k in _MESHES if k not in _USED] + [k for k in _GROUPS if k not in _USED]
+    """At the end of a job (every rank, in the same order): destroy the groups of :func:`process_group`
+    the job did not ask for. Never the world's group (nor one named as it), nor a DeviceMesh's: torch's
+    DTensor caches (sharding propagation, redistribution plans) key on a mesh's layout, not on its
+    groups, so a mesh destroyed and made again with the same layout would be served the destroyed
+    groups' names (seen in tests/test_sequence_parallel.py); the plans' meshes live as long as the process."""
+    gone = [k for k in _GROUPS if k not in _USED]
     _USED.clear()
     if not gone or not dist.is_initialized():
         return
-    kept = [g for m in _MESHES.values() for g in m.groups()] + [g for g in _GROUPS.values() if g is not None]
+    # a rank outside a group holds a marker (torch's NON_GROUP_MEMBER), no group
+    dropped = [g for g in (_GROUPS.pop(key) for key in gone) if isinstance(g, dist.ProcessGroup)]
+    kept = [g for m in _MESHES.values() for g in m.groups()] + [g for g in _GROUPS.values()
+                                                                 if isinstance(g, dist.ProcessGroup)]
     kept.append(dist.group.WORLD)
     kept_names = {g.group_name for g in kept}
-    dropped = []
-    for key in gone:
-        found = _MESHES.pop(key).groups() if key in _MESHES else [_GROUPS.pop(key)]
-        dropped += [g for g in found if g is not None]
-    for group in {id(g): g for g in dropped}.values():  # each once, in the order made
+    for group in dropped:  # in the order made
         if group.group_name not in kept_names and not any(group is g for g in kept):
             dist.destroy_process_group(group)
 
