@@ -69,7 +69,7 @@ def test_plan_field_resolves_checks_and_round_trips():
     assert check_loss_scale(2, "x") == 2.0
 
 
-def test_float16_without_a_scale_is_refused_by_name_recommending_bfloat16(tmp_path):
+def test_float16_without_a_scale_is_refused_by_name_recommending_bfloat16(tmp_path, capsys, no_processes):
     plan = Plan(Mesh(fsdp=2), fsdp=FSDPOptions(param_dtype="float16", reduce_dtype="float16"), loss_scale="off")
     (problem,) = plan.problems()
     assert problem.startswith("loss_scale='off' with param_dtype='float16' and reduce_dtype='float16': float16 "
@@ -85,9 +85,17 @@ def test_float16_without_a_scale_is_refused_by_name_recommending_bfloat16(tmp_pa
     job.write_text("model: gpt-tiny\nplan: {mesh: {fsdp: 2}, loss_scale: 64}\nprecision: {loss_scale: dynamic}\n")
     with pytest.raises(PlanError, match="precision.loss_scale is 'dynamic' but the plan's loss_scale is 64.0"):
         prepare(sk.TrainConfig.from_file(job))
-    from shardkit.cli.options import loss_scale
+    from shardkit.cli import main
 
-    assert [loss_scale(t) for t in ("dynamic", "off", "512")] == ["dynamic", "off", 512.0]
+    (tmp_path / "fp16.yaml").write_text("model: gpt-tiny\nprecision: {param_dtype: float16}\n")
+    for argv, message in ((["--loss-scale", "off"], "shardkit: invalid plan: --loss-scale off: loss_scale='off' with "
+                                                   "param_dtype='float16'"),
+                          (["--loss-scale", "big"], "--loss-scale: must be dynamic or off or a positive number")):
+        try:
+            code = main(["train", "--config", str(tmp_path / "fp16.yaml"), "--mesh", "fsdp=2", *argv])
+        except SystemExit as exc:  # a flag's own error exits while parsing
+            code = exc.code
+        assert code == 2 and message in capsys.readouterr().err
 
 
 # -- one process: plain gradients ---------------------------------------------------------------------------

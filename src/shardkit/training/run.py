@@ -66,6 +66,9 @@ def start_line(job: CheckedJob) -> str:
     """What a run says before it starts: the model, mesh, processes, steps, batch and data."""
     config, plan = job.config, job.plan
     zero = "" if plan.zero is None else f" with ZeRO stage {plan.zero}"
+    scaling = plan.loss_scaling
+    if scaling is not None:
+        zero += ", dynamic loss scale" if scaling == "dynamic" else f", fixed loss scale {scaling:g}"
     held = "" if job.eval_data is None else f", evaluating on {job.eval_data.describe()}"
     return (f"shardkit train: {config.model} on {plan.mesh!r}{zero} ({job.world_size} processes), "
             f"{job.steps_text()} of {config.batch_size} x {job.seq_len} tokens from {job.data.describe()}{held}")
