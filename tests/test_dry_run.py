@@ -59,3 +59,12 @@ def test_a_plan_that_does_not_fit_names_the_component_that_overflows():
 def test_the_dry_run_refuses_ranks_it_cannot_run(ranks, match):
     with pytest.raises(sk.UsageError, match=match):
         sk.dry_run(build_tiny_llama, PLANS["pp x fsdp"], world_size=4, batch=BATCH, seq_len=SEQ, ranks=ranks)
+
+
+def test_the_dry_run_flags_need_dry_run_and_a_rank_of_the_world(capsys, no_processes):
+    from shardkit.cli import main
+
+    assert main(["train", "--ranks", "0,5"]) == 2
+    assert "add --dry-run" in capsys.readouterr().err
+    assert main(["train", "--dry-run", "--mesh", "fsdp=4", "--world-size", "4", "--ranks", "7"]) == 2
+    assert "the world has 4 ranks" in capsys.readouterr().err
