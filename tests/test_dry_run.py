@@ -28,7 +28,9 @@ def real(world):
 @pytest.mark.parametrize("name", list(PLANS))
 def test_a_dry_run_gives_the_bytes_and_collectives_of_a_real_four_process_run(real, name):
     ranks = (1,) if PLANS[name].pipeline else (0, 3)  # a dry run runs the first stage's ranks
-    dry = sk.dry_run(build_tiny_llama, PLANS[name], world_size=4, batch=BATCH, seq_len=SEQ, ranks=ranks)
+    priced = PLANS[name].pipeline is None  # the estimate beside it once (it analyses the model: seconds)
+    dry = sk.dry_run(build_tiny_llama, PLANS[name], world_size=4, batch=BATCH, seq_len=SEQ, ranks=ranks,
+                     estimate=priced)
     for cost in dry.ranks:
         memory, collectives = real[name][cost.rank]
         exact = {k: v for k, v in memory.items() if k not in ("temporaries", "peak")}
@@ -39,7 +41,9 @@ def test_a_dry_run_gives_the_bytes_and_collectives_of_a_real_four_process_run(re
         assert cost.collectives == collectives, cost.rank
         assert memory["parameters"] > 0 and memory["optimizer"] > 0 and memory["activations"] > 0
         assert {c.kind for c in collectives} >= {"all_gather_into_tensor", "reduce_scatter_tensor"}
-    assert set(dry.ratios()) >= {"parameters", "gradients", "optimizer", "activations"}
+    if priced:
+        ratios = dry.ratios()  # state is exact in the estimate too (less AdamW's 4-byte step counts)
+        assert ratios["parameters"] == 1.0 and ratios["optimizer"] == pytest.approx(1.0, rel=1e-3)
 
 
 def test_a_plan_that_does_not_fit_names_the_component_that_overflows():
@@ -55,3 +59,12 @@ def test_a_plan_that_does_not_fit_names_the_component_that_overflows():
 def test_the_dry_run_refuses_ranks_it_cannot_run(ranks, match):
     with pytest.raises(sk.UsageError, match=match):
         sk.dry_run(build_tiny_llama, PLANS["pp x fsdp"], world_size=4, batch=BATCH, seq_len=SEQ, ranks=ranks)
+
+
+def test_the_dry_run_flags_need_dry_run_and_a_rank_of_the_world(capsys, no_processes):
+    from shardkit.cli import main
+
+    assert main(["train", "--ranks", "0,5"]) == 2
+    assert "add --dry-run" in capsys.readouterr().err
+    assert main(["train", "--dry-run", "--mesh", "fsdp=4", "--world-size", "4", "--ranks", "7"]) == 2
+    assert "the world has 4 ranks" in capsys.readouterr().err

@@ -113,7 +113,6 @@ def train_rank(ctx: Context, job: CheckedJob) -> tuple[RankStats, list]:
         if scaler is not None and scaler.skipped:
             progress.say(f"loss scaling: {scaler.skipped} step(s) skipped (gradients overflowed on some rank), "
                          f"scale now {scaler.state.scale:g}")
->>>>>>> fp16
     spans = [s for s in timeline.collect() if s.step != last or config.steps == 1] if config.profile is not None else []
     reads.read()
     stats = RankStats(ctx.rank, ctx.coordinates(), held, memory.peak_bytes(), memory.method, times, comm.summary(),
