@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
@@ -38,6 +37,7 @@ from rich.table import Table
 
 import shardkit as sk
 from shardkit.models.hf import LLAMA_RULES, build_llama, tiny_llama_config
+from shardkit.runtime.devices import clock
 from shardkit.runtime.generate import Decoder
 from shardkit.runtime.plain_decode import PlainDecoder
 
@@ -136,9 +136,9 @@ def measure(ctx, batch: int, prompt_len: int, new: int, rounds: int, dtype: str)
         for pos in range(prompt_len, prompt_len + new):
             for name, step in steps.items():  # one step of each in turn: the machine's load hits all alike
                 dist.barrier()  # untimed: no step absorbs the ranks' skew from the one before
-                start = time.perf_counter()
+                start = clock()
                 ids[name] = step(ids[name], pos).argmax(-1, keepdim=True)
-                times[name].append(time.perf_counter() - start)
+                times[name].append(clock() - start)
     return {name: statistics.median(t) for name, t in times.items() if t} | {"max |plain - hand|": agree}
 
 

@@ -33,6 +33,16 @@ ALLOWED = {
     ("src/shardkit/training/run.py", "run"): "the whole run's wall time, process start included, said as such",
     ("src/shardkit/cli/train.py", "run"): "the whole command's wall time, process start included, said as such",
     ("benchmarks/cli_startup.py", "seconds"): "a subprocess's wall time (interpreter start): no device work here",
+    ("src/shardkit/serving/protocol.py", "Parsed"): "OpenAI's `created` field: the epoch second a request arrived",
+    ("src/shardkit/serving/server.py", "Server.__init__"): "the server's start time for /metrics' uptime",
+    ("src/shardkit/serving/server.py", "Stats.token"): "tokens/s as clients see them: wall time between events the host receives",
+    ("src/shardkit/serving/server.py", "Stats.tokens_per_second"): "tokens/s as clients see them (the window's wall time)",
+    ("src/shardkit/serving/run.py", "_serve_leader"): "the drain bound after SIGTERM: " + _DEADLINE,
+    ("benchmarks/serve.py", "one"): "a client's latency over HTTP: what the user waits, measured from outside",
+    ("benchmarks/serve.py", "level"): "a client's latency over HTTP: what the user waits, measured from outside",
+    ("benchmarks/serve.py", "main"): "a client's latency over HTTP: what the user waits, measured from outside",
+    ("benchmarks/serve.py", "transformers_static"): "one CPU process, no device: transformers' generate's wall time",
+    ("benchmarks/serve.py", "transformers_static.Clock.__call__"): "one CPU process, no device: per-token wall time",
 }
 
 
