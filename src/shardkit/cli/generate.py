@@ -31,10 +31,10 @@ from ..plan import Pipeline, Plan, PlanError, UsageError
 from ..runtime.limits import DEFAULT_TIMEOUT_S
 from .options import (
     add_model_option,
+    add_weights_options,
     meta_model_from_flag,
     model_from_flag,
     non_negative_int,
-    path,
     positive_float,
     positive_int,
     seed,
@@ -74,11 +74,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "checkpoint (sk.save) or a HuggingFace folder; greedy unless --temperature is given. "
                     "Everything is checked before any process starts.")
     add_model_option(parser, "gpt-tiny", usable)
-    weights = parser.add_mutually_exclusive_group(required=True)
-    weights.add_argument("--checkpoint", type=path, metavar="DIR",
-                         help="a folder of checkpoints written by sk.save / shardkit train --save (the latest "
-                              "complete one is read), or one checkpoint folder")
-    weights.add_argument("--hf", type=path, metavar="DIR", help="a HuggingFace model folder (safetensors)")
+    add_weights_options(parser)
     parser.add_argument("--mesh", default=DEFAULT_MESH, metavar="AXES",
                         help=f"the mesh; only 'tp', 'pp' (pipeline stages, split evenly) and the data axes "
                              f"'dp', 'fsdp', 'ep' may be larger than 1 (default: {DEFAULT_MESH})")

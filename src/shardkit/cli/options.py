@@ -148,6 +148,15 @@ def add_model_option(parser: argparse.ArgumentParser, default: str, valid: Seque
                              f"(config.json, as save_pretrained or sk.export_hf write)")
 
 
-__all__ = ["DEFAULT_MESH", "SEED_MAX", "OneLineParser", "add_model_option", "fraction", "loss_scale", "load_rules",
+def add_weights_options(parser: argparse.ArgumentParser, checkpoint_note: str = "", hf_note: str = "") -> None:
+    """``--checkpoint DIR`` or ``--hf DIR`` (one of them required): where a model's weights come from."""
+    weights = parser.add_mutually_exclusive_group(required=True)
+    weights.add_argument("--checkpoint", type=path, metavar="DIR",
+                         help="a folder of checkpoints written by sk.save / shardkit train --save (the latest "
+                              f"complete one is read), or one checkpoint folder{checkpoint_note}")
+    weights.add_argument("--hf", type=path, metavar="DIR", help=f"a HuggingFace model folder (safetensors){hf_note}")
+
+
+__all__ = ["DEFAULT_MESH", "SEED_MAX", "OneLineParser", "add_model_option", "add_weights_options", "fraction", "loss_scale", "load_rules",
            "meta_model_from_flag", "model_from_flag", "model_name", "module_names", "non_negative_float",
            "non_negative_int", "path", "positive_float", "positive_int", "seed"]

@@ -28,9 +28,9 @@ from ..models.registry import MODELS
 from ..plan import Plan, PlanError, UsageError
 from .options import (
     add_model_option,
+    add_weights_options,
     meta_model_from_flag,
     model_from_flag,
-    path,
     positive_float,
     positive_int,
 )
@@ -64,12 +64,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "completions and chat API, weights from a checkpoint (sk.save) or a HuggingFace folder "
                     "(its tokenizer and chat template too). Everything is checked before any process starts.")
     add_model_option(parser, "gpt-tiny", usable)
-    weights = parser.add_mutually_exclusive_group(required=True)
-    weights.add_argument("--checkpoint", type=path, metavar="DIR",
-                         help="a folder of checkpoints written by sk.save / shardkit train --save (the latest "
-                              "complete one is read), or one checkpoint folder (byte-level models)")
-    weights.add_argument("--hf", type=path, metavar="DIR",
-                         help="a HuggingFace model folder: safetensors weights, its tokenizer, generation_config")
+    add_weights_options(parser, " (byte-level models)", ": its tokenizer and generation_config too")
     parser.add_argument("--mesh", default=DEFAULT_MESH, metavar="AXES",
                         help=f"the mesh; only 'tp' may be larger than 1 (default: {DEFAULT_MESH})")
     add_rules_option(parser)
