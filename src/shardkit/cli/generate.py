@@ -114,7 +114,6 @@ def check_job(args: argparse.Namespace) -> tuple[Plan, GenerateJob]:
     from ..families import token_sizes
     from ..planner.validate import validate
     from ..runtime.generate import MODEL_EOS, check_generation, generation_problems, stop_tokens
-    from ..runtime.materialize import open_weights
 
     if args.temperature is None and (args.top_k is not None or args.seed is not None):
         given = " and ".join(f for f, v in (("--top-k", args.top_k), ("--seed", args.seed)) if v is not None)
@@ -133,11 +132,7 @@ def check_job(args: argparse.Namespace) -> tuple[Plan, GenerateJob]:
     if problems:
         raise PlanError([f"--mesh {args.mesh}: {p}" for p in problems])
     validate(plan, model, world_size=mesh.size)
-    if args.hf is not None:
-        open_weights(args.hf, model)  # every name and shape, before any process starts
-        use_generation_config(model, args.hf)
-    else:
-        _check_checkpoint(args.checkpoint, model)
+    check_weights(args, model)
     vocab, _ = token_sizes(model)
     if args.prompt is not None:
         if vocab != BYTE_VOCAB:
@@ -177,6 +172,18 @@ def use_generation_config(model, folder: Path | str) -> None:
             model.generation_config = GenerationConfig.from_pretrained(folder)
         except (OSError, ValueError) as exc:
             raise UsageError(f"--hf {folder}: generation_config.json cannot be read: {exc}") from None
+
+
+def check_weights(args: argparse.Namespace, model) -> None:
+    """``--hf``'s every name and shape (and its generation config read), or ``--checkpoint``'s files and
+    parameters, against ``model``: before any process starts."""
+    from ..runtime.materialize import open_weights
+
+    if args.hf is not None:
+        open_weights(args.hf, model)
+        use_generation_config(model, args.hf)
+    else:
+        _check_checkpoint(args.checkpoint, model)
 
 
 def _check_checkpoint(folder: Path, model) -> None:

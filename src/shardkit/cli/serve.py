@@ -95,11 +95,10 @@ def check_job(args: argparse.Namespace) -> tuple[Plan, ServeJob]:
     from ..families import token_sizes
     from ..planner.validate import validate
     from ..runtime.generate import MODEL_EOS, stop_tokens
-    from ..runtime.materialize import open_weights
     from ..runtime.plain_decode import plain_problems
     from ..serving.run import ServeOptions
     from ..serving.text import load_tokenizer
-    from .generate import _check_checkpoint, use_generation_config
+    from .generate import check_weights
 
     entry = model_from_flag(args.model)
     model = meta_model_from_flag(args.model, entry)
@@ -115,11 +114,7 @@ def check_job(args: argparse.Namespace) -> tuple[Plan, ServeJob]:
         raise UsageError(f"--model {args.model}: {'; '.join(problems)}")
     plan = Plan(mesh=mesh, rules=model_rules(args.model, entry, mesh, args.rules)).resolved(mesh.size)
     validate(plan, model, world_size=mesh.size)
-    if args.hf is not None:
-        open_weights(args.hf, model)  # every name and shape, before any process starts
-        use_generation_config(model, args.hf)
-    else:
-        _check_checkpoint(args.checkpoint, model)
+    check_weights(args, model)
     vocab, positions = token_sizes(model)
     load_tokenizer(args.hf, vocab)
     if args.max_tokens is not None and positions is not None and args.max_tokens > positions:
