@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import io
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -120,11 +121,34 @@ def test_bad_arguments_start_nothing(kwargs, message, refuse_worlds):
         measure(**kwargs)
 
 
-def test_under_torchrun_calibrate_refuses_rather_than_measure_another_world(refuse_worlds, monkeypatch):
+def test_under_torchrun_calibrate_measures_the_torchrun_world_and_no_other(refuse_worlds, monkeypatch):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(sk.UsageError, match="run it outside torchrun"):
-        measure(2)
+    with pytest.raises(sk.UsageError, match="the torchrun world of 2 processes is measured; give world_size=2"):
+        measure(4)
+    with pytest.raises(sk.UsageError, match="under torchrun the torchrun world is measured; give no world"):
+        measure(2, world=type("World", (), {"size": 2})())
+
+
+def test_the_name_and_cache_key_say_the_launcher_backend_and_device_kind(monkeypatch):
+    """A CPU measurement is never read back for GPUs, nor one GPU model's for another's."""
+    names = {calibrate_module.world_name(launcher, 8, backend, kind)
+             for launcher in ("local", "torchrun") for backend, kind in (("gloo", "cpu"), ("nccl", "nvidia-h200"),
+                                                                         ("nccl", "nvidia-a100-sxm4-80gb"))}
+    assert len(names) == 6 and "torchrun-8-nccl-nvidia-h200" in names and "local-8-gloo-cpu" in names
+    from shardkit.runtime import devices
+
+    monkeypatch.setattr(devices.torch.cuda, "get_device_name", lambda device: "NVIDIA H100 80GB HBM3")
+    assert devices.device_kind(torch.device("cuda", 1)) == "nvidia-h100-80gb-hbm3"
+    assert devices.device_kind(torch.device("cpu")) == "cpu"
+    # the local world's file is keyed by the backend devices.py chooses and that backend's device
+    monkeypatch.setattr(calibrate_module, "choose_backend", lambda ranks: "nccl")
+    monkeypatch.setattr(calibrate_module, "device_kind", lambda device: f"{device.type}-kind")
+    seen = []
+    monkeypatch.setattr(calibrate_module, "calibrate", lambda world_size, **kwargs: seen.append(world_size) or
+                        Hardware.preset("a100-80g"))
+    calibrate_module.cached(2, Path("/nonexistent"), say=seen.append, recalibrate=True)
+    assert "local-2-nccl-cuda-kind.yaml" in seen[0] and seen[1] == 2
 
 
 def test_per_process_throughput_is_the_slowest_rank_at_the_best_size():
@@ -141,6 +165,8 @@ def test_measurements_make_a_one_node_hardware(monkeypatch):
     monkeypatch.setattr(calibrate_module, "LocalWorld", lambda *a, **k: contextlib.nullcontext())
     overlap = Overlap(compute=2.0, communication=1.0, both=2.5)
     monkeypatch.setattr(calibrate_module, "_run", lambda *args: (matmul, fits, 8e9, (13, 2e-5), overlap))
+    monkeypatch.setattr(calibrate_module, "_devices", lambda world, per_node: (
+        "cpu", 2**30, f"memory: available RAM (MemAvailable) / {per_node} processes", "gloo"))
     result = measure(3)
     hw = result.hardware
     assert (hw.memory_bandwidth, hw.op_overhead, hw.overlap) == (8e9, 2e-5, 0.5)
@@ -149,7 +175,7 @@ def test_measurements_make_a_one_node_hardware(monkeypatch):
     assert hw.devices_per_node == 3 and hw.inter_node == hw.intra_node == {c: link for c in COLLECTIVES}
     monkeypatch.setattr(calibrate_module.os, "cpu_count", lambda: 2)
     assert measure(3).hardware.shared_compute and not measure(2).hardware.shared_compute  # 3 processes, 2 cores
-    assert hw.matmul_efficiency == 1.0 and hw.reserved == 0 and hw.name == "local-3-gloo"
+    assert hw.matmul_efficiency == 1.0 and hw.reserved == 0 and hw.name == "local-3-gloo-cpu"
     assert any("float16" in note and "bfloat16's figure" in note for note in result.notes)
     assert any("/ 3 processes" in note for note in result.notes)
 
@@ -159,18 +185,19 @@ def test_a_flat_sweep_goes_on_to_larger_messages_until_the_times_grow(monkeypatc
     until the largest takes twice the smallest's time; a sweep that never grows stops at the cap."""
     timed = []
 
-    def loaded(collective, size, seconds):
+    def loaded(collective, size, seconds, device):
         timed.append(size)
         return 5e-3 + size / 4e9
 
+    ctx = type("Ctx", (), {"device": torch.device("cpu")})()
     monkeypatch.setattr(probes, "_time_collective", loaded)
-    sizes, times = probes.collective_job(None, "all_reduce", (4096, 2**22), 0.1)
+    sizes, times = probes.collective_job(ctx, "all_reduce", (4096, 2**22), 0.1)
     assert sizes == timed == [4096, 2**22, 2**24, 2**26] and times[-1] >= 2 * times[0] > times[-2]
-    monkeypatch.setattr(probes, "_time_collective", lambda collective, size, seconds: 5e-3)
-    sizes, _ = probes.collective_job(None, "p2p", (4096, 2**22), 0.1)
+    monkeypatch.setattr(probes, "_time_collective", lambda collective, size, seconds, device: 5e-3)
+    sizes, _ = probes.collective_job(ctx, "p2p", (4096, 2**22), 0.1)
     assert sizes == [4096, 2**22, 2**24, 2**26, 2**28] and max(sizes) == probes.MAX_MESSAGE_BYTES
-    monkeypatch.setattr(probes, "_time_collective", lambda collective, size, seconds: 1e-4 + size / 1e9)
-    assert probes.collective_job(None, "p2p", (4096, 2**22), 0.1)[0] == [4096, 2**22]  # grows: no more
+    monkeypatch.setattr(probes, "_time_collective", lambda collective, size, seconds, device: 1e-4 + size / 1e9)
+    assert probes.collective_job(ctx, "p2p", (4096, 2**22), 0.1)[0] == [4096, 2**22]  # grows: no more
 
 
 def test_a_sweep_without_slope_stops_naming_the_collective_and_what_to_do(monkeypatch):
@@ -180,7 +207,7 @@ def test_a_sweep_without_slope_stops_naming_the_collective_and_what_to_do(monkey
         else None])
     with pytest.raises(sk.UsageError, match=r"gloo all_reduce up to 268435456 bytes gives no bandwidth.*"
                                             r"too loaded.*when it is idle"):
-        calibrate_module._run(type("World", (), {"size": 2})(), (64,), (4096,), 0.1, lambda *a: None, 10)
+        calibrate_module._run(None, 2, "gloo", (64,), (4096,), 0.1, lambda *a: None, 10)
 
 
 # -- one real run on a 2-process world, shared by the CLI and API checks ---------------------------
@@ -213,7 +240,7 @@ def test_calibrate_writes_a_loadable_file_of_measured_figures(calibrated):
     calibration, out, stdout, progress = calibrated
     hw = Hardware.load(out)
     assert hw == calibration.hardware and sk.Hardware is Hardware
-    assert hw.name == "local-2-gloo" and hw.devices_per_node == 2 and hw.inter_node == hw.intra_node
+    assert hw.name == "local-2-gloo-cpu" and hw.devices_per_node == 2 and hw.inter_node == hw.intra_node
     assert hw.matmul_efficiency == 1.0 and hw.reserved == 0 and 0 < hw.memory
     assert all(hw.flops[d] > 1e7 for d in DTYPES)
     for collective, fit in calibration.fits.items():
@@ -249,7 +276,7 @@ def test_calibrate_without_out_prints_the_file(calibrated, monkeypatch, capsys):
     assert main(["calibrate", "--world", "2"]) == 0
     captured = capsys.readouterr()
     assert Hardware.from_dict(yaml.safe_load(captured.out)) == calibration.hardware
-    assert "gloo all_reduce" in captured.err and "gloo" not in captured.out.replace("local-2-gloo", "")
+    assert "gloo all_reduce" in captured.err and "gloo" not in captured.out.replace("local-2-gloo-cpu", "")
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -222,7 +222,7 @@ def test_plan_command_refuses_bad_flags(argv, message, capsys, no_processes):
 def test_train_plan_auto_plans_prints_and_trains(tmp_path, monkeypatch, capsys):
     """``--plan auto`` on the local world as calibrated (a kept hardware file: nothing measured here)."""
     monkeypatch.setenv("SHARDKIT_CACHE", str(tmp_path))
-    sk.Hardware.preset("a100-80g").save(tmp_path / "local-2.yaml")
+    sk.Hardware.preset("a100-80g").save(tmp_path / "local-2-gloo-cpu.yaml")
     code, out, err = _run(["train", "--plan", "auto", "--model", "gpt-tiny", "--world-size", "2", "--steps", "2",
                            "--batch-size", "4", "--data-mb", "0.05"], capsys)
     assert code == 0, err

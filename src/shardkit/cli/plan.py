@@ -12,9 +12,10 @@ a head: transformers' ``*ForCausalLM``, shardkit's GPT); any other model is refu
 
 Prints the ranked candidates (degrees, memory by component, step time, tokens/s, MFU and why),
 then the families of plans refused and why, and writes the best with ``--out``. ``--local``
-plans for the local world of CPU processes as it really runs: its hardware is measured by
-``shardkit calibrate`` (once, kept in ``$SHARDKIT_CACHE`` or ``~/.cache/shardkit``;
-``--recalibrate`` measures again).
+plans for the local world as it really runs, on the devices and backend it will use (a GPU per
+process with NCCL, else CPU processes on gloo: runtime/devices.py): its hardware is measured by
+``shardkit calibrate`` (once, kept in ``$SHARDKIT_CACHE`` or ``~/.cache/shardkit`` under a name
+that says the backend and the device, e.g. ``local-4-gloo-cpu.yaml``; ``--recalibrate`` measures again).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import io
 import os
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -55,8 +57,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     where = parser.add_mutually_exclusive_group(required=True)
     where.add_argument("--devices", type=positive_int, metavar="N", help="number of devices")
     where.add_argument("--local", action="store_true",
-                       help=f"the local world of CPU processes (--world-size, default {DEFAULT_LOCAL_WORLD}), "
-                            f"with hardware measured by shardkit calibrate")
+                       help=f"the local world (--world-size processes, default {DEFAULT_LOCAL_WORLD}, on the GPUs or the "
+                            f"CPU as shardkit train runs it), with hardware measured by shardkit calibrate")
     parser.add_argument("--world-size", type=positive_int, metavar="N", help="processes of the local world (--local)")
     parser.add_argument("--recalibrate", action="store_true", help="measure the local world again (--local)")
     parser.add_argument("--hardware", metavar="PRESET|FILE",
@@ -117,23 +119,24 @@ def parse_axes(text: str) -> tuple[str, ...]:
     return axes
 
 
-def local_hardware(world_size: int, recalibrate: bool = False) -> Hardware:
-    """The local world's hardware: measured once by ``shardkit calibrate`` and kept, or measured now."""
-    file = local_hardware_dir() / f"local-{world_size}.yaml"
-    if file.exists() and not recalibrate:
-        return Hardware.load(file)
-    from ..observe.calibrate import calibrate
+def local_hardware(world_size: int | None, recalibrate: bool = False) -> Hardware:
+    """The hardware of the world that will run (the local world of ``world_size`` processes, or under
+    ``torchrun`` the torchrun world, every rank calling this): measured once by ``shardkit calibrate`` on
+    its own devices and backend and kept under :func:`local_hardware_dir`, or measured now
+    (:func:`shardkit.observe.calibrate.cached`)."""
+    from ..observe.calibrate import cached
 
-    print(f"measuring the local world of {world_size} processes (shardkit calibrate); kept in {file}")
-    measured = calibrate(world_size)
-    file.parent.mkdir(parents=True, exist_ok=True)
-    measured.save(file)
-    return measured
+    return cached(world_size, local_hardware_dir(), recalibrate=recalibrate,
+                  say=lambda line: print(line, file=sys.stderr, flush=True))
 
 
-def local_hardware_dir() -> Path:
-    """Where the calibrated hardware of local worlds is kept: ``$SHARDKIT_CACHE`` or ``~/.cache/shardkit``."""
-    return Path(os.environ.get("SHARDKIT_CACHE") or Path.home() / ".cache" / "shardkit")
+def local_hardware_dir() -> Path | None:
+    """Where the calibrated hardware of worlds is kept: ``$SHARDKIT_CACHE`` or ``~/.cache/shardkit``
+    (``None`` with ``SHARDKIT_CACHE=off``: measured every time, kept nowhere)."""
+    chosen = os.environ.get("SHARDKIT_CACHE")
+    if chosen == "off":
+        return None
+    return Path(chosen or Path.home() / ".cache" / "shardkit")
 
 
 def candidates_text(candidates: Candidates, model: str, devices: int, hw: Hardware, width: int = 200) -> str:

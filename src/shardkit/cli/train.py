@@ -17,6 +17,7 @@ only parses, builds the configuration, and prints::
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from contextlib import nullcontext
@@ -165,11 +166,15 @@ def build_plan(args: argparse.Namespace) -> tuple[Plan, int]:
 
 
 def auto_plan(config: TrainConfig) -> TrainConfig:
-    """``--plan auto``: the fastest plan ``sk.autoshard`` finds for this model, batch and sequence on the local
-    world as calibrated (``shardkit calibrate``, measured once and kept), and its accumulation steps unless
-    ``--grad-accum`` is given."""
+    """``--plan auto``: the fastest plan ``sk.autoshard`` finds for this model, batch and sequence on the world
+    that will run (the local world, or under ``torchrun`` the torchrun world) as calibrated on its own devices
+    (``shardkit calibrate``, measured once and kept; under torchrun every rank measures together, rank 0 writes
+    the file and every rank plans on rank 0's figures, so every rank chooses the same plan), and its
+    accumulation steps unless ``--grad-accum`` is given."""
     from ..planner.autoshard import autoshard
+    from ..runtime.torchrun import in_torchrun
     from ..training.checks import model_positions
+    from ..training.run import is_leader
     from .plan import DEFAULT_LOCAL_WORLD, candidates_text, local_hardware
 
     flags = config.plan.given() if isinstance(config.plan, PlanFlags) else {}
@@ -182,10 +187,17 @@ def auto_plan(config: TrainConfig) -> TrainConfig:
     positions = model_positions(config, entry, model)
     seq_len = positions if config.seq_len is None else config.seq_len
     world_size = config.world_size or DEFAULT_LOCAL_WORLD
+    if in_torchrun():
+        world_size = int(os.environ["WORLD_SIZE"])
+        if config.world_size not in (None, world_size):
+            raise PlanError(f"--plan auto under torchrun plans its world of {world_size} processes, but "
+                            f"--world-size is {config.world_size}; drop --world-size or give {world_size}")
     hardware = local_hardware(world_size)
     candidates = autoshard(model, devices=world_size, hardware=hardware, global_batch=config.batch_size,
                            seq_len=seq_len, top=10, param_dtype=None)
-    print(candidates_text(candidates, config.model, world_size, hardware), end="", file=sys.stderr)
+    leader = is_leader()
+    if leader:
+        print(candidates_text(candidates, config.model, world_size, hardware), end="", file=sys.stderr)
     best = candidates[0]
     if config.given("grad_accum"):  # the steps the user asked for: the fastest plan with them
         fitting = [c for c in candidates if c.grad_accum == config.grad_accum]
@@ -194,8 +206,10 @@ def auto_plan(config: TrainConfig) -> TrainConfig:
                             f"{config.grad_accum}; they use {sorted({c.grad_accum for c in candidates})} steps: "
                             f"drop --grad-accum to let the planner choose")
         best = fitting[0]
-    print(f"shardkit train: --plan auto chose {best.plan.mesh!r}"
-          f"{f' with --grad-accum {best.grad_accum}' if best.grad_accum > 1 else ''}: {best.reason}", file=sys.stderr)
+    if leader:
+        print(f"shardkit train: --plan auto chose {best.plan.mesh!r}"
+              f"{f' with --grad-accum {best.grad_accum}' if best.grad_accum > 1 else ''}: {best.reason}",
+              file=sys.stderr)
     return replace(config, plan=best.plan, world_size=world_size, grad_accum=best.grad_accum)
 
 

@@ -1,21 +1,26 @@
-"""Measure the local world as it really runs and describe it as a :class:`~shardkit.Hardware`.
+"""Measure a world as it really runs and describe it as a :class:`~shardkit.Hardware`.
 
-The world is ``world_size`` local processes on gloo, started as ``shardkit train`` starts them
-(:class:`~shardkit.LocalWorld`: each process gets its share of the cores), so the figures are
-what a training step on this machine sees:
+The world measured is the one that will run, on the devices and backend it will run on
+(runtime/devices.py chooses them: NCCL with a GPU per rank, gloo on the CPU, ``SHARDKIT_BACKEND``
+to insist): outside a launcher ``world_size`` local processes started as ``shardkit train``
+starts them (:class:`~shardkit.LocalWorld`: on the CPU each process gets its share of the cores);
+under ``torchrun`` the torchrun world itself, every rank running the probes in it, the result
+broadcast from rank 0 so that every rank holds the same :class:`Hardware`. The figures are what
+a training step there sees:
 
-- **matmul**: every process multiplies square matrices at once, for a fixed time per size, over a
-  size sweep; a size's figure is the slowest process's FLOP/s (the slowest rank paces a
-  synchronous step) and a dtype's the best size's. float16 is measured too when it runs on CPU;
-  where it does not, float16 is given bfloat16's figure and a note says so.
-- **collectives**: gloo all-reduce, all-gather and a send/recv ring, timed over a range of
+- **matmul**: every process multiplies square matrices on its device at once, for a fixed time per
+  size, over a size sweep (:data:`MATMUL_SIZES` on the CPU, :data:`GPU_MATMUL_SIZES` on GPUs);
+  a size's figure is the slowest process's FLOP/s (the slowest rank paces a synchronous step)
+  and a dtype's the best size's. float16 is measured too when it runs on the device; where it
+  does not, float16 is given bfloat16's figure and a note says so.
+- **collectives**: the backend's all-reduce, all-gather and a send/recv ring, timed over a range of
   message sizes (the slowest rank's time; the best of three blocks), then fitted with
-  :func:`fit_alpha_beta`; the fit's relative residual says how well alpha-beta describes gloo.
+  :func:`fit_alpha_beta`; the fit's relative residual says how well alpha-beta describes them.
   Where the largest message takes less than twice the smallest's time (a loaded machine, whose
   latency and noise hide the bandwidth), larger messages are timed, up to 256 MiB.
 - **memory bandwidth**: every process runs ``torch.add(a, b, out=c)`` on float32 tensors of
-  64 MiB at once; bytes/s is ``3 x 64 MiB`` (read ``a`` and ``b``, write ``c``) over the best
-  time, the slowest process's.
+  :func:`bandwidth_bytes` (64 MiB on the CPU, 256 MiB on a GPU) at once; bytes/s is ``3 x`` that
+  (read ``a`` and ``b``, write ``c``) over the best time, the slowest process's.
 - **op overhead**: a tiny training step, ``Linear(4, 4)`` forward, ``.sum()`` and backward on a
   4 x 4 input, timed on every process at once; its seconds divided by the number of aten ops it
   calls that launch a kernel (counted as the planner counts a model's, with
@@ -25,13 +30,19 @@ what a training step on this machine sees:
 - **overlap**: a loop of float32 matrix products alone, a loop of 2 MiB all-reduces alone, then
   both at once (the all-reduces issued with ``async_op=True`` before the products, waited after
   them, as FSDP and DDP issue theirs), :class:`Overlap`.
-- **memory**: the machine's available RAM (``MemAvailable``) divided by the world size: the
-  processes share it. ``devices_per_node`` is the world size and ``inter_node`` equals
-  ``intra_node`` (one node); ``matmul_efficiency`` is 1.0 (``flops`` is measured, not a peak)
-  and ``reserved`` 0.
+- **memory**: a GPU's total memory; on the CPU the machine's available RAM (``MemAvailable``)
+  divided by the processes on it, which share it. ``devices_per_node`` is the processes on a
+  machine and ``inter_node`` equals ``intra_node`` (the world's links as measured; on several
+  machines, the slowest, a note says so); ``matmul_efficiency`` is 1.0 (``flops`` is measured,
+  not a peak) and ``reserved`` 0.
+
+Every time is read with the one timer (:func:`~shardkit.runtime.devices.clock`, which waits for a
+GPU's kernels). The hardware's name, and the key it is kept under (:func:`cached`), say where it was
+measured: ``local-2-gloo-cpu``, ``torchrun-8-nccl-nvidia-h100-80gb-hbm3``; a CPU measurement is never
+taken for GPUs.
 
 The jobs every process runs are in :mod:`shardkit.observe.probes`, the fits in
-:mod:`shardkit.observe.fits`. Usage (about 15 s on 4 processes; ``shardkit calibrate`` does the
+:mod:`shardkit.observe.fits`. Usage (about 15 s on 4 CPU processes; ``shardkit calibrate`` does the
 same and prints a table)::
 
     hw = sk.calibrate(4)
@@ -42,24 +53,28 @@ from __future__ import annotations
 
 import math
 import os
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from ..plan.errors import UsageError
 from ..planner.hardware import COLLECTIVES, DTYPES, Hardware, ring_terms
-from ..runtime.devices import clock
+from ..runtime.devices import choose_backend, clock, device_kind, device_of, launcher_ranks_on_host
 from ..runtime.torchrun import in_torchrun
 from ..runtime.world import LocalWorld, launch
 from . import probes
 from .fits import Fit, fit_alpha_beta, fit_residual
 from .probes import Overlap
 
-#: Matrix sizes (n of an n x n x n product) and message sizes (bytes, the whole tensor as in
-#: :mod:`shardkit.planner.hardware`) of the default sweep.
+#: Matrix sizes (n of an n x n x n product) on the CPU and on GPUs, and message sizes (bytes, the
+#: whole tensor as in :mod:`shardkit.planner.hardware`) of the default sweep.
 MATMUL_SIZES = (64, 128, 256, 512, 1024)
+GPU_MATMUL_SIZES = (1024, 2048, 4096, 8192)
 MESSAGE_SIZES = tuple(2**k for k in range(12, 23, 2))  # 4 KiB to 4 MiB
 SECONDS_PER_SIZE = 0.12
-#: Bytes of each tensor of the memory-bandwidth add; large enough to leave the CPU's caches.
+#: Bytes of each tensor of the memory-bandwidth add on the CPU; large enough to leave its caches
+#: (:func:`bandwidth_bytes`: 4 times that on a GPU, whose L2 cache is up to 50 MiB).
 BANDWIDTH_BYTES = 64 * 2**20
 #: ``progress(done, total, what)``: called before each measurement and once at the end.
 Progress = Callable[[int, int, str], None]
@@ -70,8 +85,8 @@ class Calibration:
     """What :func:`measure` found: the :class:`Hardware`, each dtype's best ``matmul``
     ``(n, FLOP/s per process)`` (``None`` where the dtype did not run), each collective's
     :class:`Fit`, the aten ops of the tiny step ``op_overhead`` was measured on
-    (``ops_per_step``), the :class:`Overlap` measurement, and ``notes`` on what was not
-    measured directly."""
+    (``ops_per_step``), the :class:`Overlap` measurement, ``notes`` on what was not
+    measured directly, and the ``backend`` and ``device`` kind measured."""
 
     hardware: Hardware
     matmul: dict[str, tuple[int, float] | None]
@@ -80,15 +95,35 @@ class Calibration:
     overlap: Overlap
     notes: tuple[str, ...]
     seconds: float
+    backend: str = "gloo"
+    device: str = "cpu"
+
+
+def world_name(launcher: str, world_size: int, backend: str, device: str) -> str:
+    """The name of a measured world, and the key its hardware is kept under: where it runs
+    (``local`` or ``torchrun``), its processes, its backend and its device kind
+    (:func:`~shardkit.runtime.devices.device_kind`).
+
+    >>> world_name("local", 2, "gloo", "cpu"), world_name("torchrun", 8, "nccl", "nvidia-h200")
+    ('local-2-gloo-cpu', 'torchrun-8-nccl-nvidia-h200')
+    """
+    return f"{launcher}-{world_size}-{backend}-{device}"
+
+
+def bandwidth_bytes(backend: str) -> int:
+    """Bytes of each tensor of the memory-bandwidth add: :data:`BANDWIDTH_BYTES` on the CPU, 4 times
+    that on GPUs (NCCL), to leave their caches too."""
+    return BANDWIDTH_BYTES * (4 if backend == "nccl" else 1)
 
 
 # -- measuring -----------------------------------------------------------------------------------
-def calibrate(world_size: int, *, matmul_sizes: Sequence[int] = MATMUL_SIZES,
+def calibrate(world_size: int | None = None, *, matmul_sizes: Sequence[int] | None = None,
               message_sizes: Sequence[int] = MESSAGE_SIZES, seconds_per_size: float = SECONDS_PER_SIZE,
               name: str | None = None, world: LocalWorld | None = None,
               progress: Progress | None = None) -> Hardware:
-    """The :class:`Hardware` of a local world of ``world_size`` gloo processes, measured
-    (:func:`measure` also returns what was measured and how well it fits).
+    """The :class:`Hardware` of a world of ``world_size`` processes, measured where it runs (under
+    ``torchrun``: the torchrun world, every rank calling it; :func:`measure` also returns what was
+    measured and how well it fits).
 
     >>> calibrate(4, seconds_per_size=0)
     Traceback (most recent call last):
@@ -99,49 +134,93 @@ def calibrate(world_size: int, *, matmul_sizes: Sequence[int] = MATMUL_SIZES,
                    seconds_per_size=seconds_per_size, name=name, world=world, progress=progress).hardware
 
 
-def measure(world_size: int, *, matmul_sizes: Sequence[int] = MATMUL_SIZES,
+def measure(world_size: int | None = None, *, matmul_sizes: Sequence[int] | None = None,
             message_sizes: Sequence[int] = MESSAGE_SIZES, seconds_per_size: float = SECONDS_PER_SIZE,
             name: str | None = None, world: LocalWorld | None = None,
             progress: Progress | None = None) -> Calibration:
-    """Measure a local world of ``world_size`` gloo processes (a new one, or ``world``, which
-    must be a gloo world of that size): matmul FLOP/s per dtype over ``matmul_sizes``, each
-    collective over ``message_sizes`` bytes, ``seconds_per_size`` per point.
+    """Measure a world of ``world_size`` processes on the backend devices.py chooses: a new local world,
+    or ``world`` (a live one of that size), or under ``torchrun`` the torchrun world itself (every rank
+    calls it, and every rank gets rank 0's :class:`Calibration`; ``world_size`` may be left out). Matmul
+    FLOP/s per dtype over ``matmul_sizes`` (default by device), each collective over ``message_sizes``
+    bytes, ``seconds_per_size`` per point.
 
     >>> measure(1)
     Traceback (most recent call last):
         ...
     shardkit.plan.errors.UsageError: calibrate(world_size=1): collectives need at least 2 processes; pass 2 or more
     """
+    torchrun = in_torchrun()
+    if torchrun and world_size is None:
+        world_size = int(os.environ["WORLD_SIZE"])
     _check_arguments(world_size, matmul_sizes, message_sizes, seconds_per_size, world)
+    assert world_size is not None
     start = clock()
     report = progress or (lambda done, total, what: None)
     total = len(DTYPES) + len(COLLECTIVES) + 4
-    report(0, total, f"starting {world_size} processes")
+    report(0, total, "joining the torchrun world" if torchrun else f"starting {world_size} processes")
+    measured = dict(matmul_sizes=matmul_sizes, message_sizes=message_sizes, seconds=seconds_per_size,
+                    report=report, total=total)
+    if torchrun:
+        return _from_rank_0(_calibration(None, "torchrun", world_size, launcher_ranks_on_host(), name, start,
+                                         **measured))
     if world is None:
-        with LocalWorld(world_size, backend="gloo") as local:
-            results = _run(local, matmul_sizes, message_sizes, seconds_per_size, report, total)
-    else:
-        results = _run(world, matmul_sizes, message_sizes, seconds_per_size, report, total)
-    matmul, fits, bandwidth, (ops_per_step, op_overhead), overlap = results
+        with LocalWorld(world_size, backend=choose_backend(world_size)) as local:
+            return _calibration(local, "local", world_size, world_size, name, start, **measured)
+    return _calibration(world, "local", world_size, world_size, name, start, **measured)
+
+
+def _calibration(world: LocalWorld | None, launcher: str, world_size: int, per_node: int, name: str | None,
+                 start: float, *, matmul_sizes: Sequence[int] | None, message_sizes: Sequence[int], seconds: float,
+                 report: Progress, total: int) -> Calibration:
+    """Measure ``world`` (``None``: the torchrun world) and make its :class:`Calibration`."""
+    device, memory, memory_note, backend = _devices(world, per_node)
+    sizes = tuple(matmul_sizes or (GPU_MATMUL_SIZES if backend == "nccl" else MATMUL_SIZES))
+    matmul, fits, bandwidth, (ops_per_step, op_overhead), overlap = _run(
+        world, world_size, backend, sizes, message_sizes, seconds, report, total)
     notes = []
     if matmul["float16"] is None:
-        notes.append("float16 matrix products do not run on this CPU: float16 is given bfloat16's figure")
-    memory, memory_note = _memory_per_process(world_size)
+        notes.append(f"float16 matrix products do not run on this {device}: float16 is given bfloat16's figure")
     notes.append(memory_note)
+    if per_node < world_size:
+        notes.append(f"{world_size // per_node} machines: inter_node and intra_node are both the world's links as "
+                     f"measured (the slowest, between machines)")
     flops = {d: (matmul[d] or matmul["bfloat16"])[1] for d in DTYPES}
     links = {c: fits[c].link for c in COLLECTIVES}
-    hardware = Hardware(name=name or f"local-{world_size}-gloo", memory=memory, flops=flops,
-                        devices_per_node=world_size, intra_node=links, inter_node=links, memory_bandwidth=bandwidth,
+    hardware = Hardware(name=name or world_name(launcher, world_size, backend, device), memory=memory, flops=flops,
+                        devices_per_node=per_node, intra_node=links, inter_node=links, memory_bandwidth=bandwidth,
                         matmul_efficiency=1.0, reserved=0, op_overhead=op_overhead, overlap=overlap.fraction,
-                        shared_compute=world_size > (os.cpu_count() or 1))
+                        shared_compute=device == "cpu" and per_node > (os.cpu_count() or 1))
     report(total, total, "done")
-    return Calibration(hardware, matmul, fits, ops_per_step, overlap, tuple(notes), clock() - start)
+    return Calibration(hardware, matmul, fits, ops_per_step, overlap, tuple(notes), clock() - start, backend, device)
 
 
-def _run(world: LocalWorld, matmul_sizes: Sequence[int], message_sizes: Sequence[int], seconds: float,
-         report: Progress, total: int) -> tuple[dict[str, tuple[int, float] | None], dict[str, Fit], float,
-                                                tuple[int, float], Overlap]:
-    launch(probes.ready, world=world)  # the processes have started (the first job waits for them)
+def _devices(world: LocalWorld | None, per_node: int) -> tuple[str, int, str, str]:
+    """``(device kind, memory per device, what was read, backend)`` of the world: asked of its ranks, so
+    that a GPU is never touched by this process outside them."""
+    kinds = launch(probes.device_job, world=world, ranks_on_host=per_node)
+    kind = kinds[0][0]
+    if any(k != kind for k, _, _ in kinds):
+        raise UsageError(f"calibrate: the world's ranks run on different devices "
+                         f"({sorted({k for k, _, _ in kinds})}); one Hardware describes one kind of device")
+    import torch.distributed as dist
+
+    backend = world.backend if world is not None else dist.get_backend()
+    return kind, min(m for _, m, _ in kinds), kinds[0][2], backend
+
+
+def _from_rank_0(calibration: Calibration) -> Calibration:
+    """Rank 0's ``calibration`` on every rank of the torchrun world (each rank read its own clock and
+    memory), so that every rank plans alike."""
+    import torch.distributed as dist
+
+    held = [calibration]
+    dist.broadcast_object_list(held, src=0)
+    return held[0]
+
+
+def _run(world: LocalWorld | None, world_size: int, backend: str, matmul_sizes: Sequence[int],
+         message_sizes: Sequence[int], seconds: float, report: Progress,
+         total: int) -> tuple[dict[str, tuple[int, float] | None], dict[str, Fit], float, tuple[int, float], Overlap]:
     done = 1
     matmul: dict[str, tuple[int, float] | None] = {}
     for dtype in DTYPES:
@@ -151,21 +230,21 @@ def _run(world: LocalWorld, matmul_sizes: Sequence[int], message_sizes: Sequence
         done += 1
     fits = {}
     for collective in COLLECTIVES:
-        report(done, total, f"gloo {collective}")
+        report(done, total, f"{backend} {collective}")
         sizes, times = launch(probes.collective_job, world=world, collective=collective, sizes=tuple(message_sizes),
                               seconds=seconds)[0]  # every rank returns the slowest rank's times
-        steps, factor = ring_terms(collective, world.size)
+        steps, factor = ring_terms(collective, world_size)
         try:
             link = fit_alpha_beta(sizes, times, factor, steps)
         except UsageError as error:
-            raise UsageError(f"calibrate: gloo {collective} up to {max(sizes)} bytes gives no bandwidth: {error}. "
-                             f"The machine is too loaded to time it: run calibrate again when it is idle, "
+            raise UsageError(f"calibrate: {backend} {collective} up to {max(sizes)} bytes gives no bandwidth: "
+                             f"{error}. The machine is too loaded to time it: run calibrate again when it is idle, "
                              f"or with fewer processes") from error
         fits[collective] = Fit(collective, tuple(sizes), tuple(times), link,
                                fit_residual(link, sizes, times, factor, steps))
         done += 1
     report(done, total, "memory bandwidth")
-    bandwidth = launch(probes.bandwidth_job, world=world, nbytes=BANDWIDTH_BYTES, repeats=5)[0]
+    bandwidth = launch(probes.bandwidth_job, world=world, nbytes=bandwidth_bytes(backend), repeats=5)[0]
     report(done + 1, total, "operator overhead")
     overhead = launch(probes.overhead_job, world=world, seconds=seconds)[0]
     report(done + 2, total, "overlap of all-reduce and matmul")
@@ -181,13 +260,14 @@ def _best_matmul(per_rank: list[list[tuple[int, float]] | None]) -> tuple[int, f
     return max(by_size, key=lambda item: item[1])
 
 
-def _check_arguments(world_size: int, matmul_sizes: Sequence[int], message_sizes: Sequence[int],
+def _check_arguments(world_size: int | None, matmul_sizes: Sequence[int] | None, message_sizes: Sequence[int],
                      seconds_per_size: float, world: LocalWorld | None) -> None:
     problems = []
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 2:
         problems.append(f"calibrate(world_size={world_size!r}): collectives need at least 2 processes; "
                         f"pass 2 or more")
-    if not matmul_sizes or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in matmul_sizes):
+    if matmul_sizes is not None and (not matmul_sizes or not all(
+            isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in matmul_sizes)):
         problems.append(f"calibrate(matmul_sizes={matmul_sizes!r}): give matrix sizes, integers >= 1")
     if len(set(message_sizes)) < 2 or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 4 * 8
                                               for s in message_sizes):
@@ -196,25 +276,88 @@ def _check_arguments(world_size: int, matmul_sizes: Sequence[int], message_sizes
     if isinstance(seconds_per_size, bool) or not isinstance(seconds_per_size, (int, float)) \
             or not 0 < seconds_per_size < math.inf:
         problems.append(f"calibrate(seconds_per_size={seconds_per_size!r}): give a finite number of seconds > 0")
-    if world is not None and (world.size != world_size or world.backend != "gloo"):
-        problems.append(f"calibrate(world=...): the world has {world.size} {world.backend} processes; "
-                        f"give a gloo world of world_size={world_size}")
-    if in_torchrun():  # launch would run the jobs on torchrun's world, not on the local one measured
-        problems.append("calibrate measures a local world of its own: run it outside torchrun")
+    if world is not None and world.size != world_size:
+        problems.append(f"calibrate(world=...): the world has {world.size} processes; give a world of "
+                        f"world_size={world_size}")
+    if in_torchrun():
+        torchrun_size = int(os.environ["WORLD_SIZE"])
+        if world is not None:
+            problems.append("calibrate(world=...): under torchrun the torchrun world is measured; give no world")
+        if world_size != torchrun_size:
+            problems.append(f"calibrate(world_size={world_size!r}): under torchrun the torchrun world of "
+                            f"{torchrun_size} processes is measured; give world_size={torchrun_size} or none")
     if problems:
         raise UsageError("; ".join(problems))
 
 
-def _memory_per_process(world_size: int) -> tuple[int, str]:
-    """The machine's available RAM over the world size, and a note saying what was read."""
+# -- kept ----------------------------------------------------------------------------------------
+def cached(world_size: int | None, folder: Path | None, *, recalibrate: bool = False,
+           say: Callable[[str], None] = print, **kwargs) -> Hardware:
+    """The hardware of the world that will run, measured once and kept in ``folder`` as
+    ``<world_name>.yaml`` (:func:`world_name`: backend and device kind in the key); read from there
+    when present, unless ``recalibrate``. ``folder=None``: measured, not kept. ``kwargs`` go to
+    :func:`measure`; ``say`` tells what happens (measuring, and where it is kept).
+
+    Under ``torchrun`` it is a collective: rank 0 alone reads the file or, every rank measuring the
+    world together, writes it (atomically); every rank gets rank 0's :class:`Hardware`. Outside, the
+    local world of ``world_size`` processes is started only to measure it.
+    """
+    if in_torchrun():
+        return _cached_in_torchrun(folder, recalibrate, say, kwargs)
+    assert world_size is not None
+    backend = choose_backend(world_size)
+    key = world_name("local", world_size, backend, device_kind(device_of(backend, 0)))
+    file = None if folder is None else folder / f"{key}.yaml"
+    if file is not None and file.exists() and not recalibrate:
+        return Hardware.load(file)
+    say(f"measuring the local world of {world_size} {backend} processes (shardkit calibrate)"
+        f"{'' if file is None else f'; kept in {file}'}")
+    measured = calibrate(world_size, **kwargs)
+    if file is not None:
+        write_atomically(measured, file)
+    return measured
+
+
+def _cached_in_torchrun(folder: Path | None, recalibrate: bool, say: Callable[[str], None],
+                        kwargs: dict) -> Hardware:
+    import torch.distributed as dist
+
+    launch(probes.ready)  # joins the torchrun world (opens its process group on first use)
+    world_size, rank = dist.get_world_size(), dist.get_rank()
+    found: list = [None, None]  # rank 0's (file, Hardware kept there)
+    if rank == 0:
+        backend = dist.get_backend()
+        device = device_of(backend, int(os.environ.get("LOCAL_RANK", "0")))
+        key = world_name("torchrun", world_size, backend, device_kind(device))
+        file = None if folder is None else folder / f"{key}.yaml"
+        kept = file is not None and file.exists() and not recalibrate
+        found = [file, Hardware.load(file) if kept else None]
+    dist.broadcast_object_list(found, src=0)
+    file, hardware = found
+    if hardware is not None:
+        return hardware
+    if rank == 0:
+        say(f"measuring the torchrun world of {world_size} processes, every rank at once (shardkit calibrate)"
+            f"{'' if file is None else f'; kept in {file}'}")
+    measured = measure(world_size, **kwargs).hardware  # rank 0's, on every rank
+    if rank == 0 and file is not None:
+        write_atomically(measured, file)
+    return measured
+
+
+def write_atomically(hardware: Hardware, file: Path) -> None:
+    """Save ``hardware`` to ``file`` whole or not at all: written to a temporary file in the same
+    folder, then renamed over ``file`` (``os.replace``), so a reader never sees half a file."""
+    file.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(dir=file.parent, prefix=f".{file.stem}.", suffix=file.suffix)
+    os.close(handle)
     try:
-        with open("/proc/meminfo") as meminfo:
-            fields = dict(line.split(":", 1) for line in meminfo)
-        available, source = int(fields["MemAvailable"].split()[0]) * 1024, "available RAM (MemAvailable)"
-    except (OSError, KeyError, ValueError):  # no /proc (macOS): the physical memory, said so in the note
-        available, source = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "physical RAM (no MemAvailable)"
-    return available // world_size, f"memory: {source} / {world_size} processes"
+        hardware.save(temporary)
+        os.replace(temporary, file)
+    finally:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
 
 
-__all__ = ["BANDWIDTH_BYTES", "MATMUL_SIZES", "MESSAGE_SIZES", "SECONDS_PER_SIZE", "Calibration", "Progress", "calibrate",
-           "measure"]
+__all__ = ["BANDWIDTH_BYTES", "GPU_MATMUL_SIZES", "MATMUL_SIZES", "MESSAGE_SIZES", "SECONDS_PER_SIZE", "Calibration",
+           "Progress", "bandwidth_bytes", "cached", "calibrate", "measure", "world_name", "write_atomically"]

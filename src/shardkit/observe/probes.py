@@ -1,12 +1,17 @@
-"""What every process of a local world runs to measure it (``shardkit calibrate``,
-:mod:`shardkit.observe.calibrate`): matrix products, gloo collectives over a size sweep, a large
+"""What every process of a world runs to measure it (``shardkit calibrate``,
+:mod:`shardkit.observe.calibrate`): matrix products, collectives over a size sweep, a large
 add, a tiny training step and the overlap of all-reduces with products, each timed as the
 slowest rank sees it (the slowest rank paces a synchronous step).
+
+Every probe runs on the rank's device (``ctx.device``: its GPU under NCCL, the CPU under gloo,
+as runtime/devices.py chose) and reads the time with :func:`~shardkit.runtime.devices.clock`,
+which waits for the device's queued work first: on a GPU the kernels are timed, not their launch.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -15,7 +20,7 @@ import torch.distributed as dist
 
 from ..planner.counters import OpCounter
 from ..runtime import p2p
-from ..runtime.devices import clock
+from ..runtime.devices import clock, device_kind
 
 #: Where the largest message of the sweep takes less than :data:`GROWTH` times the smallest's time,
 #: latency and noise hide the bandwidth (a loaded or throttled machine): the sweep goes on with
@@ -55,9 +60,31 @@ def ready(ctx) -> None:
     """Nothing: run first, it returns once every process is up."""
 
 
-def _slowest(value: float) -> float:
-    """The largest of every rank's ``value``."""
-    tensor = torch.tensor([value], dtype=torch.float64)
+def device_job(ctx, ranks_on_host: int) -> tuple[str, int, str]:
+    """``(kind, bytes of memory, what was read)`` of this rank's device: a GPU's model and total memory,
+    or ``cpu`` and the machine's available RAM shared by the ``ranks_on_host`` processes on it."""
+    device = ctx.device
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        return device_kind(device), total, f"memory: the total of each GPU ({device_kind(device)})"
+    memory, note = memory_per_process(ranks_on_host)
+    return device_kind(device), memory, note
+
+
+def memory_per_process(ranks_on_host: int) -> tuple[int, str]:
+    """The machine's available RAM over the processes sharing it, and a note saying what was read."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            fields = dict(line.split(":", 1) for line in meminfo)
+        available, source = int(fields["MemAvailable"].split()[0]) * 1024, "available RAM (MemAvailable)"
+    except (OSError, KeyError, ValueError):  # no /proc (macOS): the physical memory, said so in the note
+        available, source = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "physical RAM (no MemAvailable)"
+    return available // ranks_on_host, f"memory: {source} / {ranks_on_host} processes"
+
+
+def _slowest(value: float, device: torch.device) -> float:
+    """The largest of every rank's ``value`` (a tensor on ``device``: NCCL reduces GPU tensors only)."""
+    tensor = torch.tensor([value], dtype=torch.float64, device=device)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return float(tensor.item())
 
@@ -66,21 +93,21 @@ def matmul_job(ctx, dtype: str, sizes: tuple[int, ...], seconds: float) -> list[
     """This rank's FLOP/s per size, all ranks multiplying at once for ``seconds`` per size; ``None``
     when the dtype's products do not run here. The sweep stops before a size whose single product
     would take most of ``seconds`` (every rank stops at the same size)."""
-    kind = getattr(torch, dtype)
+    kind, device = getattr(torch, dtype), ctx.device
     try:
-        torch.ones(2, 2, dtype=kind) @ torch.ones(2, 2, dtype=kind)
+        torch.ones(2, 2, dtype=kind, device=device) @ torch.ones(2, 2, dtype=kind, device=device)
     except RuntimeError:
         return None
     rates = []
     for n in sorted(sizes):
-        a, b = torch.randn(n, n).to(kind), torch.randn(n, n).to(kind)
-        started = clock()
+        a, b = torch.randn(n, n).to(device, kind), torch.randn(n, n).to(device, kind)
+        started = clock(device)
         a @ b  # warm-up, and how long one product takes
-        if _slowest(clock() - started) * 8 > seconds and rates:
+        if _slowest(clock(device) - started, device) * 8 > seconds and rates:
             break  # the next size would not fit in its time
         dist.barrier()
-        count, started = 0, clock()
-        while (elapsed := clock() - started) < seconds or count < 2:
+        count, started = 0, clock(device)
+        while (elapsed := clock(device) - started) < seconds or count < 2:
             a @ b
             count += 1
         rates.append((n, 2 * n**3 * count / elapsed))
@@ -98,54 +125,56 @@ def collective_job(ctx, collective: str, sizes: tuple[int, ...],
     sizes = list(sizes)
     times: list[float] = []
     for size in sizes:
-        times.append(_time_collective(collective, size, seconds))
+        times.append(_time_collective(collective, size, seconds, ctx.device))
     while max(times) < GROWTH * times[sizes.index(min(sizes))] and max(sizes) * 4 <= MAX_MESSAGE_BYTES:
         sizes.append(max(sizes) * 4)
-        times.append(_time_collective(collective, sizes[-1], seconds))
+        times.append(_time_collective(collective, sizes[-1], seconds, ctx.device))
     return sizes, times
 
 
-def _time_collective(collective: str, size: int, seconds: float) -> float:
-    """Seconds per ``collective`` of ``size`` bytes in all, the slowest rank's, best of
+def _time_collective(collective: str, size: int, seconds: float, device: torch.device) -> float:
+    """Seconds per ``collective`` of ``size`` bytes in all on ``device``, the slowest rank's, best of
     :data:`_BLOCKS` blocks."""
     run = _OPS[collective]
     world, rank = dist.get_world_size(), dist.get_rank()
     elements = max(world, size // 4 // world * world)
-    tensors = _tensors(collective, elements, world)
+    tensors = _tensors(collective, elements, world, device)
     run(tensors, rank, world)  # warm-up, and how long one takes
     dist.barrier()
-    started = clock()
+    started = clock(device)
     run(tensors, rank, world)
-    once = _slowest(clock() - started)
+    once = _slowest(clock(device) - started, device)
     repeats = max(1, min(_MAX_REPEATS, int(seconds / once / _BLOCKS)))
     best = math.inf
     for _ in range(_BLOCKS):
         dist.barrier()
-        started = clock()
+        started = clock(device)
         for _ in range(repeats):
             run(tensors, rank, world)
-        best = min(best, _slowest(clock() - started) / repeats)
+        best = min(best, _slowest(clock(device) - started, device) / repeats)
     return best
 
 
-def _timed(work: Callable[[], object]) -> float:
-    """Seconds ``work()`` takes here."""
-    started = clock()
+def _timed(work: Callable[[], object], device: torch.device) -> float:
+    """Seconds ``work()`` takes on ``device`` (its kernels run, not only launched)."""
+    started = clock(device)
     work()
-    return clock() - started
+    return clock(device) - started
 
 
 def bandwidth_job(ctx, nbytes: int, repeats: int) -> float:
-    """Bytes/s of ``torch.add(a, b, out=c)`` on float32 tensors of ``nbytes`` each, every rank
-    adding at once: ``3 * nbytes`` (read a and b, write c) over the best of ``repeats`` adds,
+    """Bytes/s of ``torch.add(a, b, out=c)`` on float32 tensors of ``nbytes`` each on the rank's device,
+    every rank adding at once: ``3 * nbytes`` (read a and b, write c) over the best of ``repeats`` adds,
     the slowest rank's."""
-    a, b, c = torch.ones(nbytes // 4), torch.ones(nbytes // 4), torch.empty(nbytes // 4)
+    device = ctx.device
+    a, b = torch.ones(nbytes // 4, device=device), torch.ones(nbytes // 4, device=device)
+    c = torch.empty(nbytes // 4, device=device)
     torch.add(a, b, out=c)  # warm-up: every page of c is touched
     best = math.inf
     for _ in range(repeats):
         dist.barrier()
-        best = min(best, _timed(lambda: torch.add(a, b, out=c)))
-    return 3 * nbytes / _slowest(best)
+        best = min(best, _timed(lambda: torch.add(a, b, out=c), device))
+    return 3 * nbytes / _slowest(best, device)
 
 
 def overhead_job(ctx, seconds: float) -> tuple[int, float]:
@@ -154,7 +183,8 @@ def overhead_job(ctx, seconds: float) -> tuple[int, float]:
     :data:`_BLOCKS` blocks of about ``seconds`` in all, the slowest rank's, over its ops, counted
     as the planner counts a model's (:class:`~shardkit.planner.counters.OpCounter`: the calls
     that launch a kernel, backward's included)."""
-    layer, x = torch.nn.Linear(4, 4), torch.randn(4, 4)
+    device = ctx.device
+    layer, x = torch.nn.Linear(4, 4).to(device), torch.randn(4, 4).to(device)
 
     def step() -> None:
         layer(x).sum().backward()
@@ -163,26 +193,28 @@ def overhead_job(ctx, seconds: float) -> tuple[int, float]:
     booked: list[float] = []
     with OpCounter(booked.append):  # the operator calls the estimate multiplies op_overhead by
         step()
-    once = _slowest(_timed(step))
+    once = _slowest(_timed(step, device), device)
     repeats = max(1, min(_MAX_STEPS, int(seconds / once / _BLOCKS)))
     best = math.inf
     for _ in range(_BLOCKS):
         dist.barrier()
-        best = min(best, _timed(lambda: [step() for _ in range(repeats)]) / repeats)
-    return len(booked), _slowest(best) / len(booked)
+        best = min(best, _timed(lambda: [step() for _ in range(repeats)], device) / repeats)
+    return len(booked), _slowest(best, device) / len(booked)
 
 
 def overlap_job(ctx, seconds: float, rounds: int) -> Overlap:
     """:class:`Overlap` of float32 products of :data:`OVERLAP_MATMUL` square matrices and
     all-reduces of :data:`OVERLAP_MESSAGE` bytes, each loop sized to take about ``seconds``
     alone; the best of ``rounds`` rounds of (products, all-reduces, both), the slowest rank's."""
-    a, b = torch.randn(OVERLAP_MATMUL, OVERLAP_MATMUL), torch.randn(OVERLAP_MATMUL, OVERLAP_MATMUL)
-    probe = torch.zeros(OVERLAP_MESSAGE // 4)
+    device = ctx.device
+    a, b = (torch.randn(OVERLAP_MATMUL, OVERLAP_MATMUL).to(device) for _ in range(2))
+    probe = torch.zeros(OVERLAP_MESSAGE // 4, device=device)
     a @ b  # warm-up
     dist.all_reduce(probe)
-    products = max(1, round(seconds / _slowest(_timed(lambda: [a @ b for _ in range(4)]) / 4)))
-    messages = max(1, min(_MAX_REPEATS, round(seconds / _slowest(_timed(lambda: dist.all_reduce(probe))))))
-    buffers = [torch.zeros(OVERLAP_MESSAGE // 4) for _ in range(messages)]
+    products = max(1, round(seconds / _slowest(_timed(lambda: [a @ b for _ in range(4)], device) / 4, device)))
+    messages = max(1, min(_MAX_REPEATS, round(seconds / _slowest(_timed(lambda: dist.all_reduce(probe), device),
+                                                                  device))))
+    buffers = [torch.zeros(OVERLAP_MESSAGE // 4, device=device) for _ in range(messages)]
 
     def compute() -> None:
         for _ in range(products):
@@ -202,15 +234,14 @@ def overlap_job(ctx, seconds: float, rounds: int) -> Overlap:
     for _ in range(rounds):
         for i, work in enumerate((compute, communicate, both)):
             dist.barrier()
-            best[i] = min(best[i], _slowest(_timed(work)))
+            best[i] = min(best[i], _slowest(_timed(work, device), device))
     return Overlap(*best)
 
 
-def _tensors(collective: str, elements: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input, output) float32 tensors for ``elements`` elements in all."""
-    if collective == "all_gather":
-        return torch.zeros(elements // world), torch.empty(elements)
-    return torch.zeros(elements), torch.empty(elements)
+def _tensors(collective: str, elements: int, world: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input, output) float32 tensors on ``device`` for ``elements`` elements in all."""
+    given = elements // world if collective == "all_gather" else elements
+    return torch.zeros(given, device=device), torch.empty(elements, device=device)
 
 
 def _all_reduce(tensors: tuple[torch.Tensor, torch.Tensor], rank: int, world: int) -> None:
@@ -230,4 +261,4 @@ _OPS = {"all_reduce": _all_reduce, "all_gather": _all_gather, "p2p": _p2p}
 
 
 __all__ = ["GROWTH", "MAX_MESSAGE_BYTES", "OVERLAP_MATMUL", "OVERLAP_MESSAGE", "Overlap", "bandwidth_job",
-           "collective_job", "matmul_job", "overhead_job", "overlap_job", "ready"]
+           "collective_job", "device_job", "matmul_job", "memory_per_process", "overhead_job", "overlap_job", "ready"]

@@ -107,6 +107,19 @@ def device_of(backend: str, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
 
 
+def device_kind(device: torch.device) -> str:
+    """What ``device`` is, for names and cache keys: ``cpu``, or the GPU's model in lower case with
+    dashes (``nvidia-h200``), so that a measurement of one kind is never taken for another's.
+
+    >>> device_kind(torch.device("cpu"))
+    'cpu'
+    """
+    if device.type != "cuda":
+        return device.type
+    name = torch.cuda.get_device_name(device)  # device properties: no tensor, no memory on the GPU
+    return "-".join("".join(c if c.isalnum() else " " for c in name.lower()).split())
+
+
 def rank_device() -> torch.device:
     """This rank's device in the open process group: its current GPU under NCCL, else the CPU."""
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
@@ -226,7 +239,7 @@ def peak_growth(device: torch.device, mark: int) -> int:
 
 
 __all__ = ["BACKENDS", "GROUP_MARGIN_S", "INIT_DEVICE", "NO_LIMIT", "StepTimer", "choose_backend", "clock",
-           "device_of", "gpu_count", "group_timeout", "group_timeout_for", "launcher_local_rank",
+           "device_kind", "device_of", "gpu_count", "group_timeout", "group_timeout_for", "launcher_local_rank",
            "launcher_ranks_on_host", "memory_mark", "open_process_group", "peak_growth", "rank_device", "set_group_timeout",
            "synchronize", "to_device",
            "wall_ns"]
