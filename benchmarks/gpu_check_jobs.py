@@ -595,18 +595,17 @@ def torchrun_plan_auto(env: Env) -> str:
         raise Skipped("needs at least 2 devices")
     folder = env.out / "torchrun"
     folder.mkdir(parents=True, exist_ok=True)
-    # the planner's hardware of this world, measured outside torchrun (calibrate starts a world of its own)
-    cache = {"SHARDKIT_CACHE": str(folder / "cache")}
-    (folder / "cache").mkdir(exist_ok=True)
-    began = clock()
-    _subprocess(env, [sys.executable, "-m", "shardkit", "calibrate", "--world", str(env.world), "--out",
-                      str(folder / "cache" / f"local-{env.world}.yaml")], cwd=folder, extra=cache)
+    # the torchrun world measures itself on its GPUs, once (rank 0 writes the kept file)
+    cache = folder / "cache"
     proc = _subprocess(env, [sys.executable, "-m", "torch.distributed.run", "--standalone",
                              f"--nproc_per_node={env.world}", "-m", "shardkit", "train", "--model", "gpt-tiny",
                              "--plan", "auto", "--world-size", str(env.world), "--steps", "3", "--data-mb", "0.5",
-                             "--timeout", str(int(env.limit_s))], cwd=folder, extra=cache,
-                       limit_s=env.limit_s - (clock() - began))
+                             "--timeout", str(int(env.limit_s))], cwd=folder, extra={"SHARDKIT_CACHE": str(cache)})
     chose = [line for line in proc.stderr.splitlines() if "--plan auto chose" in line]
+    kept = sorted(p.name for p in cache.iterdir()) if cache.is_dir() else []
+    where = "-nccl-" if env.cuda else "-gloo-cpu"
+    if proc.stderr.count("measuring the torchrun world") != 1 or len(kept) != 1 or where not in kept[0]:
+        raise Failed(f"the torchrun world was not measured once on its own devices ({where}): kept {kept}")
     if not chose:
         raise Failed("--plan auto printed no choice")
-    return chose[0].split("chose", 1)[1].split(":")[0].strip()
+    return f"{chose[0].split('chose', 1)[1].split(':')[0].strip()} on {kept[0]}"

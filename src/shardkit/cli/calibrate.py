@@ -1,4 +1,5 @@
-"""``shardkit calibrate``: measure the local world as it really runs and save it as a hardware file::
+"""``shardkit calibrate``: measure the local world as it really runs (on its GPUs with NCCL, or CPU processes
+on gloo, as ``shardkit train`` would run it) and save it as a hardware file::
 
     shardkit calibrate --world 4 --out local.yaml
     shardkit calibrate > local.yaml          # no --out: the file's text on stdout, the table on stderr
@@ -29,10 +30,11 @@ DEFAULT_WORLD = Mesh.parse(DEFAULT_MESH).size
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "calibrate", help="measure this machine's local world (matmul FLOP/s, gloo collectives, memory bandwidth, "
+        "calibrate", help="measure this machine's local world (matmul FLOP/s, collectives, memory bandwidth, "
              "op overhead, overlap) into a hardware file",
-        description="Start a local world of gloo processes as 'shardkit train' does and measure it as it runs: "
-                    "matrix-product FLOP/s per process with every process multiplying at once, and gloo "
+        description="Start a local world as 'shardkit train' does (a GPU per process with NCCL, else CPU processes "
+                    "on gloo; SHARDKIT_BACKEND=gloo for the CPU) and measure it as it runs: "
+                    "matrix-product FLOP/s per process with every process multiplying at once, and the backend's "
                     "all-reduce, all-gather and send/recv times over message sizes, fitted as latency + "
                     "bytes / bandwidth; memory bandwidth of a large add, the fixed cost of an operator call, and "
                     "how much an all-reduce loop overlaps a matmul loop. Saves a hardware file for the planner (docs/hardware.md).")
@@ -41,7 +43,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              f"'shardkit train' with its default mesh {DEFAULT_MESH})")
     parser.add_argument("--out", type=path, metavar="FILE",
                         help=f"hardware file to write ({', '.join(SUFFIXES)}); default: print it as YAML on stdout")
-    parser.add_argument("--name", metavar="NAME", help="the hardware's name (default: local-N-gloo)")
+    parser.add_argument("--name", metavar="NAME", help="the hardware's name (default: local-N-BACKEND-DEVICE, e.g. local-4-gloo-cpu)")
     parser.set_defaults(func=run)
 
 
@@ -82,31 +84,33 @@ def _table(calibration: Calibration):
     """What was measured: FLOP/s per dtype, each collective's fit and residual, memory."""
     from rich.table import Table
 
-    from ..observe.calibrate import BANDWIDTH_BYTES
+    from ..observe.calibrate import bandwidth_bytes
 
-    hw = calibration.hardware
-    table = Table(title=f"{hw.name}: {hw.devices_per_node} gloo processes, measured in "
+    hw, backend = calibration.hardware, calibration.backend
+    table = Table(title=f"{hw.name}: {hw.devices_per_node} {backend} processes, measured in "
                         f"{format_seconds(calibration.seconds)}", title_justify="left", title_style="bold")
     for column in ("measure", "per process", "latency per step", "fit residual", "how"):
         table.add_column(column)
     for dtype in FLOATING:
         best = calibration.matmul[dtype]
-        how = f"best of the size sweep: n={best[0]}" if best else "does not run on this CPU: bfloat16's figure"
+        how = f"best of the size sweep: n={best[0]}" if best else \
+            f"does not run on this {calibration.device}: bfloat16's figure"
         table.add_row(f"matmul {dtype}", f"{hw.flops[dtype] / 1e9:.3g} GFLOP/s", "", "", how)
     for collective in COLLECTIVES:
         fit = calibration.fits[collective]
-        table.add_row(f"gloo {collective}", f"{format_bytes(fit.link.bandwidth)}/s", format_seconds(fit.link.latency),
+        table.add_row(f"{backend} {collective}", f"{format_bytes(fit.link.bandwidth)}/s", format_seconds(fit.link.latency),
                       f"{fit.residual:.0%}", f"{len(fit.sizes)} sizes, {format_bytes(min(fit.sizes))} to "
                                              f"{format_bytes(max(fit.sizes))}")
     table.add_row("memory bandwidth", f"{format_bytes(hw.memory_bandwidth)}/s", "", "",
-                  f"torch.add(a, b, out=c): 3 x {format_bytes(BANDWIDTH_BYTES)} / time")
+                  f"torch.add(a, b, out=c): 3 x {format_bytes(bandwidth_bytes(backend))} / time")
     table.add_row("op overhead", format_seconds(hw.op_overhead), "", "",
                   f"Linear(4, 4) forward+backward / {calibration.ops_per_step} aten ops")
     overlap = calibration.overlap
     table.add_row("overlap", f"{hw.overlap:.0%}", "", "",
                   f"matmuls {format_seconds(overlap.compute)}, all-reduces {format_seconds(overlap.communication)}, "
                   f"both {format_seconds(overlap.both)}")
-    table.add_row("memory", format_bytes(hw.memory), "", "", "RAM shared by the processes (note below)")
+    table.add_row("memory", format_bytes(hw.memory), "", "",
+                  "RAM shared by the processes (note below)" if calibration.device == "cpu" else "each GPU's total")
     return table
 
 
