@@ -339,6 +339,7 @@ def _pp_generation(ctx):
         out[name, "streamed"] = torch.stack(streamed, dim=1)
         out[name, "sampled"] = generate(model, PROMPT, max_new_tokens=NEW, **SAMPLING)
         out[name, "layers"] = _cached_layers(model)
+        out[name, "reads"] = reads_per_token(model, eos_token_id=STOP_ONE)
         if name == "llama":
             out.update(_llama_stops(model))
     if ctx.plan.mesh.size_of("tp") == 1:
@@ -375,6 +376,13 @@ def test_llama_under_a_pipeline_stops_at_eos_as_transformers_generate(pipeline_r
 def test_gpt_greedy_under_a_pipeline_equals_a_single_process_loop(pipeline_runs, plan):
     expected = _greedy_without_cache(build_tiny_gpt().eval(), PROMPT, NEW)
     assert all(torch.equal(rank["gpt", "greedy"], expected) for rank in pipeline_runs[plan])
+
+
+@pytest.mark.parametrize("plan", list(PIPELINE_PLANS))
+def test_one_host_read_per_generated_token_under_a_pipeline(pipeline_runs, plan):
+    """The receiving stage is sent no header for a decode step's hidden states once it knows their shape."""
+    reads = [(rank["llama", "reads"], rank["gpt", "reads"]) for rank in pipeline_runs[plan]]
+    assert reads == [(1, 1)] * len(reads), f"host reads per token, by rank: {reads}"
 
 
 def test_a_zero_bubble_v_pipeline_generates_as_one_process(pipeline_runs):

@@ -20,8 +20,9 @@ with the chosen token broadcast from the first ``tp`` rank so every rank feeds t
 to its next step.
 
 A pipeline (``pp``) runs its stages one after another for each step, the hidden states of the
-new positions sent to the next stage's rank (:mod:`shardkit.runtime.p2p`), and each stage's
-cache holds its own layers; the last stage chooses the token and broadcasts it back over
+new positions sent to the next stage's rank (:mod:`shardkit.runtime.p2p`; their shape and dtype
+sent ahead only for the prefill and the first decode step, so a receiving stage's step makes no
+host read of its own), and each stage's cache holds its own layers; the last stage chooses the token and broadcasts it back over
 ``pp``. That the stages decode as the model's own forward does is proven on a miniature of
 the model before launch (:func:`check_generation` with the plan) and when the pipeline is built.
 
@@ -359,6 +360,8 @@ class Decoder:
         self.model, self.past = model, 0
         self.kwargs: dict = {}
         self.pipelined = isinstance(model, PipelinedModule)
+        if self.pipelined:  # a new decoding: its first two steps send their hidden states' headers
+            model._sk_runtime.forget_layouts()
         if _cache_kind(model) == "own":
             self.cache = model.kv_cache()
             return

@@ -14,7 +14,9 @@ The pipeline's forward-only path (:meth:`PipelinedModule.through_stages`: evalua
 generation) sends each stage's output to the next stage's rank, with a shape that changes
 from call to call (a prompt, then one token at a time), which torch's ``PipelineStage``
 cannot (it fixes its buffers' shapes at its first step). So :func:`send` posts a header
-(:mod:`shardkit.runtime.tensor_header`) first, then the data into a buffer of that shape.
+(:mod:`shardkit.runtime.tensor_header`) first, then the data into a buffer of that shape; a
+receiver that already knows the layout (the pipeline's decode steps, after the first) is sent
+none, and reads nothing to the host to receive.
 
 >>> exchange(None, sends=[], receives=[])
 []
@@ -35,6 +37,8 @@ SENDABLE = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 #: ``(peer, tensor)``: the peer's rank in the exchange's group (the global rank when the group is ``None``).
 Message = tuple[int, torch.Tensor]
+#: ``(shape, dtype)`` of a tensor a receiver expects.
+Layout = tuple[tuple[int, ...], torch.dtype]
 
 
 def exchange(group: dist.ProcessGroup | None, sends: Sequence[Message] = (), receives: Sequence[Message] = ()
@@ -61,24 +65,29 @@ def exchange_and_wait(group: dist.ProcessGroup | None, sends: Sequence[Message] 
     wait(exchange(group, sends, receives))
 
 
-def send(tensor: torch.Tensor, group: dist.ProcessGroup, dst: int) -> None:
-    """Send ``tensor`` to group rank ``dst``: its header, then its data (two batches, as :func:`receive`)."""
+def send(tensor: torch.Tensor, group: dist.ProcessGroup, dst: int, header: bool = True) -> None:
+    """Send ``tensor`` to group rank ``dst``: its header (unless ``header=False``: the receiver passes
+    the layout to :func:`receive`), then its data (each a batch of its own, as :func:`receive` posts them)."""
     if tensor.dtype not in SENDABLE or tensor.dim() > tensor_header.MAX_DIMS:
         raise UsageError(f"a pipeline stage's output of dtype {tensor.dtype} and shape {list(tensor.shape)} cannot be "
                          f"sent to the next stage: give {[str(d) for d in SENDABLE]} with at most "
                          f"{tensor_header.MAX_DIMS} dims")
-    exchange_and_wait(group, sends=[(dst, tensor_header.encode(tensor))])
+    if header:
+        exchange_and_wait(group, sends=[(dst, tensor_header.encode(tensor))])
     exchange_and_wait(group, sends=[(dst, tensor)])
 
 
-def receive(group: dist.ProcessGroup, src: int, device: torch.device) -> torch.Tensor:
-    """The tensor group rank ``src`` sends with :func:`send`."""
-    header = tensor_header.empty(device)
-    exchange_and_wait(group, receives=[(src, header)])
-    shape, dtype = tensor_header.decode(header)
+def receive(group: dist.ProcessGroup, src: int, device: torch.device, layout: Layout | None = None) -> torch.Tensor:
+    """The tensor group rank ``src`` sends with :func:`send`: of ``layout`` when given (sent without a
+    header), else of the header received first (one host read)."""
+    if layout is None:
+        header = tensor_header.empty(device)
+        exchange_and_wait(group, receives=[(src, header)])
+        layout = tensor_header.decode(header)
+    shape, dtype = layout
     tensor = torch.empty(shape, dtype=dtype, device=device)
     exchange_and_wait(group, receives=[(src, tensor)])
     return tensor
 
 
-__all__ = ["SENDABLE", "Message", "exchange", "exchange_and_wait", "receive", "send", "wait"]
+__all__ = ["SENDABLE", "Layout", "Message", "exchange", "exchange_and_wait", "receive", "send", "wait"]

@@ -66,6 +66,11 @@ class PipelineRuntime:
         self.ties: list[TiedCopy] = []
         #: why decoding with a KV cache through these stages would differ from the model's (sk.generate refuses)
         self.decode_problems: tuple[str, ...] = ()
+        #: per stage fed by another rank: the inputs' shapes of the last forward-only call and the
+        #: (shape, dtype) its hidden states had then, on the sending side and on the receiving side
+        #: (since :meth:`forget_layouts`)
+        self.sent: dict[int, tuple[tuple, p2p.Layout]] = {}
+        self.received: dict[int, tuple[tuple, p2p.Layout]] = {}
 
     def build(self, model: nn.Module) -> None:
         """Wrap this rank's stages of the parallelized ``model`` and build torch's schedule."""
@@ -141,9 +146,17 @@ class PipelineRuntime:
                 sum_tied_grads(self.ties, before)
                 return self._mean_loss(losses)
 
+    def forget_layouts(self) -> None:
+        """Send the next forward-only call's hidden states with their headers (every rank of the pipeline
+        calls it at the same point: a new evaluation, a new decoding), so a model changed between calls
+        (another dtype) is never received in the layout it had before."""
+        self.sent.clear()
+        self.received.clear()
+
     def evaluate(self, model: nn.Module, inputs: Any, targets: Any, loss_fn: Callable) -> torch.Tensor:
         inputs = self._check_inputs(inputs)
         self._check_batch(inputs)
+        self.forget_layouts()
         losses = []
         with torch.no_grad():
             for part_inputs, part_targets in micro_batches(inputs, targets, self.microbatches):
@@ -153,18 +166,38 @@ class PipelineRuntime:
         return self._mean_loss(losses)
 
     def through_stages(self, model: nn.Module, inputs: tuple, cache: Any, past: int) -> torch.Tensor | None:
+        """Every local stage in turn, forward only. A stage's hidden states go to the next stage's rank
+        with their header (shape and dtype) only when the inputs' shapes differ from the last call's since
+        :meth:`forget_layouts` (the prefill, then the first decode step): both sides know the inputs, and
+        the receiving side remembers the header, so a decode step reads nothing to the host to receive."""
         ranks, device = self.assignment.ranks, self.ctx.device
         args = tuple(x.to(device) for x in inputs)
+        key = (tuple(tuple(x.shape) for x in inputs), cache is None)
         for s in range(self.assignment.num_stages):
             if s not in self.local:
                 continue
             if s > 0 and ranks[s - 1] != self.pp_rank:
-                args = (p2p.receive(self.pp_group, ranks[s - 1], device),)
+                known = self.received.get(s)
+                received = p2p.receive(self.pp_group, ranks[s - 1], device,
+                                       known[1] if known is not None and known[0] == key else None)
+                self.received[s] = (key, (tuple(received.shape), received.dtype))
+                args = (received,)
             x = model(*args, stage=s, cache=cache, past=past)  # through __call__: FSDP2's hooks run
             args = (x,)
             if s + 1 < self.assignment.num_stages and ranks[s + 1] != self.pp_rank:
-                p2p.send(x, self.pp_group, ranks[s + 1])
+                self._send(x, s + 1, key)
         return x if self.has_last else None
+
+    def _send(self, x: torch.Tensor, stage: int, key: tuple) -> None:
+        """Send stage ``stage``'s input ``x`` to its rank, its header only when the inputs' shapes are new."""
+        known, layout = self.sent.get(stage), (tuple(x.shape), x.dtype)
+        same = known is not None and known[0] == key
+        if same and known[1] != layout:  # the receiver expects the last layout: it cannot take another
+            raise UsageError(f"pipeline stage {stage - 1}'s output is {list(x.shape)} {x.dtype} where the same inputs "
+                             f"{list(key[0])} gave {list(known[1][0])} {known[1][1]} before: a stage's output must "
+                             f"depend only on its inputs' shapes")
+        p2p.send(x, self.pp_group, self.assignment.ranks[stage], header=not same)
+        self.sent[stage] = (key, layout)
 
     def _check_batch(self, inputs: tuple) -> None:
         problems = self.plan.pipeline.check_batch(int(inputs[0].shape[0])) if self.plan.pipeline else []
