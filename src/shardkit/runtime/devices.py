@@ -116,7 +116,7 @@ def device_kind(device: torch.device) -> str:
     """
     if device.type != "cuda":
         return device.type
-    name = torch.cuda.get_device_name(device)  # device properties: no tensor, no memory on the GPU
+    name = torch.cuda.get_device_name(device)  # the device's properties: no tensor is made
     return "-".join("".join(c if c.isalnum() else " " for c in name.lower()).split())
 
 
