@@ -60,7 +60,14 @@ from pathlib import Path
 
 from ..plan.errors import UsageError
 from ..planner.hardware import COLLECTIVES, DTYPES, Hardware, ring_terms
-from ..runtime.devices import choose_backend, clock, device_kind, device_of, launcher_ranks_on_host
+from ..runtime.devices import (
+    choose_backend,
+    clock,
+    device_kind,
+    device_of,
+    launcher_ranks_on_host,
+    rank_device,
+)
 from ..runtime.torchrun import in_torchrun
 from ..runtime.world import LocalWorld, launch
 from . import probes
@@ -326,9 +333,7 @@ def _cached_in_torchrun(folder: Path | None, recalibrate: bool, say: Callable[[s
     world_size, rank = dist.get_world_size(), dist.get_rank()
     found: list = [None, None]  # rank 0's (file, Hardware kept there)
     if rank == 0:
-        backend = dist.get_backend()
-        device = device_of(backend, int(os.environ.get("LOCAL_RANK", "0")))
-        key = world_name("torchrun", world_size, backend, device_kind(device))
+        key = world_name("torchrun", world_size, dist.get_backend(), device_kind(rank_device()))
         file = None if folder is None else folder / f"{key}.yaml"
         kept = file is not None and file.exists() and not recalibrate
         found = [file, Hardware.load(file) if kept else None]

@@ -30,8 +30,11 @@ def generator_for(sampling: Sampling) -> torch.Generator | None:
 
 
 def choose(logits: torch.Tensor, samplings: list[Sampling], generators: list[torch.Generator | None]) -> list[int]:
-    """One token per row of ``logits [rows, vocab]``; ``-1`` for a row whose logits hold nan or +inf."""
-    logits = logits.float()
+    """One token per row of ``logits [rows, vocab]``; ``-1`` for a row whose logits hold nan or +inf.
+
+    The logits come to the host once: the requests' generators are CPU generators (a seeded request
+    draws the same tokens on any device), and one copy is the step's only sync."""
+    logits = logits.float().cpu()
     bad = (logits.isnan() | logits.isposinf()).any(dim=-1)
     tokens = logits.argmax(dim=-1)
     for i, (sampling, generator) in enumerate(zip(samplings, generators)):
