@@ -97,6 +97,26 @@ def _no_pipeline_neighbours() -> Iterator[None]:
 
 
 @contextmanager
+def _sharding_apart() -> Iterator[None]:
+    """DTensor finds an op's output shape by running the op on fake tensors of the global shapes,
+    in the active fake mode if there is one (``ShardingPropagator._propagate_tensor_meta_non_cached``,
+    once per op and shapes: the result is cached). In a dry run that is :class:`DryRunMode`, the mode
+    torch's memory tracker counts tensors in, so those global tensors were counted as the step's,
+    and how many depended on what DTensor had cached before the step. In a real world DTensor
+    makes a fake mode of its own, which the tracker skips: while entered, the dry run's DTensor
+    gets one too (torch has no hook for it)."""
+    from torch.distributed.tensor import _sharding_prop
+
+    apart = FakeTensorMode()
+    saved = _sharding_prop.detect_fake_mode
+    _sharding_prop.detect_fake_mode = lambda *args: apart
+    try:
+        yield
+    finally:
+        _sharding_prop.detect_fake_mode = saved
+
+
+@contextmanager
 def fake_world(rank: int, world_size: int, plan: Plan | None = None) -> Iterator[Context]:
     """Rank ``rank`` of a ``world_size``-process world on torch's fake process group, its plan's
     meshes made, under :class:`DryRunMode`; yields the rank's :class:`Context` (CPU device).
@@ -117,7 +137,7 @@ def fake_world(rank: int, world_size: int, plan: Plan | None = None) -> Iterator
         ctx = Context(rank, world_size, 0, torch.device("cpu"), plan)
         if plan is not None:  # DeviceMesh computes coordinates on real tensors: made before fake mode
             meshes.meshes_for(plan.resolved(world_size), "cpu")
-        with DryRunMode(), _no_pipeline_neighbours():
+        with DryRunMode(), _no_pipeline_neighbours(), _sharding_apart():
             yield ctx
     finally:
         _forget_groups()
