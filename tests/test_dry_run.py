@@ -33,11 +33,11 @@ def test_a_dry_run_gives_the_bytes_and_collectives_of_a_real_four_process_run(re
                      estimate=priced)
     for cost in dry.ranks:
         memory, collectives = real[name][cost.rank]
-        exact = {k: v for k, v in memory.items() if k not in ("temporaries", "peak")}
+        exact = {k: v for k, v in memory.items() if k != "temporaries"}
         assert {k: cost.memory[k] for k in exact} == exact, (cost.rank, cost.memory, memory)
-        # the backward's temporaries differ by a few tensors between fake and real kernels (docs/dry-run.md)
-        for part in ("temporaries", "peak"):
-            assert abs(cost.memory[part] - memory[part]) <= 0.15 * memory[part], (part, cost.memory, memory)
+        # the backward's temporaries may differ by a small tensor between fake and real kernels (docs/dry-run.md)
+        assert abs(cost.memory["temporaries"] - memory["temporaries"]) <= 0.01 * memory["temporaries"], \
+            (cost.rank, cost.memory, memory)
         assert cost.collectives == collectives, cost.rank
         assert memory["parameters"] > 0 and memory["optimizer"] > 0 and memory["activations"] > 0
         assert {c.kind for c in collectives} >= {"all_gather_into_tensor", "reduce_scatter_tensor"}

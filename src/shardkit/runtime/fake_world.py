@@ -8,7 +8,9 @@ DTensor and FSDP2 compute rank coordinates, shard sizes and offsets with small i
 (``(mesh == rank).nonzero()``, ``arange(n).tolist()``), which fake tensors cannot answer. So an
 op whose tensor inputs are all real runs for real, and a factory op (no tensor input) that makes
 integers (indices, token ids, positions) makes a real tensor; every floating-point tensor the
-model, FSDP2 or the optimizer makes stays fake.
+model, FSDP2 or the optimizer makes stays fake, the model's parameters too: a model built on the
+meta device is materialised into fake tensors (an op taking meta tensors to another device makes
+fake ones), while its ops on meta run for real (cheaper than fake ones, and free).
 
 >>> with fake_world(rank=5, world_size=64) as ctx:     # doctest: +SKIP
 ...     model = sk.shard(sk.meta_model(build), plan, ctx)
@@ -31,7 +33,8 @@ from .context import Context
 
 
 class DryRunMode(FakeTensorMode):
-    """torch's ``FakeTensorMode`` where real integer bookkeeping stays real (module docstring)."""
+    """torch's ``FakeTensorMode`` where real integer bookkeeping, and work on the meta device,
+    stay real (module docstring)."""
 
     def __init__(self) -> None:
         super().__init__(allow_non_fake_inputs=True)
@@ -39,14 +42,29 @@ class DryRunMode(FakeTensorMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         tensors = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
-        if tensors and not any(isinstance(t, FakeTensor) for t in tensors):
+        if tensors and not any(isinstance(t, FakeTensor) for t in tensors) and not _off_meta(tensors, kwargs):
             with unset_fake_temporarily():
+                return func(*args, **kwargs)
+        if not tensors and _device_type(kwargs) == "meta":
+            with unset_fake_temporarily():  # a meta tensor costs nothing, and its ops run faster than fake ones
                 return func(*args, **kwargs)
         out = super().__torch_dispatch__(func, types, args, kwargs)
         if not tensors and isinstance(out, torch.Tensor) and not (out.is_floating_point() or out.is_complex()):
             with unset_fake_temporarily():  # indices, token ids, positions: values the bookkeeping reads
                 return func(*args, **kwargs)
         return out
+
+
+def _device_type(kwargs: dict[str, Any]) -> str | None:
+    device = kwargs.get("device")
+    return None if device is None else torch.device(device).type
+
+
+def _off_meta(tensors: list[torch.Tensor], kwargs: dict[str, Any]) -> bool:
+    """Whether an op takes meta tensors to another device (``to_empty``'s ``empty_like``, a copy):
+    the model's parameters and buffers, materialised on this rank, must become fake, not real."""
+    device = _device_type(kwargs)
+    return device is not None and device != "meta" and any(t.is_meta for t in tensors)
 
 
 def _forget_groups() -> None:
@@ -97,6 +115,26 @@ def _no_pipeline_neighbours() -> Iterator[None]:
 
 
 @contextmanager
+def _sharding_apart() -> Iterator[None]:
+    """DTensor finds an op's output shape by running the op on fake tensors of the global shapes,
+    in the active fake mode if there is one (``ShardingPropagator._propagate_tensor_meta_non_cached``,
+    once per op and shapes: the result is cached). In a dry run that is :class:`DryRunMode`, the mode
+    torch's memory tracker counts tensors in, so those global tensors were counted as the step's,
+    and how many depended on what DTensor had cached before the step. In a real world DTensor
+    makes a fake mode of its own, which the tracker skips: while entered, the dry run's DTensor
+    gets one too (torch has no hook for it)."""
+    from torch.distributed.tensor import _sharding_prop
+
+    apart = FakeTensorMode()
+    saved = _sharding_prop.detect_fake_mode
+    _sharding_prop.detect_fake_mode = lambda *args: apart
+    try:
+        yield
+    finally:
+        _sharding_prop.detect_fake_mode = saved
+
+
+@contextmanager
 def fake_world(rank: int, world_size: int, plan: Plan | None = None) -> Iterator[Context]:
     """Rank ``rank`` of a ``world_size``-process world on torch's fake process group, its plan's
     meshes made, under :class:`DryRunMode`; yields the rank's :class:`Context` (CPU device).
@@ -117,7 +155,7 @@ def fake_world(rank: int, world_size: int, plan: Plan | None = None) -> Iterator
         ctx = Context(rank, world_size, 0, torch.device("cpu"), plan)
         if plan is not None:  # DeviceMesh computes coordinates on real tensors: made before fake mode
             meshes.meshes_for(plan.resolved(world_size), "cpu")
-        with DryRunMode(), _no_pipeline_neighbours():
+        with DryRunMode(), _no_pipeline_neighbours(), _sharding_apart():
             yield ctx
     finally:
         _forget_groups()

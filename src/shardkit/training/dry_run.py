@@ -230,18 +230,84 @@ def measure_step(ctx: Context, model: nn.Module, plan: Plan, batch: int, seq_len
 
 
 def _steady_state(model: nn.Module, opt: Any, plan: Plan, inputs: Any, targets: Any, loss_fn: Callable) -> None:
-    """What the first step leaves for the next: the optimizer's state (one optimizer step on zero
-    gradients), and with a pipeline, torch's stages initialised (their first step infers shapes with
-    ``autograd.grad``, which the memory tracker's module hooks refuse): one whole step there."""
-    import torch
-
+    """What the first step leaves for the next, without running it: with a pipeline, torch's stages
+    initialised (:func:`_initialise_stages`), and the optimizer's state (:func:`_optimizer_state`)."""
     if plan.pipeline is not None:
+        _initialise_stages(model, inputs, targets, loss_fn)
+    _optimizer_state(opt)
+
+
+class _StagesReady(Exception):
+    """Raised by :func:`_initialise_stages` to leave a step once torch's stages are initialised."""
+
+
+def _initialise_stages(model: nn.Module, inputs: Any, targets: Any, loss_fn: Callable) -> None:
+    """torch's pipeline stages as their first step leaves them: on that step, before any
+    micro-batch, the schedule infers the stages' shapes (with ``autograd.grad``, which the memory
+    tracker's module hooks refuse) and makes their receive buffers. The step runs up to there
+    and stops: the micro-batches, which would cost as much as the measured step, do not run
+    (every rank of a real world stops at the same point, so the shape exchange stays paired)."""
+    schedule = model._sk_runtime.schedule
+    # torch 2.13: single-stage schedules initialise in _initialize_stage, the others in _initialize_stages
+    name = "_initialize_stage" if hasattr(schedule, "_initialize_stage") else "_initialize_stages"
+    initialise = getattr(schedule, name)
+
+    def then_stop(*args: Any, **kwargs: Any) -> None:
+        initialise(*args, **kwargs)
+        raise _StagesReady
+
+    setattr(schedule, name, then_stop)
+    try:
         model.step(inputs, targets, loss_fn)
-    else:
-        for p in model.parameters():
-            p.grad = torch.zeros_like(p)
-    opt.step()
+    except _StagesReady:
+        pass
+    finally:
+        delattr(schedule, name)
+
+
+def _optimizer_state(opt: Any) -> None:
+    """The optimizer's state as its first step makes it, made by that step on plain tensors: each
+    DTensor parameter's local shard stands in for it (with a zero gradient), and the state made
+    for the shard is put back under the parameter as a DTensor laid out like it. The tensors
+    (shapes, dtypes, strides, bytes) are those a step on the DTensors makes, which costs
+    DTensor's dispatch on each of the optimizer's ops (a dozen per parameter with AdamW): most of
+    a dry run's time. torch's optimizers keep their step counts (``"step"``) as plain tensors."""
+    import torch
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.distributed.tensor import DTensor
+
+    inner = opt.optim if isinstance(opt, ZeroRedundancyOptimizer) else opt  # it steps the rank's part
+    held = [group["params"] for group in inner.param_groups]
+    with torch.no_grad():
+        stand_ins = {p: _stand_in(p) for params in held for p in params}
+    for group, params in zip(inner.param_groups, held, strict=True):
+        group["params"] = [stand_ins[p] for p in params]
+    try:
+        inner.step()
+    finally:
+        for group, params in zip(inner.param_groups, held, strict=True):
+            group["params"] = params
+    for p, local in stand_ins.items():
+        if local not in inner.state:  # SGD without momentum keeps none
+            continue
+        state = inner.state.pop(local)
+        if isinstance(p, DTensor):
+            state = {key: DTensor.from_local(value, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(),
+                                             run_check=False)
+                     if key != "step" and isinstance(value, torch.Tensor) and value.shape == local.shape else value
+                     for key, value in state.items()}
+        inner.state[p] = state
     opt.zero_grad(set_to_none=True)
+
+
+def _stand_in(p: Any) -> Any:
+    """A leaf on ``p``'s local shard (``p`` itself when it is a plain tensor), with a zero gradient."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    local = p.to_local().detach().requires_grad_(p.requires_grad) if isinstance(p, DTensor) else p
+    local.grad = torch.zeros_like(local)
+    return local
 
 
 __all__ = ["COMPARED", "DryRun", "FILL_ORDER", "RankCost", "dry_run", "measure_step"]
