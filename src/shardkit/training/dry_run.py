@@ -28,7 +28,7 @@ COMPARED: dict[str, tuple[str, ...]] = {
     "optimizer": ("optimizer",),
     "gathered": ("gathered",),
     "activations": ("activations",),
-    "temporaries": ("logits", "buffers"),
+    "temporaries": ("temporaries",),
 }
 #: The order a device's memory fills in: the state first, then what a step adds.
 FILL_ORDER = ("parameters", "gradients", "optimizer", "other", "gathered", "activations", "temporaries")
