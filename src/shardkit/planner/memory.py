@@ -144,7 +144,10 @@ def step_phases(n: Numbers, s: Setting, tokens: float, first: bool, last: bool, 
         block_act = block_saved(n, s)
     per_token = blocks * block_act + (n.embedding_act if first else 0) + (n.hidden * n.itemsize if not last else 0)
     held = per_token * tokens * inflight * scale
-    rebuilt = block_saved(n, s) * tokens * scale if s.recompute == "full" else 0.0
+    # one block rebuilt by full recompute: its saved tensors in the compute dtype, but for its norms' (split
+    # over tp by Megatron SP), which transformers' norms save in float32 (they upcast) whatever the compute dtype
+    norms = n.block_split_by_sp / (s.tp if s.sequence_parallel and s.tp > 1 else 1)
+    rebuilt = (block_saved(n, s) - norms) * tokens * scale + norms * tokens if s.recompute == "full" else 0.0
     # FSDP's unsharded units: the root unit (embedding, head) is gathered for its forward and again from
     # its backward to its post-backward; a block is computed while the next one's all-gather output is in
     # flight (the whole stage, without resharding after the forward); its gradients, unsharded, are
@@ -194,6 +197,12 @@ def step_phases(n: Numbers, s: Setting, tokens: float, first: bool, last: bool, 
         phases["end"] = {"gathered": gathered_root + (embedding_grad + (head if last else 0)) * compute
                          + (accumulated or scatter), "activations": 0.0,
                          "temporaries": embedding_grad * reduce if accumulated and reduce != compute else 0.0}
+        # then its reduce-scatter: the rank's rows of the embedding's whole gradient copied out, the input and output
+        rows = n.embedding_params if embedding_grad > n.embedding_params else 0
+        phases["end, reduce-scatter"] = {
+            "gathered": (embedding_grad + (head if last else 0)) * compute + (embedding_grad * reduce if accumulated else 0),
+            "activations": 0.0,
+            "temporaries": rows * (reduce if accumulated else compute) + root * reduce * (1 + 1 / s.shards)}
     return phases
 
 
