@@ -17,23 +17,18 @@ list with the reasons):
 - ``optimizer``: the optimizer's states per parameter (AdamW: 2) in the parameters' dtype;
   under ZeRO stage 1 (``Plan(zero=1)``) divided over the ``dp`` ranks, whose parameters and
   gradients stay whole (stages 2 and 3 are FSDP, counted as such).
-- ``gathered``: FSDP's unsharded units in the compute dtype: the unit being computed and the
-  prefetched next one, plus one unit's unsharded gradients before the reduce-scatter; with
-  ``reshard_after_forward=False`` the whole stage stays gathered between forward and backward.
-- ``activations``: bytes saved for backward per token (measured) x tokens per micro-batch x
-  micro-batches in flight on the device (no pipeline: 1; GPipe: m; 1F1B: min(m, p);
-  interleaved: min(m, p)(1 + (p-1)/(p v))); Megatron sequence parallel divides the norm and
-  residual terms by ``tp``; context parallel (``sp``) divides the tokens; recompute
-  ``selective`` drops the attention core, ``full`` keeps each block's input only (the stored
-  checkpoints), plus the backward's peak: one block rebuilt at a time, its saved tensors and the
-  gradients its backward allocates (:func:`backward_transient`), less the head's saved tensors
-  and the logits' gradient, which are freed before the blocks' backward starts.
-- ``logits``: the transient of the loss's backward (the logits' gradient, as large as the
-  logits); under tensor parallel shardkit's column-parallel head gathers the whole vocabulary.
+- ``gathered``, ``activations``, ``temporaries``: what a step adds, in the categories of torch's
+  memory tracker that ``sk.dry_run`` reads (:mod:`shardkit.observe.step_cost`), each at its own
+  peak over the step's phases (:func:`step_phases`, which states every term): FSDP2's unsharded
+  parameters, gradients and collective buffers; the tensors saved for backward (the micro-batches
+  in flight: no pipeline 1; GPipe m; 1F1B min(m, p); interleaved min(m, p)(1 + (p-1)/(p v)));
+  what the backward allocates (the loss's and the head's gradients, a block's).
 - ``buffers``: communication buffers: a pipeline stage keeps a receive buffer for every
   micro-batch's hidden states, and one for their gradients.
-- ``overhead``: the allocator's slack, ``ALLOCATOR_OVERHEAD`` of the above, and the device's
+- ``overhead``: the allocator's slack, ``ALLOCATOR_OVERHEAD`` of the tensors, and the device's
   ``reserved`` bytes.
+- ``total``: the state, ``buffers``, the step's largest phase (the three step components at one
+  moment: less than their sum, as they peak at different moments) and ``overhead``.
 """
 
 from __future__ import annotations
@@ -122,7 +117,10 @@ def step_phases(n: Numbers, s: Setting, tokens: float, first: bool, last: bool, 
                 compute: int, reduce: int, scale: float) -> dict[str, dict[str, float]]:
     """What a training step adds to a device's state, at each moment that can be its peak: bytes
     of ``gathered``, ``activations`` and ``temporaries`` (the categories of torch's memory
-    tracker, :mod:`shardkit.observe.step_cost`) by phase (the module docstring lists them)."""
+    tracker, :mod:`shardkit.observe.step_cost`) by phase: the end of the forward, the loss's and the
+    head's backward (last stage), a block's backward, its post-backward and its reduce-scatter
+    (with FSDP; with accumulated gradients, a later micro-batch's backward too), the root unit's
+    post-backward and its reduce-scatter (first stage, with FSDP). docs/planner.md states the terms."""
     blocks = blocks_per_device(n, s)
     inflight = _inflight(s, 0 if first else s.pp - 1)
     unit = n.block_params_at(s.ep)
