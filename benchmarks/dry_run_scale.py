@@ -58,7 +58,7 @@ def run(key: str) -> None:
         ratio = f"{ratios[part]:.3f}" if part in ratios else "-"
         print(f"  {part:<12}{format_bytes(cost.memory[part], digits=2):>12}{format_bytes(estimate, digits=2):>12}"
               f"{ratio:>9}")
-    total = sum(v for k, v in (result.estimate or {}).items() if k not in ("overhead", "total"))
+    total = result.estimate["total"] - result.estimate["overhead"] if result.estimate else 0
     print(f"  {'peak':<12}{format_bytes(cost.memory['peak'], digits=2):>12}{format_bytes(total, digits=2):>12}"
           f"{total / cost.memory['peak']:>9.3f}   (estimate: its sum without allocator overhead)")
     for line in result.overflows():

@@ -9,8 +9,10 @@ saves the attention probabilities; Llama: small configs built here, no hub), bat
   after a warm-up step that left every gradient allocated (so the peak is what the step adds
   on top of parameters and gradients: the activations, the loss's transients and the
   backward's own);
-- **predicted**: ``sk.estimate(model, Plan(recompute=mode), ...)``'s ``activations + logits``
-  (the tensors saved for the backward, and the logits' gradient: the loss backward's transient).
+- **predicted**: what ``sk.estimate(model, Plan(recompute=mode), ...)``'s total adds to the state
+  (parameters, gradients, optimizer) before allocator overhead: the step's peak, the largest of its
+  phases (``shardkit.planner.memory.step_phases``: the tensors saved for the backward, the loss's
+  and the head's gradients, a block's backward).
 
 The baseline is the measurement, in the same run; the ratio predicted / measured is printed.
 
@@ -95,7 +97,8 @@ def predicted(build, mode: str, batch: int = BATCH, seq: int = SEQ) -> int:
         model = build()
     e = sk.estimate(model, sk.Plan(sk.Mesh(dp=1), recompute=mode), batch_size=batch, seq_len=seq,
                     hardware="a100-80g")
-    return e.memory["activations"] + e.memory["logits"]
+    m = e.memory
+    return m["total"] - m["overhead"] - m["parameters"] - m["gradients"] - m["optimizer"] - m["buffers"]
 
 
 def main() -> None:

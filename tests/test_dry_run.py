@@ -68,3 +68,34 @@ def test_the_dry_run_flags_need_dry_run_and_a_rank_of_the_world(capsys, no_proce
     assert "add --dry-run" in capsys.readouterr().err
     assert main(["train", "--dry-run", "--mesh", "fsdp=4", "--world-size", "4", "--ranks", "7"]) == 2
     assert "the world has 4 ranks" in capsys.readouterr().err
+
+
+#: Llama shapes small enough for a test, in bfloat16 compute with float32 reduction and full recompute,
+#: as ``benchmarks/dry_run_scale.py`` runs Llama-3 8B and 70B
+SCALED = {
+    "fsdp x tp": sk.Plan(sk.Mesh(fsdp=4, tp=2), rules=LLAMA_RULES, recompute="full",
+                         fsdp=sk.FSDPOptions(param_dtype="bfloat16", reduce_dtype="float32")),
+    "pp x fsdp x tp": sk.Plan(sk.Mesh(pp=2, fsdp=2, tp=2), rules=LLAMA_RULES, recompute="full",
+                              fsdp=sk.FSDPOptions(param_dtype="bfloat16", reduce_dtype="float32"),
+                              pipeline=sk.Pipeline(microbatches=2)),
+}
+
+
+@pytest.mark.parametrize("name", list(SCALED))
+def test_the_estimate_gives_each_component_of_a_dry_run_within_five_percent(name):
+    """sk.estimate's memory is the dry run's, component by component (the planner's ground truth at
+    scale): FSDP2's gathered units and gradients (the embedding's whole, accumulated in float32 over a
+    pipeline's micro-batches), the saved activations, the loss's and the head's temporaries."""
+    from functools import partial
+
+    from shardkit.models.hf import ATTN_IMPLEMENTATION, build_llama, tiny_llama_config
+
+    config = tiny_llama_config(hidden_size=128, vocab_size=2048, intermediate_size=256, num_hidden_layers=2,
+                               max_position_embeddings=128, tie_word_embeddings=False)
+    config._attn_implementation = ATTN_IMPLEMENTATION
+    plan = SCALED[name]
+    batch = plan.mesh.data_size * (plan.pipeline.microbatches if plan.pipeline else 1)
+    dry = sk.dry_run(partial(build_llama, config), plan, world_size=8, batch=batch, seq_len=128)
+    ratios = dry.ratios()
+    assert set(ratios) == {"parameters", "gradients", "optimizer", "gathered", "activations", "temporaries"}
+    assert all(abs(ratio - 1) <= 0.05 for ratio in ratios.values()), ratios

@@ -54,16 +54,21 @@ def test_70b_on_meta_explains_bytes_per_device():
 
 def test_70b_memory_estimate():
     """estimate_memory is sk.estimate's memory (one model of it): the state terms by hand from the
-    architecture; FSDP2 gathers the largest unit (the tp-local LM head with the final norm) while it
-    computes, prefetches the next and holds one unit's gradients before the reduce-scatter."""
+    architecture; FSDP2's gathered bytes peak at the root unit's post-backward: the root (the
+    tp-local embedding and LM head, the final norm) gathered, its gradients (DTensor's backward of
+    the vocab-parallel embedding makes the embedding's whole) and the last block's reduce-scatter input."""
     model = build_llama_70b()
     params, _ = _llama_70b_bytes_per_device(tp=8, fsdp=8)
-    head = VOCAB // 8 * H + H  # the largest FSDP unit, elements
+    table = VOCAB // 8 * H
+    block = 2 * (H // 8 * H + KV // 8 * H) + 3 * INTER // 8 * H + 2 * H
+    root = 2 * table + H
     memory = estimate_memory(Plan(Mesh(fsdp=8, tp=8), LLAMA_RULES), model)
     assert (memory["parameters"], memory["gradients"], memory["optimizer"]) == (params, params, 2 * params)
-    assert memory["gathered"] == 3 * 4 * head and memory["total"] == sum(v for k, v in memory.items() if k != "total")
+    assert memory["gathered"] == 4 * (root + VOCAB * H + table + H + block)
+    state = params * 4 + memory["overhead"]
+    assert state + memory["activations"] < memory["total"] < sum(v for k, v in memory.items() if k != "total")
     bf16 = Plan(Mesh(fsdp=8, tp=8), LLAMA_RULES, fsdp=FSDPOptions(param_dtype="bfloat16"))
-    assert estimate_memory(bf16, model)["gathered"] == 3 * 2 * head
+    assert estimate_memory(bf16, model)["gathered"] == 2 * (root + VOCAB * H + table + H + block)
     assert estimate_memory(Plan(Mesh(tp=8), LLAMA_RULES), model)["gathered"] == 0
 
 

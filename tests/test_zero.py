@@ -139,7 +139,7 @@ def test_estimate_counts_each_stage():
     params = plain[0]
     assert zero1[:2] == plain[:2] and zero1[2] == pytest.approx(plain[2] / 4, abs=8) and zero1[3] == 0
     assert zero2[:3] == zero3[:3] == pytest.approx((params / 4, params / 4, 2 * params / 4), abs=8)
-    assert zero2[3] >= params > zero3[3]  # stage 2 holds the whole model gathered from forward to backward
+    assert zero2[3] >= params and zero2[3] > zero3[3]  # stage 2 holds the whole model gathered from forward to backward
     assert states(sk.Plan(sk.Mesh(fsdp=4))) == zero3  # stage 3 is today's fsdp
 
 

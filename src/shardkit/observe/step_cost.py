@@ -46,6 +46,12 @@ def _by_component(snapshot: dict[Any, int]) -> dict[str, int]:
     return {part: sum(names.get(c, 0) for c in kinds) for part, kinds in COMPONENTS.items()}
 
 
+def _unsharded_grad() -> Any:
+    from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType
+
+    return _FSDPRefType.UNSHARDED_GRAD
+
+
 def _tracker(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Any:
     """torch's memory tracker for ``model``, with each component's own peak recorded."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
@@ -68,6 +74,21 @@ def _tracker(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Any:
                     self._peak_mem_snap[device] = dict(snapshot)
                 for part, size in _by_component(snapshot).items():
                     self.component_peaks[part] = max(self.component_peaks.get(part, 0), size)
+
+        def _fsdp_param_group_post_backward(self, fsdp_mod: Any, orig: Any) -> Any:
+            # FSDP2 keeps the gradients it accumulates without a reduce-scatter (a pipeline's
+            # micro-batches) in the reduce dtype as ``unsharded_accumulated_grad``, which torch's
+            # tracker leaves filed as temporaries: they are unsharded gradients, "gathered"
+            inner = super()._fsdp_param_group_post_backward(fsdp_mod, orig)
+
+            def refiled(*args: Any, **kwargs: Any) -> None:
+                inner(*args, **kwargs)
+                group = fsdp_mod._get_fsdp_state()._fsdp_param_group
+                for param in group.fsdp_params if group else ():
+                    if param.unsharded_accumulated_grad is not None:
+                        self._update_and_maybe_create_winfos(param.unsharded_accumulated_grad, _unsharded_grad(),
+                                                             update_existing=True)
+            return refiled
 
     tracker = _ComponentPeaks()
     if base is MemTracker:

@@ -123,7 +123,7 @@ def estimate_memory(plan: Plan, model: Any, world_size: int | None = None, *, ba
     >>> from shardkit.models.gpt import GPT_RULES, build_tiny_gpt
     >>> from shardkit.plan import Mesh, Plan
     >>> memory = estimate_memory(Plan(Mesh(tp=2), GPT_RULES), build_tiny_gpt())
-    >>> memory["optimizer"] == 2 * memory["parameters"], memory["total"] == sum(v for k, v in memory.items() if k != "total")
+    >>> memory["optimizer"] == 2 * memory["parameters"], memory["total"] <= sum(v for k, v in memory.items() if k != "total")
     (True, True)
     """
     from .analysis import analyse

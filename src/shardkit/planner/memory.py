@@ -17,23 +17,18 @@ list with the reasons):
 - ``optimizer``: the optimizer's states per parameter (AdamW: 2) in the parameters' dtype;
   under ZeRO stage 1 (``Plan(zero=1)``) divided over the ``dp`` ranks, whose parameters and
   gradients stay whole (stages 2 and 3 are FSDP, counted as such).
-- ``gathered``: FSDP's unsharded units in the compute dtype: the unit being computed and the
-  prefetched next one, plus one unit's unsharded gradients before the reduce-scatter; with
-  ``reshard_after_forward=False`` the whole stage stays gathered between forward and backward.
-- ``activations``: bytes saved for backward per token (measured) x tokens per micro-batch x
-  micro-batches in flight on the device (no pipeline: 1; GPipe: m; 1F1B: min(m, p);
-  interleaved: min(m, p)(1 + (p-1)/(p v))); Megatron sequence parallel divides the norm and
-  residual terms by ``tp``; context parallel (``sp``) divides the tokens; recompute
-  ``selective`` drops the attention core, ``full`` keeps each block's input only (the stored
-  checkpoints), plus the backward's peak: one block rebuilt at a time, its saved tensors and the
-  gradients its backward allocates (:func:`backward_transient`), less the head's saved tensors
-  and the logits' gradient, which are freed before the blocks' backward starts.
-- ``logits``: the transient of the loss's backward (the logits' gradient, as large as the
-  logits); under tensor parallel shardkit's column-parallel head gathers the whole vocabulary.
+- ``gathered``, ``activations``, ``temporaries``: what a step adds, in the categories of torch's
+  memory tracker that ``sk.dry_run`` reads (:mod:`shardkit.observe.step_cost`), each at its own
+  peak over the step's phases (:func:`step_phases`, which states every term): FSDP2's unsharded
+  parameters, gradients and collective buffers; the tensors saved for backward (the micro-batches
+  in flight: no pipeline 1; GPipe m; 1F1B min(m, p); interleaved min(m, p)(1 + (p-1)/(p v)));
+  what the backward allocates (the loss's and the head's gradients, a block's).
 - ``buffers``: communication buffers: a pipeline stage keeps a receive buffer for every
   micro-batch's hidden states, and one for their gradients.
-- ``overhead``: the allocator's slack, ``ALLOCATOR_OVERHEAD`` of the above, and the device's
+- ``overhead``: the allocator's slack, ``ALLOCATOR_OVERHEAD`` of the tensors, and the device's
   ``reserved`` bytes.
+- ``total``: the state, ``buffers``, the step's largest phase (the three step components at one
+  moment: less than their sum, as they peak at different moments) and ``overhead``.
 """
 
 from __future__ import annotations
@@ -43,12 +38,15 @@ import math
 from .costs import OPTIMIZER_STATES, Costs, Numbers, Setting, sharded_elements
 from .expert_costs import stored_expert_elements
 from .hardware import Hardware
+from .measure import Piece
 
 #: Allocator slack over the tensors' own bytes (CUDA's caching allocator rounds and fragments;
 #: glibc's malloc keeps arenas): 5 %, within the 10 % the estimate is held to.
 ALLOCATOR_OVERHEAD = 0.05
 #: The components of memory per device, in the order they are shown.
-MEMORY_KEYS = ("parameters", "gradients", "optimizer", "gathered", "activations", "logits", "buffers", "overhead")
+MEMORY_KEYS = ("parameters", "gradients", "optimizer", "gathered", "activations", "temporaries", "buffers", "overhead")
+#: The components a step adds, each reported at its own peak (:func:`step_phases`).
+STEP_KEYS = ("gathered", "activations", "temporaries")
 
 
 def blocks_per_device(n: Numbers, s: Setting) -> int:
@@ -108,22 +106,113 @@ def backward_transient(n: Numbers) -> float:
     return (n.hidden + n.intermediate) * n.itemsize
 
 
-def _rebuilt(n: Numbers, saved: float, tokens: float, last: bool) -> float:
-    """What full recompute adds to the stored checkpoints at the backward's peak (parameters'
-    dtype): one block rebuilt at a time, its saved tensors and its backward's transient. The
-    head's saved tensors and the logits' gradient are freed before the first block's backward
-    starts, so the two phases' peaks do not add: only the block's excess over the head's counts."""
-    head = (n.head_act + n.vocab * n.itemsize) * tokens if last else 0.0
-    return max(0.0, (saved + backward_transient(n)) * tokens - head)
+def vocab_split(pieces: tuple[Piece, ...], n: Numbers, tp: int) -> bool:
+    """Whether ``pieces`` hold a vocabulary-wide weight split over ``tp`` by its rows (a
+    vocab-parallel embedding, a column-parallel LM head)."""
+    rows = -(-n.vocab // tp)
+    return tp > 1 and any(size * rest == rows * n.hidden for size, rest in pieces)
+
+
+def step_phases(n: Numbers, s: Setting, tokens: float, first: bool, last: bool, params: int,
+                compute: int, reduce: int, scale: float) -> dict[str, dict[str, float]]:
+    """What a training step adds to a device's state, at each moment that can be its peak: bytes
+    of ``gathered``, ``activations`` and ``temporaries`` (the categories of torch's memory
+    tracker, :mod:`shardkit.observe.step_cost`) by phase: the end of the forward, the loss's and the
+    head's backward (last stage), a block's backward, its post-backward and its reduce-scatter
+    (with FSDP; with accumulated gradients, a later micro-batch's backward too), the root unit's
+    post-backward and its reduce-scatter (first stage, with FSDP). docs/planner.md states the terms."""
+    blocks = blocks_per_device(n, s)
+    inflight = _inflight(s, 0 if first else s.pp - 1)
+    unit = n.block_params_at(s.ep)
+    head = n.head_params + sum(size * rest for size, rest in (n.head_borrowed if last and not first else ()))
+    root = (n.embedding_params if first else 0) + (head if last else 0)  # the root FSDP unit's parameters
+    whole = n.vocab * n.hidden  # a vocabulary-wide weight, whole
+    # the embedding's gradient: DTensor's dense backward of a vocab-parallel embedding makes it whole
+    embedding_grad = n.embedding_params + (whole - -(-n.vocab // s.tp) * n.hidden
+                                           if vocab_split(n.embedding_pieces, n, s.tp) else 0)
+    split_head = last and vocab_split(n.head_pieces + n.head_borrowed, n, s.tp)
+    logits = n.vocab * compute * tokens  # the whole vocabulary's logits (a column-parallel head gathers them)
+    # activations: the micro-batches in flight, each with its blocks' saved tensors (with full recompute,
+    # their inputs), the embedding's, and on a pipeline stage before the last its output, kept for its backward
+    if s.recompute == "full":
+        block_act = n.hidden * n.itemsize / (s.tp if s.sequence_parallel else 1)
+    elif s.recompute == "selective":
+        block_act = block_saved(n, s) - n.block_core_recomputed
+    else:
+        block_act = block_saved(n, s)
+    per_token = blocks * block_act + (n.embedding_act if first else 0) + (n.hidden * n.itemsize if not last else 0)
+    held = per_token * tokens * inflight * scale
+    # one block rebuilt by full recompute: its saved tensors in the compute dtype, but for its norms' (split
+    # over tp by Megatron SP), which transformers' norms save in float32 (they upcast) whatever the compute dtype
+    norms = n.block_split_by_sp / (s.tp if s.sequence_parallel and s.tp > 1 else 1)
+    rebuilt = (block_saved(n, s) - norms) * tokens * scale + norms * tokens if s.recompute == "full" else 0.0
+    # FSDP's unsharded units: the root unit (embedding, head) is gathered for its forward and again from
+    # its backward to its post-backward; a block is computed while the next one's all-gather output is in
+    # flight (the whole stage, without resharding after the forward); its gradients, unsharded, are
+    # copied into a reduce-scatter input (reduce dtype) kept until the next block's
+    fsdp = s.shards > 1
+    gathered_root = root * compute if fsdp else 0
+    live = (2 * unit if s.reshard else params - root) * compute if fsdp else 0
+    grads = unit * compute if fsdp else 0
+    scatter = unit * reduce if fsdp else 0
+    accumulated = 0
+    if fsdp and (s.pp > 1 or s.accumulation > 1):  # no reduce-scatter until the last micro-batch: the stage's
+        # gradients accumulate unsharded, in the reduce dtype (the embedding's whole), from the first backward on
+        accumulated = (params - n.embedding_params * first + embedding_grad * first) * reduce
+    # a micro-batch's backward after the first finds the gradients accumulated and one micro-batch fewer in flight
+    later = held * (inflight - 1) / inflight if s.pp > 1 and inflight > 1 else held
+    steady = accumulated if s.microbatches > inflight or s.accumulation > 1 else 0  # a forward after a backward
+    phases = {"forward": {"gathered": gathered_root + (live if not s.reshard else 0) + steady,
+                          "activations": held, "temporaries": 0.0}}
+    if last:
+        head_act = n.head_act * tokens * scale
+        phases["forward"]["activations"] += head_act + logits * (1 + 1 / s.tp if split_head else 1)
+        # the loss's backward (the root unit resharded after its forward): the gradients of the
+        # log-softmax and of the logits
+        phases["loss"] = {"gathered": accumulated, "activations": later + head_act, "temporaries": 2 * logits}
+        # the head's backward: the logits' gradient, the weight's gradient (whole: DTensor computes it
+        # whole from replicated logits before taking the rank's rows) and the input's
+        weight_grad = whole * compute + ((head * compute + logits / s.tp) if split_head else 0)
+        phases["head"] = {"gathered": gathered_root + live / 2 + accumulated, "activations": later,
+                          "temporaries": logits + weight_grad + n.hidden * compute * tokens}
+    # a block's backward (with full recompute, one block rebuilt): its gradients, filed with the
+    # temporaries until its post-backward, and its transient ones; the head's gradients are filed with the
+    # temporaries until the root's post-backward
+    root_grads = head * compute if fsdp and last else 0
+    transient = grads + backward_transient(n) * tokens * scale + root_grads
+    phases["blocks"] = {"gathered": gathered_root + live + (scatter if not accumulated else 0),
+                        "activations": held + rebuilt, "temporaries": transient}
+    if accumulated:
+        phases["blocks, accumulated"] = {"gathered": gathered_root + live + accumulated,
+                                         "activations": later + rebuilt, "temporaries": transient}
+    if fsdp:  # its post-backward: its gradients unsharded, then copied into the reduce-scatter input (and output)
+        phases["post-backward"] = {"gathered": gathered_root + live + grads + (accumulated or scatter),
+                                   "activations": later, "temporaries": root_grads}
+        phases["reduce-scatter"] = {"gathered": gathered_root + live - unit * compute + grads + accumulated,
+                                    "activations": later, "temporaries": scatter * (1 + 1 / s.shards) + root_grads}
+    if first and fsdp:  # the root's post-backward: its gradients (the embedding's whole), the last block's
+        # reduce-scatter input or the accumulated gradients, and the embedding's first upcast to the reduce dtype
+        phases["end"] = {"gathered": gathered_root + (embedding_grad + (head if last else 0)) * compute
+                         + (accumulated or scatter), "activations": 0.0,
+                         "temporaries": embedding_grad * reduce if accumulated and reduce != compute else 0.0}
+        # then its reduce-scatter: the rank's rows of the embedding's whole gradient copied out, the input and output
+        rows = n.embedding_params if embedding_grad > n.embedding_params else 0
+        phases["end, reduce-scatter"] = {
+            "gathered": (embedding_grad + (head if last else 0)) * compute + (embedding_grad * reduce if accumulated else 0),
+            "activations": 0.0,
+            "temporaries": rows * (reduce if accumulated else compute) + root * reduce * (1 + 1 / s.shards)}
+    return phases
 
 
 def memory_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer: str = "adamw") -> dict[str, int]:
-    """Bytes on the most loaded device by component (:data:`MEMORY_KEYS`), and ``total``.
+    """Bytes on the most loaded device by component (:data:`MEMORY_KEYS`), and ``total``: the
+    state, the step's peak (the largest phase of :func:`step_phases`, each of ``gathered``,
+    ``activations`` and ``temporaries`` reported at its own peak), ``buffers`` and ``overhead``.
 
     >>> from shardkit.planner.costs import Costs, Setting
     >>> from shardkit.planner.hardware import hardware
     >>> m = memory_of(Costs.of("gpt-tiny", 32, 1, None), Setting(fsdp=4), 8, hardware("a100-80g"))
-    >>> m["optimizer"] == 2 * m["parameters"], m["total"] == sum(m[k] for k in MEMORY_KEYS)
+    >>> m["optimizer"] == 2 * m["parameters"], m["total"] <= sum(m[k] for k in MEMORY_KEYS)
     (True, True)
     """
     n = costs.numbers
@@ -134,13 +223,6 @@ def memory_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer
     shards = s.shards
     blocks = blocks_per_device(n, s)
     tokens = tokens_per_microbatch(s, batch_size, costs.seq_len)
-    saved = block_saved(n, s)
-    if s.recompute == "full":  # the block's input only
-        block_act = n.hidden * master / (s.tp if s.sequence_parallel else 1)
-    elif s.recompute == "selective":  # the core's own tensors go; q, k, v and its output stay (the
-        block_act = saved - n.block_core_recomputed  # projections keep them)
-    else:
-        block_act = saved
     states = OPTIMIZER_STATES[optimizer]
     best: dict[str, int] | None = None
     # the first device holds the embedding and the most micro-batches; the last holds the head
@@ -149,32 +231,25 @@ def memory_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer
         head = n.head_params + sum(size * rest for size, rest in copy)
         params = blocks * n.block_params_at(s.ep) + (n.embedding_params if first else 0) + (head if last else 0)
         stored = params * master
-        gathered = 0
         if shards > 1:
             pieces = (n.embedding_pieces if first else ()) + ((n.head_pieces + copy) if last else ())
             stored = (blocks * stored_block(n, s) + sharded_elements(pieces, shards)) * master
-            unit = max(n.block_params_at(s.ep), n.embedding_params if first else 0, head if last else 0)
-            # a pipeline, or gradient accumulation, turns gradient sync off until the last micro-batch: the
-            # stage's gradients accumulate unsharded
-            accumulating = s.pp > 1 or s.accumulation > 1
-            gathered = (params if not s.reshard else 2 * unit) * compute + (params if accumulating else unit) * reduce
-        per_token = blocks * block_act + (n.embedding_act if first else 0) + (n.head_act if last else 0)
-        held = per_token * tokens * _inflight(s, 0 if first else s.pp - 1)
-        if s.recompute == "full":
-            held += _rebuilt(n, saved, tokens, last)
         # ZeRO-1: torch's ZeroRedundancyOptimizer gives each dp rank the state of 1/dp of the parameters
         optimized = -(-params // s.dp) * master if s.zero == 1 else stored
-        memory = {"parameters": stored, "gradients": stored, "optimizer": states * optimized, "gathered": int(gathered),
-                  "activations": int(held * scale),
-                  "logits": int(n.vocab * compute * tokens) if last else 0,
-                  "buffers": int(2 * s.virtual * s.microbatches * tokens * n.hidden * compute) if s.pp > 1 else 0}
-        memory["overhead"] = int(ALLOCATOR_OVERHEAD * sum(memory.values())) + hw.reserved
-        memory["total"] = sum(memory.values())
+        phases = step_phases(n, s, tokens, first, last, params, compute, reduce, scale).values()
+        buffers = int(2 * s.virtual * s.microbatches * tokens * n.hidden * compute) if s.pp > 1 else 0
+        memory = {"parameters": stored, "gradients": stored, "optimizer": states * optimized}
+        memory.update({part: int(max(p[part] for p in phases)) for part in STEP_KEYS})
+        memory["buffers"] = buffers
+        held = memory["parameters"] + memory["gradients"] + memory["optimizer"] + buffers \
+            + int(max(sum(p.values()) for p in phases))
+        memory["overhead"] = int(ALLOCATOR_OVERHEAD * held) + hw.reserved
+        memory["total"] = held + memory["overhead"]
         if best is None or memory["total"] > best["total"]:
             best = memory
     assert best is not None
     return best
 
 
-__all__ = ["ALLOCATOR_OVERHEAD", "MEMORY_KEYS", "backward_transient", "block_saved", "blocks_per_device", "memory_of", "stored_block",
-           "stored_experts", "tokens_per_microbatch"]
+__all__ = ["ALLOCATOR_OVERHEAD", "MEMORY_KEYS", "STEP_KEYS", "backward_transient", "block_saved", "blocks_per_device", "memory_of",
+           "step_phases", "stored_block", "stored_experts", "tokens_per_microbatch", "vocab_split"]

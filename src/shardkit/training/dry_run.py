@@ -28,7 +28,7 @@ COMPARED: dict[str, tuple[str, ...]] = {
     "optimizer": ("optimizer",),
     "gathered": ("gathered",),
     "activations": ("activations",),
-    "temporaries": ("logits", "buffers"),
+    "temporaries": ("temporaries",),
 }
 #: The order a device's memory fills in: the state first, then what a step adds.
 FILL_ORDER = ("parameters", "gradients", "optimizer", "other", "gathered", "activations", "temporaries")
@@ -98,9 +98,8 @@ class DryRun:
         for part in parts:
             row = f"{part:<12}" + "".join(f"{format_bytes(r.memory[part], digits=2):>14}" for r in self.ranks)
             if self.estimate is not None:  # the peak beside the estimate's total less its allocator overhead
-                keys = COMPARED.get(part, tuple(k for k in self.estimate if k not in ("overhead", "total"))
-                                    if part == "peak" else ())
-                est = sum(self.estimate[k] for k in keys)
+                keys = COMPARED.get(part, ("total",) if part == "peak" else ())
+                est = sum(self.estimate[k] for k in keys) - (self.estimate["overhead"] if part == "peak" else 0)
                 if part == "peak" and self.ranks[0].memory["peak"]:
                     ratios[part] = est / self.ranks[0].memory["peak"]
                 ratio = f"{ratios[part]:.3f}" if part in ratios else ""
