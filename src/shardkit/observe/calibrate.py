@@ -21,7 +21,8 @@ what a training step on this machine sees:
   calls that launch a kernel (counted as the planner counts a model's, with
   :class:`~shardkit.planner.counters.OpCounter`) is the fixed cost of one operator call:
   Python, the module call, autograd and dispatch, amortised over the ops (the kernels on 16
-  numbers cost next to nothing).
+  numbers cost next to nothing). The same step with the layer's parameters and input as
+  replicated DTensors gives ``dtensor_overhead``, what each operator on a DTensor adds.
 - **overlap**: a loop of float32 matrix products alone, a loop of 2 MiB all-reduces alone, then
   both at once (the all-reduces issued with ``async_op=True`` before the products, waited after
   them, as FSDP and DDP issue theirs), :class:`Overlap`.
@@ -115,14 +116,14 @@ def measure(world_size: int, *, matmul_sizes: Sequence[int] = MATMUL_SIZES,
     _check_arguments(world_size, matmul_sizes, message_sizes, seconds_per_size, world)
     start = clock()
     report = progress or (lambda done, total, what: None)
-    total = len(DTYPES) + len(COLLECTIVES) + 4
+    total = len(DTYPES) + len(COLLECTIVES) + 5
     report(0, total, f"starting {world_size} processes")
     if world is None:
         with LocalWorld(world_size, backend="gloo") as local:
             results = _run(local, matmul_sizes, message_sizes, seconds_per_size, report, total)
     else:
         results = _run(world, matmul_sizes, message_sizes, seconds_per_size, report, total)
-    matmul, fits, bandwidth, (ops_per_step, op_overhead), overlap = results
+    matmul, fits, bandwidth, (ops_per_step, op_overhead), overlap, dtensor_overhead = results
     notes = []
     if matmul["float16"] is None:
         notes.append("float16 matrix products do not run on this CPU: float16 is given bfloat16's figure")
@@ -133,14 +134,14 @@ def measure(world_size: int, *, matmul_sizes: Sequence[int] = MATMUL_SIZES,
     hardware = Hardware(name=name or f"local-{world_size}-gloo", memory=memory, flops=flops,
                         devices_per_node=world_size, intra_node=links, inter_node=links, memory_bandwidth=bandwidth,
                         matmul_efficiency=1.0, reserved=0, op_overhead=op_overhead, overlap=overlap.fraction,
-                        shared_compute=world_size > (os.cpu_count() or 1))
+                        shared_compute=world_size > (os.cpu_count() or 1), dtensor_overhead=dtensor_overhead)
     report(total, total, "done")
     return Calibration(hardware, matmul, fits, ops_per_step, overlap, tuple(notes), clock() - start)
 
 
 def _run(world: LocalWorld, matmul_sizes: Sequence[int], message_sizes: Sequence[int], seconds: float,
          report: Progress, total: int) -> tuple[dict[str, tuple[int, float] | None], dict[str, Fit], float,
-                                                tuple[int, float], Overlap]:
+                                                tuple[int, float], Overlap, float]:
     launch(probes.ready, world=world)  # the processes have started (the first job waits for them)
     done = 1
     matmul: dict[str, tuple[int, float] | None] = {}
@@ -168,9 +169,11 @@ def _run(world: LocalWorld, matmul_sizes: Sequence[int], message_sizes: Sequence
     bandwidth = launch(probes.bandwidth_job, world=world, nbytes=BANDWIDTH_BYTES, repeats=5)[0]
     report(done + 1, total, "operator overhead")
     overhead = launch(probes.overhead_job, world=world, seconds=seconds)[0]
-    report(done + 2, total, "overlap of all-reduce and matmul")
+    report(done + 2, total, "DTensor operator overhead")
+    dtensor = launch(probes.dtensor_overhead_job, world=world, seconds=seconds)[0][1]
+    report(done + 3, total, "overlap of all-reduce and matmul")
     overlap = launch(probes.overlap_job, world=world, seconds=2 * seconds, rounds=2)[0]
-    return matmul, fits, bandwidth, overhead, overlap
+    return matmul, fits, bandwidth, overhead, overlap, dtensor
 
 
 def _best_matmul(per_rank: list[list[tuple[int, float]] | None]) -> tuple[int, float] | None:

@@ -34,7 +34,16 @@ from ..models.gpt import GPT, GPTConfig
 from ..plan import LayoutMap, PlanError, UsageError
 from .catalogue import catalogue_config
 from .expert_costs import ExpertCosts, block_experts, routing_watch
-from .measure import COMPONENTS, Measurement, Piece, Tally, block_names, first_blocks, measure
+from .measure import (
+    COMPONENTS,
+    DTENSOR_VARIANTS,
+    Measurement,
+    Piece,
+    Tally,
+    block_names,
+    first_blocks,
+    measure,
+)
 from .model_rules import axis_plan, default_rules, fsdp_dims
 from .one_rank import sliced_parameters
 from .stored import stored
@@ -77,7 +86,10 @@ class PartCost:
     products or attention kernels (whose time the FLOPs price) read and write, per token.
     ``pieces``: this rank's parameters as FSDP shards them, ``(size of the sharded dim, elements
     of the rest)`` each; ``borrowed``: those the part uses that an earlier part holds (the LM head
-    of a tied embedding: a pipeline's last stage holds its own copy).
+    of a tied embedding: a pipeline's last stage holds its own copy). ``products``: the matrix
+    products and attention kernels of one forward; ``dtensor_ops`` and ``dtensor_params``: the
+    operators one forward runs on DTensors and the parameters that are DTensors, without and with
+    Megatron SP (:data:`~shardkit.planner.measure.DTENSOR_VARIANTS`; zeros at ``tp=1``).
 
     >>> part = PartCost("block", 10, 40, {"mlp": 20.0, "norm": 0.0}, {"mlp": 8.0, "norm": 4.0}, 3, 16.0)
     >>> part.flops, part.activations, part.ops, part.traffic_per_token
@@ -93,6 +105,9 @@ class PartCost:
     traffic_per_token: float = 0.0
     pieces: tuple[Piece, ...] = ()
     borrowed: tuple[Piece, ...] = ()
+    products: int = 0
+    dtensor_ops: tuple[int, int] = (0, 0)
+    dtensor_params: tuple[int, int] = (0, 0)
 
     @property
     def flops(self) -> float:
@@ -394,7 +409,9 @@ def _part(name: str, tally: Tally, seq_len: int) -> PartCost:
     return PartCost(name, tally.params, tally.param_bytes,
                     Components({c: tally.flops.get(c, 0.0) / seq_len for c in COMPONENTS}),
                     Components({c: saved.get(c, 0.0) / seq_len for c in COMPONENTS}), tally.ops,
-                    tally.traffic / seq_len, tuple(tally.pieces), tuple(tally.borrowed))
+                    tally.traffic / seq_len, tuple(tally.pieces), tuple(tally.borrowed), tally.products,
+                    tuple(tally.dtensor_ops[v] for v in DTENSOR_VARIANTS),
+                    tuple(tally.dtensor_params[v] for v in DTENSOR_VARIANTS))
 
 
 def _token_embedding(model: nn.Module, family: Family) -> nn.Embedding | None:

@@ -45,7 +45,11 @@ DTYPES = FLOATING
 #: The suffixes of hardware files.
 SUFFIXES = (".json", ".yaml", ".yml")
 _FIELDS = ("name", "memory", "flops", "devices_per_node", "intra_node", "inter_node", "matmul_efficiency",
-           "memory_bandwidth", "op_overhead", "overlap", "shared_compute", "reserved")
+           "matmul_latency", "memory_bandwidth", "op_overhead", "dtensor_overhead", "overlap", "shared_compute",
+           "reserved")
+#: Fields added after files were first written: a file without them reads as the value given here
+#: (a file of ``shardkit calibrate`` written before had no DTensor probe: the presets' figure).
+_OPTIONAL = {"matmul_latency": 0.0, "dtensor_overhead": 1e-5}  # dtensor_overhead: the presets' (comments below)
 _LINK_FIELDS = ("bandwidth", "latency")
 _NESTED = {"flops": DTYPES, "intra_node": COLLECTIVES, "inter_node": COLLECTIVES}  # mapping fields: their keys
 _YAML_EXPONENT_HINT = " (YAML reads 25e9 as text: write 25.0e+9 or 25000000000)"
@@ -111,11 +115,17 @@ class Hardware:
       them hold no tensors (CUDA context, NCCL buffers);
     - ``flops``: peak FLOP/s per dtype name, ``float32``, ``bfloat16`` and ``float16``;
       ``matmul_efficiency``: the fraction of it a large matrix product reaches in practice
-      (1.0 for a calibrated machine, whose ``flops`` are measured);
+      (1.0 for a calibrated machine, whose ``flops`` are measured); ``matmul_latency``: seconds
+      of fixed device time per matrix product, so that a product of ``F`` FLOPs takes
+      ``F / (peak x matmul_efficiency) + matmul_latency``: its efficiency grows with its size
+      (:meth:`matmul_efficiency_at`);
     - ``memory_bandwidth``: bytes/s one device reads and writes in a large elementwise op (no
       efficiency is applied to it: a preset's is the datasheet's, a calibrated one's measured);
     - ``op_overhead``: seconds of fixed cost per operator call, the part of it not hidden by
       asynchronous execution (a GPU's kernel launch, a CPU's Python and dispatch);
+      ``dtensor_overhead``: seconds an operator on a DTensor costs on top of it (DTensor's
+      Python dispatch: unwrapping, sharding propagation, wrapping), paid by every operator on
+      a DTensor, views included;
     - ``overlap``: the fraction in [0, 1] of communication time that can run while computing
       (about 1.0 on GPUs, whose NCCL runs on streams of its own; measured on gloo);
     - ``shared_compute``: whether the devices are processes sharing fewer cores (a local CPU
@@ -124,8 +134,10 @@ class Hardware:
     - ``devices_per_node``; ``intra_node`` and ``inter_node``: one :class:`Link` per collective
       in :data:`COLLECTIVES`.
 
-    ``op_overhead``, ``overlap`` and ``shared_compute`` default to an ideal device's 0.0, 1.0 and false in Python (files
-    require every field); ``memory_bandwidth`` has no default, as devices differ by 100x.
+    ``op_overhead``, ``dtensor_overhead``, ``matmul_latency``, ``overlap`` and ``shared_compute`` default to an
+    ideal device's 0.0, 0.0, 0.0, 1.0 and false in Python (files require every field but ``matmul_latency`` and
+    ``dtensor_overhead``, which files written before them lack: :data:`_OPTIONAL`); ``memory_bandwidth`` has no
+    default, as devices differ by 100x.
 
     >>> a100 = Hardware.preset("a100-80g")
     >>> a100.usable_memory / 2**30, a100.memory_bandwidth / 1e9, a100.op_overhead, a100.overlap
@@ -143,6 +155,8 @@ class Hardware:
     reserved: int = 0
     op_overhead: float = 0.0
     overlap: float = 1.0
+    matmul_latency: float = 0.0
+    dtensor_overhead: float = 0.0
     shared_compute: bool = False
 
     def __post_init__(self) -> None:
@@ -167,6 +181,21 @@ class Hardware:
         links = self.inter_node if across_nodes else self.intra_node
         return links[_collective(collective, "Hardware.link")]
 
+    def matmul_efficiency_at(self, flops: float, dtype: Any) -> float:
+        """The fraction of ``dtype``'s peak a matrix product of ``flops`` FLOPs reaches:
+        ``matmul_efficiency x F / (F + matmul_efficiency x peak x matmul_latency)``, the fixed
+        time per product amortised over its FLOPs (the planner prices a part's products as their
+        FLOPs at ``matmul_efficiency`` plus ``matmul_latency`` each).
+
+        >>> a100 = Hardware.preset("a100-80g")
+        >>> [round(a100.matmul_efficiency_at(2 * n**3, "bfloat16"), 2) for n in (1024, 2048, 4096, 8192)]
+        [0.57, 0.81, 0.85, 0.86]
+        """
+        if flops <= 0:
+            raise UsageError(f"Hardware.matmul_efficiency_at(flops={flops!r}): give a product's FLOPs, > 0")
+        ceiling = self.matmul_efficiency
+        return ceiling * flops / (flops + ceiling * self.peak_flops(dtype) * self.matmul_latency)
+
     def peak_flops(self, dtype: Any) -> float:
         """Peak FLOP/s for ``dtype`` (a name such as ``"bfloat16"`` or a ``torch.dtype``)."""
         name = dtype_name(dtype)
@@ -185,8 +214,10 @@ class Hardware:
             "intra_node": _links_to_dict(self.intra_node),
             "inter_node": _links_to_dict(self.inter_node),
             "matmul_efficiency": self.matmul_efficiency,
+            "matmul_latency": self.matmul_latency,
             "memory_bandwidth": self.memory_bandwidth,
             "op_overhead": self.op_overhead,
+            "dtensor_overhead": self.dtensor_overhead,
             "overlap": self.overlap,
             "shared_compute": self.shared_compute,
             "reserved": self.reserved,
@@ -198,14 +229,15 @@ class Hardware:
         (``what`` starts each message, e.g. the file's name)."""
         data = mapping(data, what, "{name: ..., memory: ..., flops: {...}, ...}")
         problems = _unknown(data, _FIELDS, what)
-        problems += [f"missing field {name!r}" for name in _FIELDS if name not in data and name not in _NESTED]
+        problems += [f"missing field {name!r}" for name in _FIELDS
+                     if name not in data and name not in _NESTED and name not in _OPTIONAL]
         for name in _NESTED:
             problems += _nested_missing(data, name)
         problems += _dict_value_problems(data)
         if problems:
             raise PlanError([p if p.startswith(what) else f"{what}: {p}" for p in problems])
         links = {side: {c: Link(**data[side][c]) for c in COLLECTIVES} for side in ("intra_node", "inter_node")}
-        scalars = {name: data[name] for name in _FIELDS if name not in _NESTED}
+        scalars = {name: data.get(name, _OPTIONAL.get(name)) for name in _FIELDS if name not in _NESTED}
         return cls(flops=dict(data["flops"]), **scalars, **links)
 
     def save(self, path: str | Path) -> None:
@@ -299,6 +331,8 @@ def _scalar_problems(values: Mapping[str, Any]) -> list[str]:
             None if v <= 1 else f"field 'matmul_efficiency' must be a fraction in (0, 1], got {v!r}"),
         "memory_bandwidth": lambda v: _positive_number(v, "memory_bandwidth"),
         "op_overhead": lambda v: _number(v, "op_overhead", 0.0),
+        "dtensor_overhead": lambda v: _number(v, "dtensor_overhead", 0.0),
+        "matmul_latency": lambda v: _number(v, "matmul_latency", 0.0),
         "overlap": lambda v: _number(v, "overlap", 0.0) or (
             None if v <= 1 else f"field 'overlap' must be a fraction in [0, 1], got {v!r}"),
         "shared_compute": lambda v: None if isinstance(v, bool) else
@@ -406,8 +440,16 @@ def _check_suffix(path: Path, caller: str) -> None:
 # - memory is what the driver reports (A100 81920 MiB, H100 81559 MiB; H200 143771 MiB, read with
 #   nvidia-smi on an H200 of this workplace); reserved 1 GiB: the CUDA context (~0.5 GiB) and NCCL's
 #   communicator buffers.
-# - matmul_efficiency 0.8: a large bf16 product reaches ~250 of 312 TFLOP/s on an A100 with cuBLAS;
-#   on an H200 of this workplace an 8192^3 bf16 product ran at 769-798 of 989 TFLOP/s.
+# - matmul_efficiency, the ceiling a large product reaches: A100 0.859, the "maximum achievable
+#   matmul FLOPS" of an A100 SXM, 267.9 of 312 TFLOP/s in bf16 (best of a sweep of shapes, CUDA 12.1;
+#   S. Bekman, ml-engineering, compute/accelerator/README.md, "Maximum Achievable Matmul FLOPS
+#   comparison table"); H100/H200 0.8: on an H200 of this workplace an 8192^3 bf16 product ran at
+#   769-798 of 989 TFLOP/s.
+# - matmul_latency 4 us: a product's fixed device time (its launch, the first tiles' loads, the
+#   last wave's tail, NVIDIA's "Matrix Multiplication Background" guide, dimension quantization),
+#   so small products reach less of the ceiling (on an A100: 0.57 at 1024^3, 0.81 at 2048^3, 0.85 at
+#   4096^3, 0.86 at 8192^3). The 4 us is the launch cost op_overhead uses, not measured here: no GPU
+#   was lent to measure the curve.
 # - bus bandwidth: NCCL-tests reach ~75% of the link's one-way peak in all-reduce (e.g. ~230 of 300
 #   GB/s on a DGX A100) and ~80% in all-gather, reduce-scatter and send/recv.
 # - latency per ring step: 2 us within a node (NVLink, NCCL's low-latency protocol), 6 us across
@@ -417,10 +459,16 @@ def _check_suffix(path: Path, caller: str) -> None:
 # - op_overhead 4 us: a CUDA kernel launch costs the host a few microseconds (cudaLaunchKernel
 #   ~2-4 us, plus torch's dispatch); asynchronous execution hides it behind kernels that run
 #   longer, so it only shows where kernels are shorter than their launch.
+# - dtensor_overhead 10 us: the host time DTensor's dispatch adds to an operator (unwrapping,
+#   sharding propagation from its cache, wrapping), measured with torch 2.13 on this workplace's
+#   CPU: 10 us of CPU time per operator dispatched on a DTensor, one process, the tiny step of
+#   shardkit calibrate's probe (probes.dtensor_overhead_job); a GPU's host runs the same Python.
 # - overlap 1.0: NCCL runs on its own CUDA streams, concurrently with the compute stream.
 _BUS_EFFICIENCY = {"all_reduce": 0.75, "all_gather": 0.80, "p2p": 0.80}
 _INTRA_LATENCY, _INTER_LATENCY = 2e-6, 6e-6
 _GPU_OP_OVERHEAD = 4e-6
+_GPU_MATMUL_LATENCY = 4e-6
+_DTENSOR_OVERHEAD = 1e-5
 _MIB = 2**20
 
 
@@ -429,17 +477,18 @@ def _links(peak_one_way: float, latency: float) -> dict[str, Link]:
 
 
 def _preset(name: str, memory_mib: int, fp32: float, half: float, hbm: float, nvlink: float,
-            network: float) -> Hardware:
+            network: float, matmul_efficiency: float = 0.8) -> Hardware:
     return Hardware(name=name, memory=memory_mib * _MIB,
                     flops={"float32": fp32, "bfloat16": half, "float16": half}, devices_per_node=8,
                     intra_node=_links(nvlink, _INTRA_LATENCY), inter_node=_links(network, _INTER_LATENCY),
-                    memory_bandwidth=hbm, matmul_efficiency=0.8, reserved=1024 * _MIB,
-                    op_overhead=_GPU_OP_OVERHEAD, overlap=1.0)
+                    memory_bandwidth=hbm, matmul_efficiency=matmul_efficiency, reserved=1024 * _MIB,
+                    op_overhead=_GPU_OP_OVERHEAD, overlap=1.0, matmul_latency=_GPU_MATMUL_LATENCY,
+                    dtensor_overhead=_DTENSOR_OVERHEAD)
 
 
 #: Datasheet machines by name (sources and choices in the comments above and docs/hardware.md).
 PRESETS: dict[str, Hardware] = {
-    "a100-80g": _preset("a100-80g", 81920, 19.5e12, 312e12, 2039e9, 300e9, 25e9),
+    "a100-80g": _preset("a100-80g", 81920, 19.5e12, 312e12, 2039e9, 300e9, 25e9, matmul_efficiency=0.859),
     "h100-80g": _preset("h100-80g", 81559, 67e12, 989.4e12, 3350e9, 450e9, 50e9),
     "h200-141g": _preset("h200-141g", 143771, 67e12, 989.4e12, 4800e9, 450e9, 50e9),
 }
