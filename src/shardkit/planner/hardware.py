@@ -27,7 +27,6 @@ one device reaches, as NCCL-tests reports it (``busbw = factor * S / t``).
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,10 +35,8 @@ from typing import Any
 from ..plan.dtypes import FLOATING, dtype_name
 from ..plan.errors import PlanError, UsageError
 from ..plan.files import known_keys, mapping, read_file
+from .links import COLLECTIVES, Link, collective_kind, describe, number, positive_number, ring_terms
 
-#: The collectives a :class:`Hardware` prices; ``reduce_scatter`` costs as ``all_gather`` (the
-#: ring moves the same bytes in the same steps).
-COLLECTIVES = ("all_reduce", "all_gather", "p2p")
 #: The dtypes every :class:`Hardware` gives a peak for: the plan's floating dtypes.
 DTYPES = FLOATING
 #: The suffixes of hardware files.
@@ -52,59 +49,6 @@ _FIELDS = ("name", "memory", "flops", "devices_per_node", "intra_node", "inter_n
 _OPTIONAL = {"matmul_latency": 0.0, "dtensor_overhead": 1e-5}  # dtensor_overhead: the presets' (comments below)
 _LINK_FIELDS = ("bandwidth", "latency")
 _NESTED = {"flops": DTYPES, "intra_node": COLLECTIVES, "inter_node": COLLECTIVES}  # mapping fields: their keys
-_YAML_EXPONENT_HINT = " (YAML reads 25e9 as text: write 25.0e+9 or 25000000000)"
-
-
-def ring_terms(collective: str, n: int) -> tuple[int, float]:
-    """``(steps, factor)`` of the ring algorithm for ``collective`` over ``n`` devices: all-reduce
-    ``2(n-1)`` steps moving ``2(n-1)/n`` of the bytes, all-gather and reduce-scatter ``n-1`` and
-    ``(n-1)/n``, point-to-point one message of all of them.
-
-    >>> ring_terms("all_reduce", 4), ring_terms("reduce_scatter", 4), ring_terms("p2p", 4)
-    ((6, 1.5), (3, 0.75), (1, 1.0))
-    """
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise UsageError(f"ring_terms(n={n!r}): n must be a number of devices >= 1")
-    kind = _collective(collective, "ring_terms")
-    if kind == "p2p":
-        return 1, 1.0
-    if kind == "all_reduce":
-        return 2 * (n - 1), 2 * (n - 1) / n
-    return n - 1, (n - 1) / n
-
-
-def _collective(name: str, caller: str) -> str:
-    if name == "reduce_scatter":
-        return "all_gather"
-    if name not in COLLECTIVES:
-        raise UsageError(f"{caller}: unknown collective {name!r}; valid: {', '.join(COLLECTIVES)}, reduce_scatter")
-    return name
-
-
-@dataclass(frozen=True)
-class Link:
-    """One collective's cost on one kind of link, alpha-beta:
-    ``time = steps * latency + factor * S / bandwidth``.
-
-    ``bandwidth`` is in bytes/s, the bus bandwidth one device reaches (NCCL-tests convention);
-    ``latency`` in seconds per message step (0 allowed: a fit can find none).
-
-    >>> Link(bandwidth=100e9, latency=2e-6).seconds(1e9, factor=1.5, steps=6)
-    0.015012
-    """
-
-    bandwidth: float
-    latency: float
-
-    def __post_init__(self) -> None:
-        problems = [p for p in (_positive_number(self.bandwidth, "bandwidth"),
-                                _number(self.latency, "latency", minimum=0.0)) if p]
-        if problems:
-            raise PlanError([f"Link: {p}" for p in problems])
-
-    def seconds(self, nbytes: float, *, factor: float = 1.0, steps: int = 1) -> float:
-        """The time of ``steps`` message steps moving ``factor * nbytes`` bytes per device."""
-        return steps * self.latency + factor * nbytes / self.bandwidth
 
 
 @dataclass(frozen=True)
@@ -179,7 +123,7 @@ class Hardware:
     def link(self, collective: str, across_nodes: bool) -> Link:
         """The :class:`Link` ``collective`` runs on (``reduce_scatter``: all-gather's)."""
         links = self.inter_node if across_nodes else self.intra_node
-        return links[_collective(collective, "Hardware.link")]
+        return links[collective_kind(collective, "Hardware.link")]
 
     def matmul_efficiency_at(self, flops: float, dtype: Any) -> float:
         """The fraction of ``dtype``'s peak a matrix product of ``flops`` FLOPs reaches:
@@ -291,30 +235,9 @@ def hardware(spec: str | Path | Hardware) -> Hardware:
 # -- checks: each returns a problem naming the field, or None -------------------------------------
 
 
-def _describe(value: Any) -> str:
-    return "null" if value is None else f"{type(value).__name__} {value!r}"
-
-
-def _number(value: Any, where: str, minimum: float) -> str | None:
-    """A finite int or float (not a bool) >= ``minimum``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        hint = _YAML_EXPONENT_HINT if isinstance(value, str) and "e" in value.lower() else ""
-        return f"field {where!r} must be a number, got {_describe(value)}{hint}"
-    if not math.isfinite(value) or value < minimum:
-        return f"field {where!r} must be a finite number >= {minimum:g}, got {value!r}"
-    return None
-
-
-def _positive_number(value: Any, where: str) -> str | None:
-    problem = _number(value, where, 0.0)
-    if problem is None and value <= 0:
-        return f"field {where!r} must be > 0, got {value!r}"
-    return problem
-
-
 def _integer(value: Any, where: str, minimum: int, unit: str) -> str | None:
     if isinstance(value, bool) or not isinstance(value, int):
-        return f"field {where!r} must be a whole number of {unit} (an integer), got {_describe(value)}"
+        return f"field {where!r} must be a whole number of {unit} (an integer), got {describe(value)}"
     if value < minimum:
         return f"field {where!r} must be >= {minimum}, got {value}"
     return None
@@ -324,19 +247,19 @@ def _scalar_problems(values: Mapping[str, Any]) -> list[str]:
     """Problems of the fields that are not mappings (only those present are checked)."""
     checks = {
         "name": lambda v: None if isinstance(v, str) and v.strip() else
-        f"field 'name' must be a non-empty string, got {_describe(v)}",
+        f"field 'name' must be a non-empty string, got {describe(v)}",
         "memory": lambda v: _integer(v, "memory", 1, "bytes"),
         "devices_per_node": lambda v: _integer(v, "devices_per_node", 1, "devices"),
-        "matmul_efficiency": lambda v: _positive_number(v, "matmul_efficiency") or (
+        "matmul_efficiency": lambda v: positive_number(v, "matmul_efficiency") or (
             None if v <= 1 else f"field 'matmul_efficiency' must be a fraction in (0, 1], got {v!r}"),
-        "memory_bandwidth": lambda v: _positive_number(v, "memory_bandwidth"),
-        "op_overhead": lambda v: _number(v, "op_overhead", 0.0),
-        "dtensor_overhead": lambda v: _number(v, "dtensor_overhead", 0.0),
-        "matmul_latency": lambda v: _number(v, "matmul_latency", 0.0),
-        "overlap": lambda v: _number(v, "overlap", 0.0) or (
+        "memory_bandwidth": lambda v: positive_number(v, "memory_bandwidth"),
+        "op_overhead": lambda v: number(v, "op_overhead", 0.0),
+        "dtensor_overhead": lambda v: number(v, "dtensor_overhead", 0.0),
+        "matmul_latency": lambda v: number(v, "matmul_latency", 0.0),
+        "overlap": lambda v: number(v, "overlap", 0.0) or (
             None if v <= 1 else f"field 'overlap' must be a fraction in [0, 1], got {v!r}"),
         "shared_compute": lambda v: None if isinstance(v, bool) else
-        f"field 'shared_compute' must be true or false, got {_describe(v)}",
+        f"field 'shared_compute' must be true or false, got {describe(v)}",
         "reserved": lambda v: _integer(v, "reserved", 0, "bytes"),
     }
     problems = [problem for name, check in checks.items() if name in values and (problem := check(values[name]))]
@@ -352,7 +275,7 @@ def _field_problems(hw: Hardware) -> list[str]:
     for name, keys in _NESTED.items():
         value = getattr(hw, name)
         if not isinstance(value, Mapping):
-            problems.append(f"field {name!r} must be a mapping with keys {list(keys)}, got {_describe(value)}")
+            problems.append(f"field {name!r} must be a mapping with keys {list(keys)}, got {describe(value)}")
             continue
         problems += _unknown(value, keys, f"field {name!r}")
         problems += [f"missing field '{name}.{key}'" for key in keys if key not in value]
@@ -360,9 +283,9 @@ def _field_problems(hw: Hardware) -> list[str]:
             if key not in value:
                 continue
             if name == "flops":
-                problems += [p for p in [_positive_number(value[key], f"flops.{key}")] if p]
+                problems += [p for p in [positive_number(value[key], f"flops.{key}")] if p]
             elif not isinstance(value[key], Link):
-                problems.append(f"field '{name}.{key}' must be a Link, got {_describe(value[key])}")
+                problems.append(f"field '{name}.{key}' must be a Link, got {describe(value[key])}")
     return problems
 
 
@@ -382,7 +305,7 @@ def _nested_missing(data: Mapping[str, Any], name: str) -> list[str]:
         return [f"missing field '{name}' (a mapping with keys {list(keys)})"]
     value = data[name]
     if not isinstance(value, Mapping):
-        return [f"field {name!r} must be a mapping with keys {list(keys)}, got {_describe(value)}"]
+        return [f"field {name!r} must be a mapping with keys {list(keys)}, got {describe(value)}"]
     problems = _unknown(value, keys, f"field {name!r}")
     for key in keys:
         path = f"{name}.{key}"
@@ -391,7 +314,7 @@ def _nested_missing(data: Mapping[str, Any], name: str) -> list[str]:
         elif leaves:
             link = value[key]
             if not isinstance(link, Mapping):
-                problems.append(f"field {path!r} must be a mapping with keys {list(leaves)}, got {_describe(link)}")
+                problems.append(f"field {path!r} must be a mapping with keys {list(leaves)}, got {describe(link)}")
                 continue
             problems += _unknown(link, leaves, f"field {path!r}")
             problems += [f"missing field '{path}.{leaf}'" for leaf in leaves if leaf not in link]
@@ -403,7 +326,7 @@ def _dict_value_problems(data: Mapping[str, Any]) -> list[str]:
     problems = _scalar_problems(data)
     flops = data.get("flops")
     if isinstance(flops, Mapping):
-        problems += [p for d in DTYPES if d in flops and (p := _positive_number(flops[d], f"flops.{d}"))]
+        problems += [p for d in DTYPES if d in flops and (p := positive_number(flops[d], f"flops.{d}"))]
     for side in ("intra_node", "inter_node"):
         links = data.get(side)
         if not isinstance(links, Mapping):
@@ -411,7 +334,7 @@ def _dict_value_problems(data: Mapping[str, Any]) -> list[str]:
         for c in COLLECTIVES:
             link = links.get(c)
             if isinstance(link, Mapping):
-                checks = ((_positive_number, "bandwidth"), (lambda v, w: _number(v, w, 0.0), "latency"))
+                checks = ((positive_number, "bandwidth"), (lambda v, w: number(v, w, 0.0), "latency"))
                 problems += [p for check, leaf in checks
                              if leaf in link and (p := check(link[leaf], f"{side}.{c}.{leaf}"))]
     return problems

@@ -31,7 +31,7 @@ Megatron SP (:data:`DTENSOR_VARIANTS`).
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 
@@ -64,8 +64,10 @@ class Tally:
     each as FSDP shards it; ``borrowed``: those it uses that an earlier part holds, a tied
     weight), FLOPs by component, saved storages ``{storage id: (bytes, component)}`` (each counted
     once), operator calls and the bytes the non-matmul ones read and write (:class:`OpCounter`),
-    matrix products (``products``), and per :data:`DTENSOR_VARIANTS` the operators run on DTensors
-    (``dtensor_ops``) and the parameters that are DTensors (``dtensor_params``)."""
+    matrix products (``products``), per :data:`DTENSOR_VARIANTS` the operators run on DTensors
+    (``dtensor_ops``) and the parameters that are DTensors (``dtensor_params``), and the
+    column-parallel inputs and row-parallel outputs whose collectives tensor parallel runs
+    (``tp_boundaries``)."""
 
     params: int = 0
     param_bytes: int = 0
@@ -79,6 +81,13 @@ class Tally:
     products: int = 0
     dtensor_ops: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     dtensor_params: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    tp_boundaries: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+
+    def tensor_parallel_counts(self) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int]]:
+        """``(dtensor_ops, dtensor_params)`` per :data:`DTENSOR_VARIANTS`, and ``(column-parallel
+        inputs, row-parallel outputs)``."""
+        return (*(tuple(counts[v] for v in DTENSOR_VARIANTS) for counts in (self.dtensor_ops, self.dtensor_params)),
+                (self.tp_boundaries[COLWISE], self.tp_boundaries[ROWWISE]))
 
     def saved_by_component(self) -> dict[str, float]:
         out: dict[str, float] = defaultdict(float)
@@ -196,6 +205,9 @@ class _Recorder:
     def book_dtensor(self, variant: str) -> None:
         self.parts[self.part()].dtensor_ops[variant] += 1
 
+    def book_boundary(self, kind: str) -> None:
+        self.parts[self.part()].tp_boundaries[kind] += 1
+
     def enter(self, name: str, module: nn.Module) -> None:
         self.book_flops()
         self.stack.append(name)
@@ -289,7 +301,7 @@ def measure(model: nn.Module, family: Family, blocks: list[str], seq_len: int, d
         stack.enter_context(one_rank(model, [plan] if plan is not None else [], local_weights=True,
                                      bridge=ops.pause))
         if plan is not None:
-            stack.enter_context(_dtensor_styles(model, plan, paths, ops))
+            stack.enter_context(_dtensor_styles(model, plan, paths, ops, recorder.book_boundary))
         stack.enter_context(recorder.hooks())
         stack.enter_context(counter)
         stack.enter_context(ops)
@@ -324,25 +336,32 @@ def _distributed_parameters(model: nn.Module, plan: AxisPlan | None,
 
 
 @contextmanager
-def _dtensor_styles(model: nn.Module, plan: AxisPlan, paths: DTensorPaths, ops: OpCounter) -> Iterator[None]:
+def _dtensor_styles(model: nn.Module, plan: AxisPlan, paths: DTensorPaths, ops: OpCounter,
+                    boundary: Callable[[str], None]) -> Iterator[None]:
     """Where torch's styles turn tensors into DTensors and back (:mod:`shardkit.runtime.tensor_parallel`),
     the same marks on the stand-ins: a split module's input becomes a DTensor in both variants; its
     output goes back local, but under Megatron SP a row-parallel or embedding output stays one
     (``use_local_output=False``: the residual stream is sequence-sharded), as does a replicated
     embedding's output; a module with parameters that is neither split, a norm nor an embedding
-    (a replicated head) takes its input local."""
+    (a replicated head) takes its input local. ``boundary(kind)`` is called for each split
+    module's input (``colwise``: replicated, or all-gathered under SP, its gradient reduced) and
+    output (``rowwise``: partial sums reduced)."""
     handles = []
 
-    def set_input(variants: tuple[str, ...]):
+    def set_input(variants: tuple[str, ...], kind: str | None = None):
         def hook(_module, args):
+            if kind is not None:
+                boundary(kind)
             if not args:
                 return None
             with ops.pause():
                 return (paths.alias(args[0], variants), *args[1:])
         return hook
 
-    def set_output(variants: tuple[str, ...]):
+    def set_output(variants: tuple[str, ...], kind: str | None = None):
         def hook(_module, _args, out):
+            if kind is not None:
+                boundary(kind)
             with ops.pause():
                 return paths.alias(out, variants)
         return hook
@@ -351,9 +370,11 @@ def _dtensor_styles(model: nn.Module, plan: AxisPlan, paths: DTensorPaths, ops: 
         split = plan.splits.get(name)
         embedding = isinstance(module, nn.Embedding)
         if split is not None:
-            handles.append(module.register_forward_pre_hook(set_input(DTENSOR_VARIANTS)))
+            handles.append(module.register_forward_pre_hook(set_input(
+                DTENSOR_VARIANTS, COLWISE if split.kind == COLWISE else None)))
             local = split.kind in (COLWISE, DTENSOR) or (split.kind != ROWWISE and not embedding)
-            handles.append(module.register_forward_hook(set_output(() if local else ("sp",))))
+            handles.append(module.register_forward_hook(set_output(
+                () if local else ("sp",), ROWWISE if split.kind == ROWWISE else None)))
         elif embedding:
             handles.append(module.register_forward_hook(set_output(("sp",))))
         elif not is_norm(module) and next(module.parameters(recurse=False), None) is not None:

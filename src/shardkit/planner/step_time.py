@@ -25,9 +25,12 @@ are consecutive and fit in one, else across nodes:
   third of it; ``sequential``: ``p-1`` stages idle); on ``shared_compute`` hardware (processes
   sharing cores) none, and the compute is the average device's, since an idle process lends
   its cores to the others;
-- ``tp``: per block two all-reduces forward and two backward of the block's hidden states
-  (Megatron SP: the same bytes as all-gathers and reduce-scatters), plus the head's gathered
-  logits, not overlapped;
+- ``tp``: per block, as counted by the analysis, an all-reduce of the block's hidden states
+  backward for each column-parallel layer's input (the gradient of a replicated input) and
+  forward for each row-parallel layer's output (Megatron's fused QKV: 2 and 2; separate q, k, v
+  projections: 4 and 2); under Megatron SP an all-gather forward and a reduce-scatter backward
+  for each input, the reverse for each output; full recompute runs the forward's again; plus the
+  head's gathered logits, not overlapped;
 - ``dp`` / ``fsdp``: gradient all-reduce in DDP's 25 MiB buckets, or per FSDP unit an all-gather
   forward, another backward (with resharding) and a reduce-scatter (HSDP adds an all-reduce of
   the shard); ``overlap`` of it runs while the backward computes (DDP: the last micro-batch's
@@ -118,11 +121,17 @@ def time_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer: 
     if dtensor:
         parts["dtensor"] = dtensor
     shape = (s.order, s.dp, s.fsdp, s.tp, s.pp, s.sp, s.ep)
-    # tensor parallel: 2 all-reduces forward + 2 backward per block (+2 when the forward runs again), not hidden
+    # tensor parallel: per block a collective per column-parallel input and row-parallel output, not hidden
     if s.tp > 1:
         all_reduce = _collective("all_reduce", hidden_bytes, s.tp, _link(hw, shape, ("tp",), "all_reduce"))
+        gather = _collective("all_gather", hidden_bytes, s.tp, _link(hw, shape, ("tp",), "all_gather"))
         head = _collective("all_gather", tokens * n.vocab * itemsize, s.tp, _link(hw, shape, ("tp",), "all_gather"))
-        per_block = (4 + (2 if s.recompute == "full" else 0)) * all_reduce
+        inputs, outputs = n.block_tp_boundaries
+        again = s.recompute == "full"  # the forward's collectives run again
+        if s.sequence_parallel:  # inputs gathered forward, their gradients reduce-scattered; outputs the reverse
+            per_block = (2 + again) * (inputs + outputs) * gather
+        else:  # outputs all-reduced forward, the inputs' gradients backward
+            per_block = ((1 + again) * outputs + inputs) * all_reduce
         parts["tp"] = m * (blocks * per_block + head + 2 * all_reduce)
     # data parallel: gradients (DDP, in buckets) or parameters and gradients (FSDP, per unit), behind compute
     reduce = s.reduce_dtype.itemsize if s.reduce_dtype is not None else itemsize
