@@ -31,9 +31,11 @@ def test_a_tensor_parallel_rank_runs_its_split_linears_on_dtensors(gpt):
     assert Costs.of(gpt, SEQ, 1, None).numbers.block_dtensor_ops == (0, 0)
 
 
-@pytest.mark.parametrize("plan, sp", [(sk.Plan(sk.Mesh(tp=2, dp=2), rules=GPT_RULES), 0),
-                                      (sk.Plan(sk.Mesh(tp=2, fsdp=2), rules=GPT_RULES, sequence_parallel=True), 1)])
-def test_a_tensor_parallel_step_pays_dtensor_overhead_per_counted_operator(gpt, plan, sp):
+@pytest.mark.parametrize("plan, sp, plan_data", [
+    (sk.Plan(sk.Mesh(tp=2), rules=GPT_RULES), 0, False),
+    (sk.Plan(sk.Mesh(tp=2, dp=2), rules=GPT_RULES), 0, True),
+    (sk.Plan(sk.Mesh(tp=2, fsdp=2), rules=GPT_RULES, sequence_parallel=True), 1, True)])
+def test_a_tensor_parallel_step_pays_dtensor_overhead_per_counted_operator(gpt, plan, sp, plan_data):
     costs = Costs.of(gpt, SEQ, 2, None, rules=GPT_RULES)
     n, s = costs.numbers, Setting.of(plan)
     hw = dataclasses.replace(A100, dtensor_overhead=1e-5)
@@ -41,8 +43,8 @@ def test_a_tensor_parallel_step_pays_dtensor_overhead_per_counted_operator(gpt, 
     parts = time_of(costs, s, BATCH, hw)
     blocks = blocks_per_device(n, s)
     per_pass = 3 * (n.embedding_dtensor_ops[sp] + n.head_dtensor_ops[sp] + blocks * n.block_dtensor_ops[sp])
-    # the optimizer's operators on DTensor parameters: every parameter under FSDP, the split ones without
-    params = sum(map(len, (n.embedding_pieces, n.head_pieces))) + blocks * len(n.block_pieces) if s.fsdp > 1 \
+    # the optimizer's operators on DTensor parameters: every one with a data axis beside tp, else the split ones
+    params = sum(map(len, (n.embedding_pieces, n.head_pieces))) + blocks * len(n.block_pieces) if plan_data \
         else n.embedding_dtensor_params[sp] + n.head_dtensor_params[sp] + blocks * n.block_dtensor_params[sp]
     expected = (s.microbatches * per_pass + params * OPTIMIZER_OPS["adamw"][1]) * 1e-5
     assert dtensor_ops(n, s, hw, blocks) == per_pass > 0

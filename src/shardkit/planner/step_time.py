@@ -17,7 +17,8 @@ are consecutive and fit in one, else across nodes:
   ``tp``, per micro-batch the operators the analysis followed from the split modules (Megatron
   SP's residual stream too; backward twice the forward's, full recompute the forward again), and
   the optimizer's :data:`OPTIMIZER_OPS` on each DTensor parameter (every parameter under FSDP,
-  which keeps them sharded as DTensors; else the split modules', and under SP the norms');
+  which keeps them sharded as DTensors, or with a data axis beside ``tp``; else the split
+  modules', and under SP the norms');
 - ``optimizer``: the step reads each parameter, gradient and optimizer state and writes the
   parameter and the states, over ``memory_bandwidth``, plus its :data:`OPTIMIZER_OPS` calls per
   parameter x ``op_overhead``;
@@ -114,7 +115,8 @@ def time_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer: 
     parts["optimizer"] = stored * n.itemsize * (3 + 2 * OPTIMIZER_STATES[optimizer]) / hw.memory_bandwidth \
         + tensors * calls * hw.op_overhead
     variant = 1 if s.sequence_parallel else 0
-    distributed = tensors if s.fsdp > 1 else _stage(
+    # FSDP keeps every parameter a DTensor, as does a data axis beside tp (replicate over the 2-D mesh)
+    distributed = tensors if s.fsdp > 1 or (s.tp > 1 and s.dp * s.sp * s.ep > 1) else _stage(
         hw, s, blocks, n.embedding_dtensor_params[variant], n.head_dtensor_params[variant],
         n.block_dtensor_params[variant]) if s.tp > 1 else 0
     dtensor += distributed * on_dtensor * hw.dtensor_overhead
