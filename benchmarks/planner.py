@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import statistics
 
 import torch
@@ -60,7 +61,10 @@ def _batch():
 
 def run_plan(ctx, steps: int, memory: bool) -> dict:
     """With ``memory``: the peak tensor bytes over sharding and two steps (the profiler slows it);
-    else the median time of ``steps`` steps after one to warm up."""
+    else the median wall time of ``steps`` steps after one to warm up, and the median CPU seconds
+    this process (all its threads, gloo's included) spent in a step."""
+    import time
+
     import torch.distributed as dist
 
     inputs, targets = ctx.shard_batch(*_batch())
@@ -73,16 +77,17 @@ def run_plan(ctx, steps: int, memory: bool) -> dict:
             optimizer.step()
     if memory:
         return {"peak": peak.peak_bytes()}
-    times = []
+    times, cpu = [], []
     for _ in range(steps):
         dist.barrier()
-        start = clock()
+        start, cpu_start = clock(), time.process_time()
         optimizer.zero_grad()
         model.step(inputs, targets, gpt_loss)
         optimizer.step()
+        cpu.append(time.process_time() - cpu_start)
         dist.barrier()
         times.append(clock() - start)
-    return {"step": statistics.median(times)}
+    return {"step": statistics.median(times), "cpu": statistics.median(cpu)}
 
 
 def _spearman(xs: list[float], ys: list[float]) -> float:
@@ -114,49 +119,68 @@ MEMORY_PLANS = {
 }
 
 
-def local_world(steps: int) -> None:
+def local_world(steps: int, memory: bool = True) -> None:
+    """``memory=False``: the step times only (the memory plans take most of the run)."""
+    import os
+
     from shardkit.models.gpt import GPT_RULES
 
     console.rule("1. the local world")
     hw = sk.calibrate(WORLD)
     console.print(f"calibrated: float32 {hw.peak_flops('float32') / 1e9:.1f} GFLOP/s per process, all-reduce "
-                  f"{hw.link('all_reduce', False).bandwidth / 2**30:.2f} GiB/s")
+                  f"{hw.link('all_reduce', False).bandwidth / 2**30:.2f} GiB/s, op overhead "
+                  f"{hw.op_overhead * 1e6:.0f} us, DTensor op overhead {hw.dtensor_overhead * 1e6:.0f} us")
     model = sk.meta_model(build)
     candidates = autoshard(model, devices=WORLD, hardware=hw, global_batch=BATCH, seq_len=CONFIG.seq_len,
                            top=1000, param_dtype=None)
     plans = dict(MEMORY_PLANS)
     plans["fsdp=2 tp=2 sp"] = sk.Plan(sk.Mesh(fsdp=2, tp=2), rules=GPT_RULES, sequence_parallel=True)
     plans["tp=4"] = sk.Plan(sk.Mesh(tp=4), rules=GPT_RULES)
-    measured: list[dict] = [{"step": float("inf")} for _ in candidates]
+    measured: list[dict] = [{"step": float("inf"), "cpu": float("inf"), "peak": 0} for _ in candidates]
+    cores = min(WORLD, os.cpu_count() or 1)
     with sk.LocalWorld(WORLD) as world:
         # every plan in turn, twice: interference from other work on the machine hits each plan alike,
         # and the faster of the two rounds is kept
         for round_ in range(ROUNDS):
             for index, c in enumerate(candidates):
-                step = max(r["step"] for r in world.run(run_plan, steps, False, plan=c.plan))
+                results = world.run(run_plan, steps, False, plan=c.plan)
+                step = max(r["step"] for r in results)
+                # the world's CPU seconds over the cores it runs on: a step's time on a machine of its own
+                cpu = sum(r["cpu"] for r in results) / cores
                 measured[index]["step"] = min(measured[index]["step"], step)
+                measured[index]["cpu"] = min(measured[index]["cpu"], cpu)
                 console.print(f"  round {round_ + 1}, candidate {index + 1}/{len(candidates)} {_describe(c.plan)}: "
-                              f"predicted {c.estimate.step_time * 1e3:.0f} ms, measured {step * 1e3:.0f} ms")
-        for index, c in enumerate(candidates):
-            measured[index]["peak"] = _peak(world, c.plan)
+                              f"predicted {c.estimate.step_time * 1e3:.0f} ms, measured {step * 1e3:.0f} ms, "
+                              f"CPU / cores {cpu * 1e3:.0f} ms")
         memory_rows = []
-        for name, plan in plans.items():
-            predicted = estimate(model, plan, batch_size=BATCH, seq_len=CONFIG.seq_len, hardware=hw)
-            memory_rows.append((name, predicted, _peak(world, plan)))
+        if memory:
+            for index, c in enumerate(candidates):
+                measured[index]["peak"] = _peak(world, c.plan)
+            for name, plan in plans.items():
+                predicted = estimate(model, plan, batch_size=BATCH, seq_len=CONFIG.seq_len, hardware=hw)
+                memory_rows.append((name, predicted, _peak(world, plan)))
     predicted = [c.estimate.step_time for c in candidates]
     steps_measured = [m["step"] for m in measured]
     best = min(steps_measured)
-    table = Table("#", "plan", "predicted step", "measured step", "predicted / measured", "measured peak",
+    table = Table("#", "plan", "predicted step", "of which dtensor", "measured step", "predicted / measured",
+                  "CPU / cores", "predicted / CPU", "measured peak",
                   "predicted tensors", title=f"every feasible plan ({len(candidates)}), ranked by prediction")
     for index, (c, m) in enumerate(zip(candidates, measured)):
         table.add_row(str(index + 1), _describe(c.plan), f"{c.estimate.step_time * 1e3:.0f} ms",
-                      f"{m['step'] * 1e3:.0f} ms", f"{c.estimate.step_time / m['step']:.2f}",
-                      format_bytes(m["peak"], digits=1),
+                      f"{c.estimate.step_time_parts.get('dtensor', 0.0) * 1e3:.0f} ms", f"{m['step'] * 1e3:.0f} ms",
+                      f"{c.estimate.step_time / m['step']:.2f}", f"{m['cpu'] * 1e3:.0f} ms",
+                      f"{c.estimate.step_time / m['cpu']:.2f}", format_bytes(m["peak"], digits=1) if m["peak"] else "-",
                       format_bytes(c.estimate.memory["total"] - c.estimate.memory["overhead"], digits=1))
     console.print(table)
-    console.print(f"chosen plan's measured throughput / best measured: {best / steps_measured[0]:.2f}; "
-                  f"Spearman(predicted, measured step time) = {_spearman(predicted, steps_measured):.2f} "
-                  f"over {len(candidates)} plans")
+    console.print(f"chosen plan's measured throughput / best measured: {best / steps_measured[0]:.2f}")
+    for what, key in (("wall time", "step"), ("CPU time / cores", "cpu")):
+        values = [m[key] for m in measured]
+        errors = [abs(p - v) / v for p, v in zip(predicted, values)]
+        console.print(f"against the {what}: Spearman(predicted, measured) = {_spearman(predicted, values):.2f}; "
+                      f"mean absolute error {100 * statistics.mean(errors):.0f}% (largest {100 * max(errors):.0f}%) "
+                      f"over {len(candidates)} plans")
+    if not memory:
+        return
     table = Table("plan", "predicted tensors", "measured peak", "predicted / measured", "within 10%",
                   title="memory: the estimate's tensors (total less allocator overhead) against the measured peak "
                         "of live tensors (max over ranks)")
@@ -227,6 +251,8 @@ def zero_figure() -> None:
 
 def megatron_table() -> None:
     console.rule("2b. Megatron-LM SC'21 Table 1 on a100-80g: memory and TFLOP/s per GPU")
+    # Megatron-LM's tensor parallel runs plain tensors in its own layers: no DTensor dispatch to price
+    a100 = dataclasses.replace(sk.Hardware.preset("a100-80g"), dtensor_overhead=0.0)
     ratios = []
     table = Table("model", "tp", "pp", "dp", "GPUs", "batch", "memory/GPU", "fits 80 GB", "predicted TFLOP/s",
                   "published", "predicted / published")
@@ -240,7 +266,7 @@ def megatron_table() -> None:
                        fsdp=sk.FSDPOptions(param_dtype="float16", reduce_dtype="float16"),
                        pipeline=sk.Pipeline(schedule="1f1b", microbatches=m) if row.pp > 1 else None,
                        sequence_parallel=False, recompute="full")
-        e = estimate(row.name, plan, batch_size=row.batch, seq_len=MEGATRON_SEQ_LEN, hardware="a100-80g",
+        e = estimate(_megatron_model(row), plan, batch_size=row.batch, seq_len=MEGATRON_SEQ_LEN, hardware=a100,
                      grad_accum=accumulation)
         flops = _megatron_flops(row) / e.step_time / row.gpus / 1e12
         ratios.append(flops / row.tflops_per_gpu)
@@ -252,14 +278,26 @@ def megatron_table() -> None:
                   f"{statistics.geometric_mean(ratios):.2f}). TFLOP/s as the paper counts them (its eq. 3: "
                   f"96 B s l h^2 (1 + s/6h + V/16lh), the recomputed forward included); 1F1B, full recompute, "
                   f"micro-batch size 1 (without a pipeline: gradient accumulation over batch / dp steps), fp16 "
-                  f"compute and gradient all-reduce (Megatron-LM's DDP of 2021). Memory as shardkit's runtime holds it: torch's pipelining keeps "
+                  f"compute and gradient all-reduce (Megatron-LM's DDP of 2021); no DTensor dispatch (Megatron-LM's own "
+                  f"tensor-parallel layers), GeLU one fused kernel. Memory as shardkit's runtime holds it: torch's pipelining keeps "
                   f"a receive buffer for every micro-batch's activations and gradients")
+
+
+def _megatron_model(row):
+    """The catalogue's GPT-2 config of ``row``, its GeLU one kernel as Megatron-LM's fused bias-GeLU
+    (``megatron/model/fused_bias_gelu.py``) runs it, not transformers' ``gelu_new``, eight
+    elementwise kernels over the MLP's intermediate."""
+    from shardkit.planner.catalogue import catalogue_config
+
+    config = catalogue_config(row.name)
+    config.activation_function = "gelu_pytorch_tanh"
+    return config
 
 
 def _megatron_rules(row):
     from shardkit.planner.analysis import analyse
 
-    return analyse(row.name, seq_len=MEGATRON_SEQ_LEN).tp_rules()
+    return analyse(_megatron_model(row), seq_len=MEGATRON_SEQ_LEN).tp_rules()
 
 
 def _megatron_flops(row) -> float:

@@ -202,6 +202,49 @@ def overhead_job(ctx, seconds: float) -> tuple[int, float]:
     return len(booked), _slowest(best, device) / len(booked)
 
 
+def dtensor_overhead_job(ctx, seconds: float) -> tuple[int, float]:
+    """``(operators on DTensors per step, seconds each adds)`` of the tiny training step of
+    :func:`overhead_job` run twice, on plain tensors and with the layer's parameters and input as
+    DTensors replicated over the world (``distribute_module``: no collective runs, so only
+    DTensor's dispatch differs), every rank stepping at once, each the best of :data:`_BLOCKS`
+    blocks of about ``seconds``, the slowest rank's: the difference over the operators dispatched on
+    DTensors (views included, as DTensor dispatches them all) is what each adds to a plain op's
+    cost (``Hardware.dtensor_overhead``)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, distribute_module
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    class Count(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.calls += any(isinstance(t, DTensor) for t in tree_leaves((args, kwargs)))
+            return func(*args, **(kwargs or {}))
+
+    device = ctx.device
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    x = torch.randn(4, 4).to(device)
+    plain, layer = torch.nn.Linear(4, 4).to(device), torch.nn.Linear(4, 4).to(device)
+    distribute_module(layer, mesh, input_fn=lambda _m, inputs, m: tuple(
+        DTensor.from_local(t, m, [Replicate()], run_check=False) for t in inputs))
+
+    def seconds_per_step(step: Callable[[], object]) -> float:
+        step()  # warm-up: gradients exist, sharding propagation is cached
+        repeats = max(1, min(_MAX_STEPS, int(seconds / _slowest(_timed(step, device), device) / _BLOCKS)))
+        best = math.inf
+        for _ in range(_BLOCKS):
+            dist.barrier()
+            best = min(best, _timed(lambda: [step() for _ in range(repeats)], device) / repeats)
+        return _slowest(best, device)
+
+    times = [seconds_per_step(lambda module=module: module(x).sum().backward()) for module in (plain, layer)]
+    counter = Count()
+    with counter:
+        layer(x).sum().backward()
+    return counter.calls, max(0.0, times[1] - times[0]) / counter.calls
+
+
 def overlap_job(ctx, seconds: float, rounds: int) -> Overlap:
     """:class:`Overlap` of float32 products of :data:`OVERLAP_MATMUL` square matrices and
     all-reduces of :data:`OVERLAP_MESSAGE` bytes, each loop sized to take about ``seconds``
@@ -261,4 +304,4 @@ _OPS = {"all_reduce": _all_reduce, "all_gather": _all_gather, "p2p": _p2p}
 
 
 __all__ = ["GROWTH", "MAX_MESSAGE_BYTES", "OVERLAP_MATMUL", "OVERLAP_MESSAGE", "Overlap", "bandwidth_job",
-           "collective_job", "device_job", "matmul_job", "memory_per_process", "overhead_job", "overlap_job", "ready"]
+           "collective_job", "device_job", "dtensor_overhead_job", "matmul_job", "memory_per_process", "overhead_job", "overlap_job", "ready"]

@@ -77,7 +77,10 @@ class PartCost:
     products or attention kernels (whose time the FLOPs price) read and write, per token.
     ``pieces``: this rank's parameters as FSDP shards them, ``(size of the sharded dim, elements
     of the rest)`` each; ``borrowed``: those the part uses that an earlier part holds (the LM head
-    of a tied embedding: a pipeline's last stage holds its own copy).
+    of a tied embedding: a pipeline's last stage holds its own copy). ``products``: matrix products
+    and attention kernels of one forward; ``dtensor_ops``, ``dtensor_params``: operators one forward
+    runs on DTensors and parameters that are DTensors, without and with Megatron SP (zeros at
+    ``tp=1``); ``tp_boundaries``: column-parallel inputs, row-parallel outputs (tp's collectives).
 
     >>> part = PartCost("block", 10, 40, {"mlp": 20.0, "norm": 0.0}, {"mlp": 8.0, "norm": 4.0}, 3, 16.0)
     >>> part.flops, part.activations, part.ops, part.traffic_per_token
@@ -93,6 +96,10 @@ class PartCost:
     traffic_per_token: float = 0.0
     pieces: tuple[Piece, ...] = ()
     borrowed: tuple[Piece, ...] = ()
+    products: int = 0
+    dtensor_ops: tuple[int, int] = (0, 0)
+    dtensor_params: tuple[int, int] = (0, 0)
+    tp_boundaries: tuple[int, int] = (0, 0)
 
     @property
     def flops(self) -> float:
@@ -394,7 +401,8 @@ def _part(name: str, tally: Tally, seq_len: int) -> PartCost:
     return PartCost(name, tally.params, tally.param_bytes,
                     Components({c: tally.flops.get(c, 0.0) / seq_len for c in COMPONENTS}),
                     Components({c: saved.get(c, 0.0) / seq_len for c in COMPONENTS}), tally.ops,
-                    tally.traffic / seq_len, tuple(tally.pieces), tuple(tally.borrowed))
+                    tally.traffic / seq_len, tuple(tally.pieces), tuple(tally.borrowed), tally.products,
+                    *tally.tensor_parallel_counts())
 
 
 def _token_embedding(model: nn.Module, family: Family) -> nn.Embedding | None:

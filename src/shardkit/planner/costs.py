@@ -129,6 +129,18 @@ class Numbers:
     expert_shapes: tuple[tuple[int, ...], ...] = ()  # each expert parameter's shape: ep splits dim 0 (E)
     dense_pieces: tuple[Piece, ...] = ()  # block_pieces less the experts'
     intermediate: int = 0  # the MLP's width on this rank (its hidden units over tp)
+    block_products: int = 0  # matrix products and attention kernels of one forward
+    core_products: int = 0  # of which the attention core's (what selective recompute runs again)
+    embedding_products: int = 0
+    head_products: int = 0
+    # operators one forward runs on DTensors, and parameters that are DTensors, (tp, Megatron SP)
+    block_dtensor_ops: tuple[int, int] = (0, 0)
+    embedding_dtensor_ops: tuple[int, int] = (0, 0)
+    head_dtensor_ops: tuple[int, int] = (0, 0)
+    block_dtensor_params: tuple[int, int] = (0, 0)
+    embedding_dtensor_params: tuple[int, int] = (0, 0)
+    head_dtensor_params: tuple[int, int] = (0, 0)
+    block_tp_boundaries: tuple[int, int] = (2, 2)  # column-parallel inputs, row-parallel outputs (Megatron's 2, 2)
 
     def block_params_at(self, ep: int) -> int:
         """Elements of one block a rank holds before FSDP: its experts split over ``ep``."""
@@ -151,7 +163,13 @@ class Numbers:
                    a.embedding.ops, a.head.ops, a.block.activations, acts["norm"] + acts["other"],
                    acts["attention_core"], max(0.0, acts["attention_core"] - qkvo), a.embedding.activations,
                    a.head.activations, a.block.pieces, a.embedding.pieces, a.head.pieces, a.head.borrowed, *experts,
-                   intermediate=a.intermediate // a.tp if a.intermediate % a.tp == 0 else a.intermediate)
+                   intermediate=a.intermediate // a.tp if a.intermediate % a.tp == 0 else a.intermediate,
+                   block_products=a.block.products, core_products=round(share * a.block.products),
+                   embedding_products=a.embedding.products, head_products=a.head.products,
+                   block_dtensor_ops=a.block.dtensor_ops, embedding_dtensor_ops=a.embedding.dtensor_ops,
+                   head_dtensor_ops=a.head.dtensor_ops, block_dtensor_params=a.block.dtensor_params,
+                   embedding_dtensor_params=a.embedding.dtensor_params, head_dtensor_params=a.head.dtensor_params,
+                   block_tp_boundaries=a.block.tp_boundaries)
 
 
 @functools.lru_cache(maxsize=4096)

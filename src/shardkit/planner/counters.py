@@ -1,7 +1,8 @@
 """What torch does not count for shardkit's planner, counted on any tensors (real, fake, meta):
 FLOPs of kernels torch's ``FlopCounterMode`` has no formula for (:data:`EXTRA_FLOPS`), kernel
-launches and the bytes the non-matmul operators move (:class:`OpCounter`), and the one count of
-activation bytes, the storages autograd saves for backward (:func:`saved_storages`).
+launches, matrix products and the bytes the non-matmul operators move (:class:`OpCounter`), the
+operators a tensor-parallel rank would run on DTensors (:class:`DTensorPaths`), and the one count
+of activation bytes, the storages autograd saves for backward (:func:`saved_storages`).
 """
 
 from __future__ import annotations
@@ -46,9 +47,10 @@ FUSED_ATTENTION = (_aten._scaled_dot_product_flash_attention_for_cpu, _aten._sca
 #: Operators that launch no kernel, besides views (``OpOverload.is_view``: view, t, transpose,
 #: expand, permute, slice, select, split, (un)squeeze, detach, alias, as_strided, lift_fresh):
 #: views whose schema declares no alias, allocations without a fill, metadata queries.
+_METADATA = {_aten.sym_size, _aten.sym_stride, _aten.sym_numel, _aten.sym_storage_offset, torch.ops.prim.device,
+             torch.ops.prim.layout}
 _NO_KERNEL = {_aten._unsafe_view, _aten._reshape_alias, _aten.empty, _aten.empty_like, _aten.empty_strided,
-              _aten.new_empty, _aten.new_empty_strided, _aten.sym_size, _aten.sym_stride, _aten.sym_numel,
-              _aten.sym_storage_offset, torch.ops.prim.device, torch.ops.prim.layout}
+              _aten.new_empty, _aten.new_empty_strided, *_METADATA}
 
 
 @contextmanager
@@ -98,10 +100,66 @@ def _tensors(value: object) -> list[torch.Tensor]:
     return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
+class DTensorPaths:
+    """Which tensors a tensor-parallel rank would hold as DTensors, followed through the operators
+    of a run on plain (fake) tensors, in several ``variants`` at once (shardkit's planner follows
+    two: ``tp``, torch's styles handing local tensors between modules, and ``sp``, Megatron SP
+    keeping the residual stream a DTensor). :meth:`mark` makes a tensor a DTensor in the variants
+    named (a parameter of a split module, a style's input), :meth:`alias` hands out a new tensor
+    object for a style's input or output with its own marks; every operator with a marked input
+    (views included: DTensor dispatches them all; not metadata queries, which a DTensor answers
+    itself) marks its outputs and is booked,
+    ``book(variant)``, once per variant (:class:`OpCounter` calls :meth:`follow`).
+
+    torch has no way to count DTensor operators without a process group, hence this simulation.
+
+    >>> seen = []
+    >>> paths = DTensorPaths(("tp",), seen.append)
+    >>> w = paths.mark(torch.ones(3, 3), ("tp",))
+    >>> with OpCounter(lambda *a: None, paths=paths):
+    ...     y = (torch.ones(2, 3) @ w.t()).relu()
+    >>> seen   # the transpose (a view), the product and the relu
+    ['tp', 'tp', 'tp']
+    """
+
+    def __init__(self, variants: tuple[str, ...], book: Callable[[str], None]):
+        self.variants = variants
+        self.book = book
+        self._marked: dict[str, set[int]] = {v: set() for v in variants}
+        self._alive: list[torch.Tensor] = []  # marked tensors kept alive: their ids stay theirs
+
+    def mark(self, tensor: torch.Tensor, variants: tuple[str, ...]) -> torch.Tensor:
+        for variant in variants:
+            self._marked[variant].add(id(tensor))
+        self._alive.append(tensor)
+        return tensor
+
+    def marks(self, tensor: object) -> tuple[str, ...]:
+        return tuple(v for v in self.variants if id(tensor) in self._marked[v])
+
+    def alias(self, tensor: object, variants: tuple[str, ...]) -> object:
+        """A new tensor object sharing ``tensor``'s data (a style's ``from_local`` / ``to_local``)
+        marked in ``variants`` only (call it while the :class:`OpCounter` is paused)."""
+        if not isinstance(tensor, torch.Tensor):
+            return tensor
+        return self.mark(tensor.view_as(tensor), variants)
+
+    def follow(self, args: object, out: object) -> None:
+        inputs = {id(t) for t in _tensors(args)}
+        for variant in self.variants:
+            if inputs & self._marked[variant]:
+                self.book(variant)
+                for t in _tensors(out):
+                    self.mark(t, (variant,))
+
+
 class OpCounter(TorchDispatchMode):
     """Books each ATen operator that launches a kernel (not in :data:`_NO_KERNEL`, not a view) as
     one call (``book(traffic)``; ``book(traffic, 0)``: bytes of a kernel already called), and,
-    unless torch's FLOP counter prices it (matrix products, convolutions, attention kernels), its traffic: the bytes of its tensor inputs and outputs.
+    unless torch's FLOP counter prices it (matrix products, convolutions, attention kernels), its
+    traffic: the bytes of its tensor inputs and outputs; those it prices are also booked as
+    ``product()`` (matrix products' fixed time: ``Hardware.matmul_latency``). With ``paths``, the
+    operators on DTensors are followed (:class:`DTensorPaths`).
     Gathers read the rows they gather, not their whole table: an embedding lookup counts its
     indices and its output twice (rows read, rows written), the loss's ``nll_loss`` its targets,
     one log-probability per target, and its outputs.
@@ -110,15 +168,20 @@ class OpCounter(TorchDispatchMode):
     launches nor bytes moved, hence this mode. ``paused`` is set while shardkit's stand-ins for
     torch's collectives run (``measure``'s local shard): communication is priced apart."""
 
-    def __init__(self, book: Callable[..., None]):
+    def __init__(self, book: Callable[..., None], product: Callable[[], None] | None = None,
+                 paths: DTensorPaths | None = None):
         super().__init__()
         self.book = book
+        self.product = product
+        self.paths = paths
         self.paused = False
         self._masks: set[int] = set()  # storages of dropout masks being made (CPU's unfused dropout)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = meta_call(func, args, kwargs or {})
         packet = func._overloadpacket
+        if self.paths is not None and not self.paused and packet not in _METADATA:
+            self.paths.follow((args, kwargs), out)
         if self.paused or func.is_view or packet in _NO_KERNEL:
             return out
         dropout = self._dropout(packet, args, out)
@@ -128,6 +191,8 @@ class OpCounter(TorchDispatchMode):
             return out
         if packet in flop_registry or packet in EXTRA_FLOPS:
             traffic = 0
+            if self.product is not None:
+                self.product()
         elif packet is _aten.embedding:
             traffic = _bytes(args[1]) + 2 * _bytes(out)
         elif packet is _aten.nll_loss_forward:
@@ -170,4 +235,4 @@ class OpCounter(TorchDispatchMode):
             self.paused = False
 
 
-__all__ = ["EXTRA_FLOPS", "FUSED_ATTENTION", "OpCounter", "saved_storages"]
+__all__ = ["EXTRA_FLOPS", "FUSED_ATTENTION", "DTensorPaths", "OpCounter", "saved_storages"]

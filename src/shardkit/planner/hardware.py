@@ -27,7 +27,6 @@ one device reaches, as NCCL-tests reports it (``busbw = factor * S / t``).
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,71 +35,20 @@ from typing import Any
 from ..plan.dtypes import FLOATING, dtype_name
 from ..plan.errors import PlanError, UsageError
 from ..plan.files import known_keys, mapping, read_file
+from .links import COLLECTIVES, Link, collective_kind, describe, number, positive_number, ring_terms
 
-#: The collectives a :class:`Hardware` prices; ``reduce_scatter`` costs as ``all_gather`` (the
-#: ring moves the same bytes in the same steps).
-COLLECTIVES = ("all_reduce", "all_gather", "p2p")
 #: The dtypes every :class:`Hardware` gives a peak for: the plan's floating dtypes.
 DTYPES = FLOATING
 #: The suffixes of hardware files.
 SUFFIXES = (".json", ".yaml", ".yml")
 _FIELDS = ("name", "memory", "flops", "devices_per_node", "intra_node", "inter_node", "matmul_efficiency",
-           "memory_bandwidth", "op_overhead", "overlap", "shared_compute", "reserved")
+           "matmul_latency", "memory_bandwidth", "op_overhead", "dtensor_overhead", "overlap", "shared_compute",
+           "reserved")
+#: Fields added after files were first written: a file without them reads as the value given here
+#: (a file of ``shardkit calibrate`` written before had no DTensor probe: the presets' figure).
+_OPTIONAL = {"matmul_latency": 0.0, "dtensor_overhead": 1e-5}  # dtensor_overhead: the presets' (comments below)
 _LINK_FIELDS = ("bandwidth", "latency")
 _NESTED = {"flops": DTYPES, "intra_node": COLLECTIVES, "inter_node": COLLECTIVES}  # mapping fields: their keys
-_YAML_EXPONENT_HINT = " (YAML reads 25e9 as text: write 25.0e+9 or 25000000000)"
-
-
-def ring_terms(collective: str, n: int) -> tuple[int, float]:
-    """``(steps, factor)`` of the ring algorithm for ``collective`` over ``n`` devices: all-reduce
-    ``2(n-1)`` steps moving ``2(n-1)/n`` of the bytes, all-gather and reduce-scatter ``n-1`` and
-    ``(n-1)/n``, point-to-point one message of all of them.
-
-    >>> ring_terms("all_reduce", 4), ring_terms("reduce_scatter", 4), ring_terms("p2p", 4)
-    ((6, 1.5), (3, 0.75), (1, 1.0))
-    """
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise UsageError(f"ring_terms(n={n!r}): n must be a number of devices >= 1")
-    kind = _collective(collective, "ring_terms")
-    if kind == "p2p":
-        return 1, 1.0
-    if kind == "all_reduce":
-        return 2 * (n - 1), 2 * (n - 1) / n
-    return n - 1, (n - 1) / n
-
-
-def _collective(name: str, caller: str) -> str:
-    if name == "reduce_scatter":
-        return "all_gather"
-    if name not in COLLECTIVES:
-        raise UsageError(f"{caller}: unknown collective {name!r}; valid: {', '.join(COLLECTIVES)}, reduce_scatter")
-    return name
-
-
-@dataclass(frozen=True)
-class Link:
-    """One collective's cost on one kind of link, alpha-beta:
-    ``time = steps * latency + factor * S / bandwidth``.
-
-    ``bandwidth`` is in bytes/s, the bus bandwidth one device reaches (NCCL-tests convention);
-    ``latency`` in seconds per message step (0 allowed: a fit can find none).
-
-    >>> Link(bandwidth=100e9, latency=2e-6).seconds(1e9, factor=1.5, steps=6)
-    0.015012
-    """
-
-    bandwidth: float
-    latency: float
-
-    def __post_init__(self) -> None:
-        problems = [p for p in (_positive_number(self.bandwidth, "bandwidth"),
-                                _number(self.latency, "latency", minimum=0.0)) if p]
-        if problems:
-            raise PlanError([f"Link: {p}" for p in problems])
-
-    def seconds(self, nbytes: float, *, factor: float = 1.0, steps: int = 1) -> float:
-        """The time of ``steps`` message steps moving ``factor * nbytes`` bytes per device."""
-        return steps * self.latency + factor * nbytes / self.bandwidth
 
 
 @dataclass(frozen=True)
@@ -111,11 +59,17 @@ class Hardware:
       them hold no tensors (CUDA context, NCCL buffers);
     - ``flops``: peak FLOP/s per dtype name, ``float32``, ``bfloat16`` and ``float16``;
       ``matmul_efficiency``: the fraction of it a large matrix product reaches in practice
-      (1.0 for a calibrated machine, whose ``flops`` are measured);
+      (1.0 for a calibrated machine, whose ``flops`` are measured); ``matmul_latency``: seconds
+      of fixed device time per matrix product, so that a product of ``F`` FLOPs takes
+      ``F / (peak x matmul_efficiency) + matmul_latency``: its efficiency grows with its size
+      (:meth:`matmul_efficiency_at`);
     - ``memory_bandwidth``: bytes/s one device reads and writes in a large elementwise op (no
       efficiency is applied to it: a preset's is the datasheet's, a calibrated one's measured);
     - ``op_overhead``: seconds of fixed cost per operator call, the part of it not hidden by
       asynchronous execution (a GPU's kernel launch, a CPU's Python and dispatch);
+      ``dtensor_overhead``: seconds an operator on a DTensor costs on top of it (DTensor's
+      Python dispatch: unwrapping, sharding propagation, wrapping), paid by every operator on
+      a DTensor, views included;
     - ``overlap``: the fraction in [0, 1] of communication time that can run while computing
       (about 1.0 on GPUs, whose NCCL runs on streams of its own; measured on gloo);
     - ``shared_compute``: whether the devices are processes sharing fewer cores (a local CPU
@@ -124,8 +78,10 @@ class Hardware:
     - ``devices_per_node``; ``intra_node`` and ``inter_node``: one :class:`Link` per collective
       in :data:`COLLECTIVES`.
 
-    ``op_overhead``, ``overlap`` and ``shared_compute`` default to an ideal device's 0.0, 1.0 and false in Python (files
-    require every field); ``memory_bandwidth`` has no default, as devices differ by 100x.
+    ``op_overhead``, ``dtensor_overhead``, ``matmul_latency``, ``overlap`` and ``shared_compute`` default to an
+    ideal device's 0.0, 0.0, 0.0, 1.0 and false in Python (files require every field but ``matmul_latency`` and
+    ``dtensor_overhead``, which files written before them lack: :data:`_OPTIONAL`); ``memory_bandwidth`` has no
+    default, as devices differ by 100x.
 
     >>> a100 = Hardware.preset("a100-80g")
     >>> a100.usable_memory / 2**30, a100.memory_bandwidth / 1e9, a100.op_overhead, a100.overlap
@@ -143,6 +99,8 @@ class Hardware:
     reserved: int = 0
     op_overhead: float = 0.0
     overlap: float = 1.0
+    matmul_latency: float = 0.0
+    dtensor_overhead: float = 0.0
     shared_compute: bool = False
 
     def __post_init__(self) -> None:
@@ -165,7 +123,22 @@ class Hardware:
     def link(self, collective: str, across_nodes: bool) -> Link:
         """The :class:`Link` ``collective`` runs on (``reduce_scatter``: all-gather's)."""
         links = self.inter_node if across_nodes else self.intra_node
-        return links[_collective(collective, "Hardware.link")]
+        return links[collective_kind(collective, "Hardware.link")]
+
+    def matmul_efficiency_at(self, flops: float, dtype: Any) -> float:
+        """The fraction of ``dtype``'s peak a matrix product of ``flops`` FLOPs reaches:
+        ``matmul_efficiency x F / (F + matmul_efficiency x peak x matmul_latency)``, the fixed
+        time per product amortised over its FLOPs (the planner prices a part's products as their
+        FLOPs at ``matmul_efficiency`` plus ``matmul_latency`` each).
+
+        >>> a100 = Hardware.preset("a100-80g")
+        >>> [round(a100.matmul_efficiency_at(2 * n**3, "bfloat16"), 2) for n in (1024, 2048, 4096, 8192)]
+        [0.57, 0.81, 0.85, 0.86]
+        """
+        if flops <= 0:
+            raise UsageError(f"Hardware.matmul_efficiency_at(flops={flops!r}): give a product's FLOPs, > 0")
+        ceiling = self.matmul_efficiency
+        return ceiling * flops / (flops + ceiling * self.peak_flops(dtype) * self.matmul_latency)
 
     def peak_flops(self, dtype: Any) -> float:
         """Peak FLOP/s for ``dtype`` (a name such as ``"bfloat16"`` or a ``torch.dtype``)."""
@@ -185,8 +158,10 @@ class Hardware:
             "intra_node": _links_to_dict(self.intra_node),
             "inter_node": _links_to_dict(self.inter_node),
             "matmul_efficiency": self.matmul_efficiency,
+            "matmul_latency": self.matmul_latency,
             "memory_bandwidth": self.memory_bandwidth,
             "op_overhead": self.op_overhead,
+            "dtensor_overhead": self.dtensor_overhead,
             "overlap": self.overlap,
             "shared_compute": self.shared_compute,
             "reserved": self.reserved,
@@ -198,14 +173,15 @@ class Hardware:
         (``what`` starts each message, e.g. the file's name)."""
         data = mapping(data, what, "{name: ..., memory: ..., flops: {...}, ...}")
         problems = _unknown(data, _FIELDS, what)
-        problems += [f"missing field {name!r}" for name in _FIELDS if name not in data and name not in _NESTED]
+        problems += [f"missing field {name!r}" for name in _FIELDS
+                     if name not in data and name not in _NESTED and name not in _OPTIONAL]
         for name in _NESTED:
             problems += _nested_missing(data, name)
         problems += _dict_value_problems(data)
         if problems:
             raise PlanError([p if p.startswith(what) else f"{what}: {p}" for p in problems])
         links = {side: {c: Link(**data[side][c]) for c in COLLECTIVES} for side in ("intra_node", "inter_node")}
-        scalars = {name: data[name] for name in _FIELDS if name not in _NESTED}
+        scalars = {name: data.get(name, _OPTIONAL.get(name)) for name in _FIELDS if name not in _NESTED}
         return cls(flops=dict(data["flops"]), **scalars, **links)
 
     def save(self, path: str | Path) -> None:
@@ -259,30 +235,9 @@ def hardware(spec: str | Path | Hardware) -> Hardware:
 # -- checks: each returns a problem naming the field, or None -------------------------------------
 
 
-def _describe(value: Any) -> str:
-    return "null" if value is None else f"{type(value).__name__} {value!r}"
-
-
-def _number(value: Any, where: str, minimum: float) -> str | None:
-    """A finite int or float (not a bool) >= ``minimum``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        hint = _YAML_EXPONENT_HINT if isinstance(value, str) and "e" in value.lower() else ""
-        return f"field {where!r} must be a number, got {_describe(value)}{hint}"
-    if not math.isfinite(value) or value < minimum:
-        return f"field {where!r} must be a finite number >= {minimum:g}, got {value!r}"
-    return None
-
-
-def _positive_number(value: Any, where: str) -> str | None:
-    problem = _number(value, where, 0.0)
-    if problem is None and value <= 0:
-        return f"field {where!r} must be > 0, got {value!r}"
-    return problem
-
-
 def _integer(value: Any, where: str, minimum: int, unit: str) -> str | None:
     if isinstance(value, bool) or not isinstance(value, int):
-        return f"field {where!r} must be a whole number of {unit} (an integer), got {_describe(value)}"
+        return f"field {where!r} must be a whole number of {unit} (an integer), got {describe(value)}"
     if value < minimum:
         return f"field {where!r} must be >= {minimum}, got {value}"
     return None
@@ -292,17 +247,19 @@ def _scalar_problems(values: Mapping[str, Any]) -> list[str]:
     """Problems of the fields that are not mappings (only those present are checked)."""
     checks = {
         "name": lambda v: None if isinstance(v, str) and v.strip() else
-        f"field 'name' must be a non-empty string, got {_describe(v)}",
+        f"field 'name' must be a non-empty string, got {describe(v)}",
         "memory": lambda v: _integer(v, "memory", 1, "bytes"),
         "devices_per_node": lambda v: _integer(v, "devices_per_node", 1, "devices"),
-        "matmul_efficiency": lambda v: _positive_number(v, "matmul_efficiency") or (
+        "matmul_efficiency": lambda v: positive_number(v, "matmul_efficiency") or (
             None if v <= 1 else f"field 'matmul_efficiency' must be a fraction in (0, 1], got {v!r}"),
-        "memory_bandwidth": lambda v: _positive_number(v, "memory_bandwidth"),
-        "op_overhead": lambda v: _number(v, "op_overhead", 0.0),
-        "overlap": lambda v: _number(v, "overlap", 0.0) or (
+        "memory_bandwidth": lambda v: positive_number(v, "memory_bandwidth"),
+        "op_overhead": lambda v: number(v, "op_overhead", 0.0),
+        "dtensor_overhead": lambda v: number(v, "dtensor_overhead", 0.0),
+        "matmul_latency": lambda v: number(v, "matmul_latency", 0.0),
+        "overlap": lambda v: number(v, "overlap", 0.0) or (
             None if v <= 1 else f"field 'overlap' must be a fraction in [0, 1], got {v!r}"),
         "shared_compute": lambda v: None if isinstance(v, bool) else
-        f"field 'shared_compute' must be true or false, got {_describe(v)}",
+        f"field 'shared_compute' must be true or false, got {describe(v)}",
         "reserved": lambda v: _integer(v, "reserved", 0, "bytes"),
     }
     problems = [problem for name, check in checks.items() if name in values and (problem := check(values[name]))]
@@ -318,7 +275,7 @@ def _field_problems(hw: Hardware) -> list[str]:
     for name, keys in _NESTED.items():
         value = getattr(hw, name)
         if not isinstance(value, Mapping):
-            problems.append(f"field {name!r} must be a mapping with keys {list(keys)}, got {_describe(value)}")
+            problems.append(f"field {name!r} must be a mapping with keys {list(keys)}, got {describe(value)}")
             continue
         problems += _unknown(value, keys, f"field {name!r}")
         problems += [f"missing field '{name}.{key}'" for key in keys if key not in value]
@@ -326,9 +283,9 @@ def _field_problems(hw: Hardware) -> list[str]:
             if key not in value:
                 continue
             if name == "flops":
-                problems += [p for p in [_positive_number(value[key], f"flops.{key}")] if p]
+                problems += [p for p in [positive_number(value[key], f"flops.{key}")] if p]
             elif not isinstance(value[key], Link):
-                problems.append(f"field '{name}.{key}' must be a Link, got {_describe(value[key])}")
+                problems.append(f"field '{name}.{key}' must be a Link, got {describe(value[key])}")
     return problems
 
 
@@ -348,7 +305,7 @@ def _nested_missing(data: Mapping[str, Any], name: str) -> list[str]:
         return [f"missing field '{name}' (a mapping with keys {list(keys)})"]
     value = data[name]
     if not isinstance(value, Mapping):
-        return [f"field {name!r} must be a mapping with keys {list(keys)}, got {_describe(value)}"]
+        return [f"field {name!r} must be a mapping with keys {list(keys)}, got {describe(value)}"]
     problems = _unknown(value, keys, f"field {name!r}")
     for key in keys:
         path = f"{name}.{key}"
@@ -357,7 +314,7 @@ def _nested_missing(data: Mapping[str, Any], name: str) -> list[str]:
         elif leaves:
             link = value[key]
             if not isinstance(link, Mapping):
-                problems.append(f"field {path!r} must be a mapping with keys {list(leaves)}, got {_describe(link)}")
+                problems.append(f"field {path!r} must be a mapping with keys {list(leaves)}, got {describe(link)}")
                 continue
             problems += _unknown(link, leaves, f"field {path!r}")
             problems += [f"missing field '{path}.{leaf}'" for leaf in leaves if leaf not in link]
@@ -369,7 +326,7 @@ def _dict_value_problems(data: Mapping[str, Any]) -> list[str]:
     problems = _scalar_problems(data)
     flops = data.get("flops")
     if isinstance(flops, Mapping):
-        problems += [p for d in DTYPES if d in flops and (p := _positive_number(flops[d], f"flops.{d}"))]
+        problems += [p for d in DTYPES if d in flops and (p := positive_number(flops[d], f"flops.{d}"))]
     for side in ("intra_node", "inter_node"):
         links = data.get(side)
         if not isinstance(links, Mapping):
@@ -377,7 +334,7 @@ def _dict_value_problems(data: Mapping[str, Any]) -> list[str]:
         for c in COLLECTIVES:
             link = links.get(c)
             if isinstance(link, Mapping):
-                checks = ((_positive_number, "bandwidth"), (lambda v, w: _number(v, w, 0.0), "latency"))
+                checks = ((positive_number, "bandwidth"), (lambda v, w: number(v, w, 0.0), "latency"))
                 problems += [p for check, leaf in checks
                              if leaf in link and (p := check(link[leaf], f"{side}.{c}.{leaf}"))]
     return problems
@@ -406,8 +363,16 @@ def _check_suffix(path: Path, caller: str) -> None:
 # - memory is what the driver reports (A100 81920 MiB, H100 81559 MiB; H200 143771 MiB, read with
 #   nvidia-smi on an H200 of this workplace); reserved 1 GiB: the CUDA context (~0.5 GiB) and NCCL's
 #   communicator buffers.
-# - matmul_efficiency 0.8: a large bf16 product reaches ~250 of 312 TFLOP/s on an A100 with cuBLAS;
-#   on an H200 of this workplace an 8192^3 bf16 product ran at 769-798 of 989 TFLOP/s.
+# - matmul_efficiency, the ceiling a large product reaches: A100 0.859, the "maximum achievable
+#   matmul FLOPS" of an A100 SXM, 267.9 of 312 TFLOP/s in bf16 (best of a sweep of shapes, CUDA 12.1;
+#   S. Bekman, ml-engineering, compute/accelerator/README.md, "Maximum Achievable Matmul FLOPS
+#   comparison table"); H100/H200 0.8: on an H200 of this workplace an 8192^3 bf16 product ran at
+#   769-798 of 989 TFLOP/s.
+# - matmul_latency 4 us: a product's fixed device time (its launch, the first tiles' loads, the
+#   last wave's tail, NVIDIA's "Matrix Multiplication Background" guide, dimension quantization),
+#   so small products reach less of the ceiling (on an A100: 0.57 at 1024^3, 0.81 at 2048^3, 0.85 at
+#   4096^3, 0.86 at 8192^3). The 4 us is the launch cost op_overhead uses, not measured here: no GPU
+#   was lent to measure the curve.
 # - bus bandwidth: NCCL-tests reach ~75% of the link's one-way peak in all-reduce (e.g. ~230 of 300
 #   GB/s on a DGX A100) and ~80% in all-gather, reduce-scatter and send/recv.
 # - latency per ring step: 2 us within a node (NVLink, NCCL's low-latency protocol), 6 us across
@@ -417,10 +382,16 @@ def _check_suffix(path: Path, caller: str) -> None:
 # - op_overhead 4 us: a CUDA kernel launch costs the host a few microseconds (cudaLaunchKernel
 #   ~2-4 us, plus torch's dispatch); asynchronous execution hides it behind kernels that run
 #   longer, so it only shows where kernels are shorter than their launch.
+# - dtensor_overhead 10 us: the host time DTensor's dispatch adds to an operator (unwrapping,
+#   sharding propagation from its cache, wrapping), measured with torch 2.13 on this workplace's
+#   CPU: 10 us of CPU time per operator dispatched on a DTensor, one process, the tiny step of
+#   shardkit calibrate's probe (probes.dtensor_overhead_job); a GPU's host runs the same Python.
 # - overlap 1.0: NCCL runs on its own CUDA streams, concurrently with the compute stream.
 _BUS_EFFICIENCY = {"all_reduce": 0.75, "all_gather": 0.80, "p2p": 0.80}
 _INTRA_LATENCY, _INTER_LATENCY = 2e-6, 6e-6
 _GPU_OP_OVERHEAD = 4e-6
+_GPU_MATMUL_LATENCY = 4e-6
+_DTENSOR_OVERHEAD = 1e-5
 _MIB = 2**20
 
 
@@ -429,17 +400,18 @@ def _links(peak_one_way: float, latency: float) -> dict[str, Link]:
 
 
 def _preset(name: str, memory_mib: int, fp32: float, half: float, hbm: float, nvlink: float,
-            network: float) -> Hardware:
+            network: float, matmul_efficiency: float = 0.8) -> Hardware:
     return Hardware(name=name, memory=memory_mib * _MIB,
                     flops={"float32": fp32, "bfloat16": half, "float16": half}, devices_per_node=8,
                     intra_node=_links(nvlink, _INTRA_LATENCY), inter_node=_links(network, _INTER_LATENCY),
-                    memory_bandwidth=hbm, matmul_efficiency=0.8, reserved=1024 * _MIB,
-                    op_overhead=_GPU_OP_OVERHEAD, overlap=1.0)
+                    memory_bandwidth=hbm, matmul_efficiency=matmul_efficiency, reserved=1024 * _MIB,
+                    op_overhead=_GPU_OP_OVERHEAD, overlap=1.0, matmul_latency=_GPU_MATMUL_LATENCY,
+                    dtensor_overhead=_DTENSOR_OVERHEAD)
 
 
 #: Datasheet machines by name (sources and choices in the comments above and docs/hardware.md).
 PRESETS: dict[str, Hardware] = {
-    "a100-80g": _preset("a100-80g", 81920, 19.5e12, 312e12, 2039e9, 300e9, 25e9),
+    "a100-80g": _preset("a100-80g", 81920, 19.5e12, 312e12, 2039e9, 300e9, 25e9, matmul_efficiency=0.859),
     "h100-80g": _preset("h100-80g", 81559, 67e12, 989.4e12, 3350e9, 450e9, 50e9),
     "h200-141g": _preset("h200-141g", 143771, 67e12, 989.4e12, 4800e9, 450e9, 50e9),
 }

@@ -22,13 +22,16 @@ A tensor-parallel rank is measured at its local shapes (:mod:`shardkit.planner.o
 simulation of what a rank sees): split parameters get local stand-ins, the family's attribute
 changes are applied (local head counts), and where torch's styles gather an output (a
 column-parallel layer with no row-parallel partner) or split an input locally, a hook makes the
-same shapes, so a rank's FLOPs and saved bytes are what it computes and keeps.
+same shapes, so a rank's FLOPs and saved bytes are what it computes and keeps. The operators
+the rank would run on DTensors are followed from the split modules' parameters and inputs
+(:class:`~shardkit.planner.counters.DTensorPaths`, :func:`_dtensor_styles`), with and without
+Megatron SP (:data:`DTENSOR_VARIANTS`).
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 
@@ -40,11 +43,15 @@ from torch.utils.flop_counter import FlopCounterMode
 from ..families import Family
 from ..families.modules import is_linear, is_norm
 from ..families.on_meta import swapped
-from .counters import EXTRA_FLOPS, FUSED_ATTENTION, OpCounter, saved_storages
+from .counters import EXTRA_FLOPS, FUSED_ATTENTION, DTensorPaths, OpCounter, saved_storages
 from .one_rank import one_rank, sliced_parameters
-from .tensor_parallel import AxisPlan, aliases
+from .tensor_parallel import COLWISE, DTENSOR, ROWWISE, AxisPlan, aliases
 
 COMPONENTS = ("attention_core", "attention", "mlp", "norm", "embedding", "logits", "other")
+#: The tensor-parallel runs whose DTensor operators are counted: torch's styles handing local
+#: tensors between modules (``tp``), and Megatron SP, whose residual stream, norms and their
+#: parameters are DTensors too (``sp``).
+DTENSOR_VARIANTS = ("tp", "sp")
 
 
 #: One parameter as FSDP shards it: ``(size of the dim it shards, elements of the other dims)``.
@@ -56,7 +63,11 @@ class Tally:
     """What one part holds and computes: parameters (elements, this rank's and whole; ``pieces``:
     each as FSDP shards it; ``borrowed``: those it uses that an earlier part holds, a tied
     weight), FLOPs by component, saved storages ``{storage id: (bytes, component)}`` (each counted
-    once), operator calls and the bytes the non-matmul ones read and write (:class:`OpCounter`)."""
+    once), operator calls and the bytes the non-matmul ones read and write (:class:`OpCounter`),
+    matrix products (``products``), per :data:`DTENSOR_VARIANTS` the operators run on DTensors
+    (``dtensor_ops``) and the parameters that are DTensors (``dtensor_params``), and the
+    column-parallel inputs and row-parallel outputs whose collectives tensor parallel runs
+    (``tp_boundaries``)."""
 
     params: int = 0
     param_bytes: int = 0
@@ -67,6 +78,16 @@ class Tally:
     saved: dict[int, tuple[int, str]] = field(default_factory=dict)
     ops: int = 0
     traffic: float = 0.0
+    products: int = 0
+    dtensor_ops: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    dtensor_params: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    tp_boundaries: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+
+    def tensor_parallel_counts(self) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int]]:
+        """``(dtensor_ops, dtensor_params)`` per :data:`DTENSOR_VARIANTS`, and ``(column-parallel
+        inputs, row-parallel outputs)``."""
+        return (*(tuple(counts[v] for v in DTENSOR_VARIANTS) for counts in (self.dtensor_ops, self.dtensor_params)),
+                (self.tp_boundaries[COLWISE], self.tp_boundaries[ROWWISE]))
 
     def saved_by_component(self) -> dict[str, float]:
         out: dict[str, float] = defaultdict(float)
@@ -150,9 +171,10 @@ class _Recorder:
     """Module hooks keeping the running stack; FLOPs and saved tensors booked to (part, component)."""
 
     def __init__(self, model: nn.Module, scopes: _Scopes, blocks: list[str], counter: FlopCounterMode,
-                 fixed: set[int], params: dict[str, tuple[int, int, int, Piece]], canonical: dict[str, str]):
+                 fixed: set[int], params: dict[str, tuple[int, int, int, Piece]], canonical: dict[str, str],
+                 distributed: Mapping[str, tuple[str, ...]]):
         self.scopes, self.blocks, self.counter, self.fixed = scopes, {b: i for i, b in enumerate(blocks)}, counter, fixed
-        self.params, self.canonical = params, canonical
+        self.params, self.canonical, self.distributed = params, canonical, distributed
         self.parts: dict[str, Tally] = defaultdict(Tally)
         self.stack: list[str] = []
         self.passed_block = False
@@ -177,6 +199,15 @@ class _Recorder:
         tally.ops += calls
         tally.traffic += traffic
 
+    def book_product(self) -> None:
+        self.parts[self.part()].products += 1
+
+    def book_dtensor(self, variant: str) -> None:
+        self.parts[self.part()].dtensor_ops[variant] += 1
+
+    def book_boundary(self, kind: str) -> None:
+        self.parts[self.part()].tp_boundaries[kind] += 1
+
     def enter(self, name: str, module: nn.Module) -> None:
         self.book_flops()
         self.stack.append(name)
@@ -192,6 +223,8 @@ class _Recorder:
                 tally.param_bytes += nbytes
                 tally.global_params += whole
                 tally.pieces.append(piece)
+                for variant in self.distributed.get(canonical, ()):
+                    tally.dtensor_params[variant] += 1
             elif self.owner[canonical] != part and piece not in tally.borrowed:
                 tally.borrowed.append(piece)
 
@@ -256,12 +289,19 @@ def measure(model: nn.Module, family: Family, blocks: list[str], seq_len: int, d
             tensors[name] = torch.empty(b.shape, dtype=b.dtype, device="cpu")  # as built (rotary frequencies stay fp32)
         fixed = {t.untyped_storage()._cdata for t in tensors.values()}
         counter = FlopCounterMode(display=False, custom_mapping=EXTRA_FLOPS)
-        recorder = _Recorder(model, _Scopes(model, family, blocks), blocks, counter, fixed, params, canonical)
-        ops = OpCounter(recorder.book_op)
+        distributed = _distributed_parameters(model, plan, canonical)
+        recorder = _Recorder(model, _Scopes(model, family, blocks), blocks, counter, fixed, params, canonical,
+                             distributed)
+        paths = DTensorPaths(DTENSOR_VARIANTS, recorder.book_dtensor)
+        for name, variants in distributed.items():
+            paths.mark(tensors[name], variants)
+        ops = OpCounter(recorder.book_op, recorder.book_product, paths if plan is not None else None)
         ids = torch.zeros(1, seq_len, dtype=torch.long)
         stack.enter_context(swapped(model, tensors))
         stack.enter_context(one_rank(model, [plan] if plan is not None else [], local_weights=True,
                                      bridge=ops.pause))
+        if plan is not None:
+            stack.enter_context(_dtensor_styles(model, plan, paths, ops, recorder.book_boundary))
         stack.enter_context(recorder.hooks())
         stack.enter_context(counter)
         stack.enter_context(ops)
@@ -281,4 +321,69 @@ def measure(model: nn.Module, family: Family, blocks: list[str], seq_len: int, d
     return Measurement(dict(recorder.parts), len(blocks), quadratic)
 
 
-__all__ = ["COMPONENTS", "Measurement", "Piece", "Tally", "block_names", "first_blocks", "measure"]
+def _distributed_parameters(model: nn.Module, plan: AxisPlan | None,
+                            canonical: Mapping[str, str]) -> dict[str, tuple[str, ...]]:
+    """``{canonical parameter name: the variants in which it is a DTensor}``: a split module's in
+    both, a norm's under Megatron SP (torch's ``SequenceParallel`` replicates them as DTensors)."""
+    if plan is None:
+        return {}
+    out: dict[str, tuple[str, ...]] = {}
+    for name, module in model.named_modules():
+        variants = DTENSOR_VARIANTS if name in plan.splits else ("sp",) if is_norm(module) else ()
+        for pname, _ in module.named_parameters(recurse=False):
+            out.setdefault(canonical[f"{name}.{pname}" if name else pname], variants)
+    return {name: variants for name, variants in out.items() if variants}
+
+
+@contextmanager
+def _dtensor_styles(model: nn.Module, plan: AxisPlan, paths: DTensorPaths, ops: OpCounter,
+                    boundary: Callable[[str], None]) -> Iterator[None]:
+    """Where torch's styles turn tensors into DTensors and back (:mod:`shardkit.runtime.tensor_parallel`),
+    the same marks on the stand-ins: a split module's input becomes a DTensor in both variants; its
+    output goes back local, but under Megatron SP a row-parallel or embedding output stays one
+    (``use_local_output=False``: the residual stream is sequence-sharded), as does a replicated
+    embedding's output; a module with parameters that is neither split, a norm nor an embedding
+    (a replicated head) takes its input local. ``boundary(kind)`` is called for each split
+    module's input (``colwise``: replicated, or all-gathered under SP, its gradient reduced) and
+    output (``rowwise``: partial sums reduced)."""
+    handles = []
+
+    def set_input(variants: tuple[str, ...], kind: str | None = None):
+        def hook(_module, args):
+            if kind is not None:
+                boundary(kind)
+            if not args:
+                return None
+            with ops.pause():
+                return (paths.alias(args[0], variants), *args[1:])
+        return hook
+
+    def set_output(variants: tuple[str, ...], kind: str | None = None):
+        def hook(_module, _args, out):
+            if kind is not None:
+                boundary(kind)
+            with ops.pause():
+                return paths.alias(out, variants)
+        return hook
+
+    for name, module in model.named_modules():
+        split = plan.splits.get(name)
+        embedding = isinstance(module, nn.Embedding)
+        if split is not None:
+            handles.append(module.register_forward_pre_hook(set_input(
+                DTENSOR_VARIANTS, COLWISE if split.kind == COLWISE else None)))
+            local = split.kind in (COLWISE, DTENSOR) or (split.kind != ROWWISE and not embedding)
+            handles.append(module.register_forward_hook(set_output(
+                () if local else ("sp",), ROWWISE if split.kind == ROWWISE else None)))
+        elif embedding:
+            handles.append(module.register_forward_hook(set_output(("sp",))))
+        elif not is_norm(module) and next(module.parameters(recurse=False), None) is not None:
+            handles.append(module.register_forward_pre_hook(set_input(())))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+__all__ = ["COMPONENTS", "DTENSOR_VARIANTS", "Measurement", "Piece", "Tally", "block_names", "first_blocks", "measure"]

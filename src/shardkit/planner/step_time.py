@@ -7,20 +7,31 @@ alpha-beta per collective on the link its group spans: within a node when the gr
 are consecutive and fit in one, else across nodes:
 
 - ``compute``: per micro-batch, matmul FLOPs over ``peak FLOP/s x matmul_efficiency`` in the
-  compute dtype, plus the bytes the other operators read and write over ``memory_bandwidth``,
-  plus operator calls x ``op_overhead``; the backward costs twice the forward's FLOPs and calls
-  and :data:`BACKWARD_TRAFFIC` times its bytes, recompute runs
+  compute dtype plus ``matmul_latency`` per matrix product (a product's efficiency grows with its
+  size: ``Hardware.matmul_efficiency_at``), plus the bytes the other operators read and write over
+  ``memory_bandwidth``, plus operator calls x ``op_overhead``; the backward costs twice the
+  forward's FLOPs, products and calls and :data:`BACKWARD_TRAFFIC` times its bytes, recompute runs
   the forward (``full``) or the attention core (``selective``: its share of the block's FLOPs,
   bytes and calls) again;
+- ``dtensor``: what DTensor's dispatch adds, ``dtensor_overhead`` per operator on a DTensor: with
+  ``tp``, per micro-batch the operators the analysis followed from the split modules (Megatron
+  SP's residual stream too; backward twice the forward's, full recompute the forward again), and
+  the optimizer's :data:`OPTIMIZER_OPS` on each DTensor parameter (every parameter under FSDP,
+  which keeps them sharded as DTensors, or with a data axis beside ``tp``; else the split
+  modules', and under SP the norms');
 - ``optimizer``: the step reads each parameter, gradient and optimizer state and writes the
-  parameter and the states, over ``memory_bandwidth``;
+  parameter and the states, over ``memory_bandwidth``, plus its :data:`OPTIMIZER_OPS` calls per
+  parameter x ``op_overhead``;
 - ``bubble``: a pipeline's idle share, ``(p-1)/(m v)`` of the compute (zero-bubble schedules: a
   third of it; ``sequential``: ``p-1`` stages idle); on ``shared_compute`` hardware (processes
   sharing cores) none, and the compute is the average device's, since an idle process lends
   its cores to the others;
-- ``tp``: per block two all-reduces forward and two backward of the block's hidden states
-  (Megatron SP: the same bytes as all-gathers and reduce-scatters), plus the head's gathered
-  logits, not overlapped;
+- ``tp``: per block, as counted by the analysis, an all-reduce of the block's hidden states
+  backward for each column-parallel layer's input (the gradient of a replicated input) and
+  forward for each row-parallel layer's output (Megatron's fused QKV: 2 and 2; separate q, k, v
+  projections: 4 and 2); under Megatron SP an all-gather forward and a reduce-scatter backward
+  for each input, the reverse for each output; full recompute runs the forward's again; plus the
+  head's gathered logits, not overlapped;
 - ``dp`` / ``fsdp``: gradient all-reduce in DDP's 25 MiB buckets, or per FSDP unit an all-gather
   forward, another backward (with resharding) and a reduce-scatter (HSDP adds an all-reduce of
   the shard); ``overlap`` of it runs while the backward computes (DDP: the last micro-batch's
@@ -55,6 +66,11 @@ DDP_BUCKET_BYTES = 25 * 2**20
 #: the gradient and the saved tensor and writes the input's gradient backward (3 passes); the
 #: backward's matrix products are priced by their FLOPs (twice the forward's).
 BACKWARD_TRAFFIC = 1.5
+#: ``(operators, of which on the parameter's DTensors)`` an optimizer's step runs per parameter in
+#: torch's per-parameter implementation (CPU's default; on GPUs ``foreach`` groups them into fewer
+#: launches), counted with a dispatch mode on torch 2.13 for AdamW and SGD; AdamW's other two
+#: update its plain step counter; Adam is AdamW less the weight decay's multiply.
+OPTIMIZER_OPS = {"adamw": (10, 8), "adam": (9, 7), "sgd-momentum": (3, 3), "sgd": (1, 1)}
 
 
 def time_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer: str = "adamw") -> dict[str, float]:
@@ -81,8 +97,12 @@ def time_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer: 
     traffic = (1 + BACKWARD_TRAFFIC) * (ends[1] + blocks * n.block_traffic) + blocks * again[1]
     ops = 3 * ends[2] + blocks * (3 * n.block_ops + again[2])
     traffic *= itemsize / n.itemsize  # measured in the parameters' dtype, moved in the compute dtype
-    compute = m * (tokens * (flops / flops_rate + traffic / hw.memory_bandwidth) + ops * hw.op_overhead)
-    parts = {"compute": compute, "bubble": 0.0 if hw.shared_compute else _bubble(s) * compute}
+    products = _forward_backward(hw, s, blocks, n.embedding_products, n.head_products, n.block_products,
+                                 {"none": 0, "selective": n.core_products, "full": n.block_products}[s.recompute])
+    compute = m * (tokens * (flops / flops_rate + traffic / hw.memory_bandwidth) + ops * hw.op_overhead
+                   + products * hw.matmul_latency)
+    dtensor = m * dtensor_ops(n, s, hw, blocks) * hw.dtensor_overhead
+    parts = {"compute": compute, "bubble": 0.0 if hw.shared_compute else _bubble(s) * (compute + dtensor)}
     hidden_bytes = tokens * n.hidden * itemsize
     stage_params = blocks * n.block_params_at(s.ep) + max(n.embedding_params, n.head_params)
     experts = blocks * (n.expert_params // s.ep) if s.ep > 1 else 0  # E / ep of each MoE layer, FSDP units apart
@@ -90,13 +110,30 @@ def time_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer: 
     # the optimizer reads each parameter, gradient and state and writes the parameter and states
     shards = s.shards
     stored = dense / shards + experts / s.expert_shards
-    parts["optimizer"] = stored * n.itemsize * (3 + 2 * OPTIMIZER_STATES[optimizer]) / hw.memory_bandwidth
+    calls, on_dtensor = OPTIMIZER_OPS[optimizer]
+    tensors = _stage(hw, s, blocks, len(n.embedding_pieces), len(n.head_pieces), len(n.block_pieces))
+    parts["optimizer"] = stored * n.itemsize * (3 + 2 * OPTIMIZER_STATES[optimizer]) / hw.memory_bandwidth \
+        + tensors * calls * hw.op_overhead
+    variant = 1 if s.sequence_parallel else 0
+    # FSDP keeps every parameter a DTensor, as does a data axis beside tp (replicate over the 2-D mesh)
+    distributed = tensors if s.fsdp > 1 or (s.tp > 1 and s.dp * s.sp * s.ep > 1) else _stage(
+        hw, s, blocks, n.embedding_dtensor_params[variant], n.head_dtensor_params[variant],
+        n.block_dtensor_params[variant]) if s.tp > 1 else 0
+    dtensor += distributed * on_dtensor * hw.dtensor_overhead
+    if dtensor:
+        parts["dtensor"] = dtensor
     shape = (s.order, s.dp, s.fsdp, s.tp, s.pp, s.sp, s.ep)
-    # tensor parallel: 2 all-reduces forward + 2 backward per block (+2 when the forward runs again), not hidden
+    # tensor parallel: per block a collective per column-parallel input and row-parallel output, not hidden
     if s.tp > 1:
         all_reduce = _collective("all_reduce", hidden_bytes, s.tp, _link(hw, shape, ("tp",), "all_reduce"))
+        gather = _collective("all_gather", hidden_bytes, s.tp, _link(hw, shape, ("tp",), "all_gather"))
         head = _collective("all_gather", tokens * n.vocab * itemsize, s.tp, _link(hw, shape, ("tp",), "all_gather"))
-        per_block = (4 + (2 if s.recompute == "full" else 0)) * all_reduce
+        inputs, outputs = n.block_tp_boundaries
+        again = s.recompute == "full"  # the forward's collectives run again
+        if s.sequence_parallel:  # inputs gathered forward, their gradients reduce-scattered; outputs the reverse
+            per_block = (2 + again) * (inputs + outputs) * gather
+        else:  # outputs all-reduced forward, the inputs' gradients backward
+            per_block = ((1 + again) * outputs + inputs) * all_reduce
         parts["tp"] = m * (blocks * per_block + head + 2 * all_reduce)
     # data parallel: gradients (DDP, in buckets) or parameters and gradients (FSDP, per unit), behind compute
     reduce = s.reduce_dtype.itemsize if s.reduce_dtype is not None else itemsize
@@ -149,6 +186,36 @@ def time_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer: 
         core = 3 * tokens * n.core_flops / flops_rate
         parts["sp"] = m * blocks * _exposed(ring, core, hw)
     return parts
+
+
+def dtensor_ops(n: Numbers, s: Setting, hw: Hardware, blocks: float) -> float:
+    """Operators one micro-batch runs on DTensors on the busiest device, forward, backward (twice
+    the forward's) and full recompute's forward again: those the analysis followed from the split
+    modules (:class:`~shardkit.planner.counters.DTensorPaths`), under Megatron SP its variant's;
+    none without ``tp``."""
+    if s.tp == 1:
+        return 0.0
+    v = 1 if s.sequence_parallel else 0
+    return _forward_backward(hw, s, blocks, n.embedding_dtensor_ops[v], n.head_dtensor_ops[v],
+                             n.block_dtensor_ops[v], n.block_dtensor_ops[v] if s.recompute == "full" else 0)
+
+
+def _stage(hw: Hardware, s: Setting, blocks: float, embedding: float, head: float, block: float) -> float:
+    """A per-part count on the busiest device: ``blocks`` blocks, and the embedding and the head
+    (in a pipeline the larger of the two; on ``shared_compute`` hardware the average device's)."""
+    if hw.shared_compute:
+        ends = (embedding + head) / s.pp
+    elif s.pp > 1:
+        ends = max(embedding, head)
+    else:
+        ends = embedding + head
+    return ends + blocks * block
+
+
+def _forward_backward(hw: Hardware, s: Setting, blocks: float, embedding: float, head: float, block: float,
+                      again: float) -> float:
+    """A per-forward count run forward, backward (twice) and ``again`` per block (recompute)."""
+    return 3 * _stage(hw, s, blocks, embedding, head, block) + blocks * again
 
 
 def layer_exchanges(n: Numbers, s: Setting, tokens: float, itemsize: int) -> list[tuple[Exchange, int]]:
@@ -205,4 +272,5 @@ def _collective(name: str, size: float, n: int, link: Link, calls: int = 1) -> f
     return link.seconds(size, factor=factor, steps=steps * calls)
 
 
-__all__ = ["BACKWARD_TRAFFIC", "DDP_BUCKET_BYTES", "all_to_all_seconds", "layer_exchanges", "time_of"]
+__all__ = ["BACKWARD_TRAFFIC", "DDP_BUCKET_BYTES", "OPTIMIZER_OPS", "all_to_all_seconds", "dtensor_ops",
+           "layer_exchanges", "time_of"]

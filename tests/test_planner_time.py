@@ -1,0 +1,93 @@
+"""The step-time model's terms for DTensor dispatch and for matrix products' size (issue 17),
+unit-level: arithmetic on measured costs, no processes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+import shardkit as sk
+from shardkit.models.gpt import GPT_RULES, GPTConfig, build_small_gpt
+from shardkit.planner.costs import Costs, Setting
+from shardkit.planner.estimate import estimate
+from shardkit.planner.memory import blocks_per_device
+from shardkit.planner.step_time import OPTIMIZER_OPS, dtensor_ops, time_of
+
+A100 = sk.Hardware.preset("a100-80g")
+SEQ, BATCH = 64, 8
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    return sk.meta_model(build_small_gpt)
+
+
+def test_a_tensor_parallel_rank_runs_its_split_linears_on_dtensors(gpt):
+    n = Costs.of(gpt, SEQ, 2, None, rules=GPT_RULES).numbers
+    # six split linears a block, each t, view, addmm, view on DTensors; Megatron SP adds the residual
+    # stream's operators (norms, adds, dropouts); the parameters: the linears' twelve, and the norms' four
+    assert n.block_dtensor_ops == (24, 28) and n.block_dtensor_params == (12, 16)
+    assert Costs.of(gpt, SEQ, 1, None).numbers.block_dtensor_ops == (0, 0)
+
+
+@pytest.mark.parametrize("plan, sp, plan_data", [
+    (sk.Plan(sk.Mesh(tp=2), rules=GPT_RULES), 0, False),
+    (sk.Plan(sk.Mesh(tp=2, dp=2), rules=GPT_RULES), 0, True),
+    (sk.Plan(sk.Mesh(tp=2, fsdp=2), rules=GPT_RULES, sequence_parallel=True), 1, True)])
+def test_a_tensor_parallel_step_pays_dtensor_overhead_per_counted_operator(gpt, plan, sp, plan_data):
+    costs = Costs.of(gpt, SEQ, 2, None, rules=GPT_RULES)
+    n, s = costs.numbers, Setting.of(plan)
+    hw = dataclasses.replace(A100, dtensor_overhead=1e-5)
+    without = time_of(costs, s, BATCH, dataclasses.replace(hw, dtensor_overhead=0.0))
+    parts = time_of(costs, s, BATCH, hw)
+    blocks = blocks_per_device(n, s)
+    per_pass = 3 * (n.embedding_dtensor_ops[sp] + n.head_dtensor_ops[sp] + blocks * n.block_dtensor_ops[sp])
+    # the optimizer's operators on DTensor parameters: every one with a data axis beside tp, else the split ones
+    params = sum(map(len, (n.embedding_pieces, n.head_pieces))) + blocks * len(n.block_pieces) if plan_data \
+        else n.embedding_dtensor_params[sp] + n.head_dtensor_params[sp] + blocks * n.block_dtensor_params[sp]
+    expected = (s.microbatches * per_pass + params * OPTIMIZER_OPS["adamw"][1]) * 1e-5
+    assert dtensor_ops(n, s, hw, blocks) == per_pass > 0
+    assert parts["dtensor"] == pytest.approx(expected) and "dtensor" not in without
+    assert sum(parts.values()) - sum(without.values()) == pytest.approx(expected)
+
+
+def test_plans_without_dtensors_pay_none(gpt):
+    for plan in (sk.Plan(sk.Mesh(dp=4)), sk.Plan(sk.Mesh(pp=2, dp=2), pipeline=sk.Pipeline(microbatches=2))):
+        assert "dtensor" not in estimate(gpt, plan, batch_size=BATCH, seq_len=SEQ, hardware=A100).step_time_parts
+    # FSDP keeps its sharded parameters as DTensors: the optimizer's operators on them, nothing else
+    parts = estimate(gpt, sk.Plan(sk.Mesh(fsdp=4)), batch_size=BATCH, seq_len=SEQ, hardware=A100).step_time_parts
+    n = Costs.of(gpt, SEQ, 1, None).numbers
+    tensors = len(n.embedding_pieces) + len(n.head_pieces) + n.layers * len(n.block_pieces)
+    assert parts["dtensor"] == pytest.approx(tensors * OPTIMIZER_OPS["adamw"][1] * A100.dtensor_overhead)
+
+
+def test_a_products_efficiency_grows_with_its_size():
+    sizes = [2 * n**3 for n in (512, 1024, 2048, 4096, 8192, 16384)]
+    rates = [A100.matmul_efficiency_at(f, "bfloat16") for f in sizes]
+    assert rates == sorted(rates) and rates[0] < 0.4 < 0.85 < rates[-1] < A100.matmul_efficiency
+    assert sk.Hardware.preset("h100-80g").matmul_efficiency_at(2 * 8192**3, "bfloat16") == pytest.approx(0.79, abs=0.01)
+    with pytest.raises(sk.UsageError, match="give a product's FLOPs"):
+        A100.matmul_efficiency_at(0, "bfloat16")
+
+
+def test_each_matrix_product_pays_the_fixed_latency(gpt):
+    costs = Costs.of(gpt, SEQ, 1, None)
+    n = costs.numbers
+    assert (n.block_products, n.head_products, n.embedding_products) == (7, 1, 0)  # 6 linears + attention; LM head
+    for recompute, again in (("none", 0), ("full", n.block_products)):
+        s = Setting(dp=4, recompute=recompute)
+        with_latency = time_of(costs, s, BATCH, A100)["compute"]
+        without = time_of(costs, s, BATCH, dataclasses.replace(A100, matmul_latency=0.0))["compute"]
+        products = 3 * (n.head_products + n.embedding_products) + n.layers * (3 * n.block_products + again)
+        assert with_latency - without == pytest.approx(products * A100.matmul_latency)
+
+
+def test_a_large_models_products_run_nearer_the_ceiling_than_a_small_ones():
+    """Per token, the fixed time per product weighs more on a narrow model's small products."""
+    shares = []
+    for dim in (256, 8192):
+        n = Costs.of(GPTConfig(vocab=1024, layers=2, dim=dim, heads=8, seq_len=2048), 2048, 1, None).numbers
+        flops_time = 2048 * n.block_flops / (A100.peak_flops("float16") * A100.matmul_efficiency)
+        shares.append(n.block_products * A100.matmul_latency / flops_time)
+    assert shares[0] > 100 * shares[1]
