@@ -1,20 +1,12 @@
 """Serving and plain decode over pipeline stages: the engine under ``pp=2`` and ``pp=2 x tp=2`` (requests
 joining and leaving; each equal to transformers' ``generate`` on its prompt alone, a seeded sample equal to
-one process's), ``sk.generate`` under ``pp`` on the plain path, and ``shardkit serve --mesh pp=2`` talked
-to with OpenAI's client, then a stage's rank killed: every open request ends and the command exits 1
-naming it (one server start)."""
+one process's), and ``sk.generate`` under ``pp`` on the plain path. ``shardkit serve --mesh pp=2`` is
+tested in tests/test_serve.py (its server for a killed worker is a pipeline's: no extra server start)."""
 
 from __future__ import annotations
 
-import os
-import signal
-import threading
-import time
-
-import httpx
 import pytest
 import torch
-from test_serve import MODEL, Served, folder, reference  # noqa: F401 - the folder and reference are fixtures
 
 from shardkit.models.hf import LLAMA_RULES, build_tiny_llama
 from shardkit.plan import Mesh, Pipeline, Plan
@@ -110,32 +102,3 @@ def test_sk_generate_under_a_pipeline_runs_the_plain_path_and_equals_transformer
         assert torch.equal(generated, expected)
         assert steps == 4  # a prefill and three decode steps, on every rank
 
-
-def test_serve_over_a_pipeline_answers_openai_and_a_dead_stage_ends_it_naming_the_rank(folder, reference,  # noqa: F811
-                                                                                      tmp_path):
-    tokenizer, expected = reference
-    server = Served(folder, tmp_path, "pp=2")
-    try:
-        assert "pp=2" in server.stderr() and "the heads of 1 of 2 layers per stage" in server.stderr()
-        for prompt in ("Once upon a time", "def main():"):
-            got = server.client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
-            assert got.choices[0].text == expected(tokenizer.encode(prompt), 12), prompt
-        stream = server.client.completions.create(model=MODEL, prompt="ab", max_tokens=10, temperature=0, stream=True)
-        assert "".join(c.choices[0].text for c in stream) == expected(tokenizer.encode("ab"), 10)
-        last_stage = server.workers()[1]
-        os.kill(last_stage, signal.SIGSTOP)  # the batch cannot move: the request stays open
-        answer = {}
-        thread = threading.Thread(target=lambda: answer.setdefault("r", httpx.post(
-            f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "abc", "max_tokens": 50}, timeout=120)))
-        thread.start()
-        deadline = time.monotonic() + 60
-        while httpx.get(f"{server.url}/state").json()["open"] < 1:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        os.kill(last_stage, signal.SIGKILL)
-        thread.join(60)
-        assert answer["r"].status_code == 500
-        assert server.ended(60) == 1
-        assert "rank 1 died" in server.stderr()
-    finally:
-        server.kill()

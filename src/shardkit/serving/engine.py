@@ -92,7 +92,7 @@ class Engine:
         if self.leader and not quiet:
             Console(stderr=True).print(
                 f"KV cache: {slots} sequences of {max_len} positions, {slots * per_sequence / 2**20:.1f} MiB per rank "
-                f"(sk.kv_cache_bytes, {split}{layers}, {dtype})")
+                f"(sk.kv_cache_bytes, {split}{layers}, {dtype})", soft_wrap=True)
 
     def run(self) -> None:
         """Serve until the inbox closes and every request in the batch has finished."""
