@@ -102,3 +102,11 @@ def test_sk_generate_under_a_pipeline_runs_the_plain_path_and_equals_transformer
         assert torch.equal(generated, expected)
         assert steps == 4  # a prefill and three decode steps, on every rank
 
+
+
+def test_serve_refuses_a_mesh_axis_other_than_tp_and_pp_before_launch(no_processes, capsys):
+    from shardkit.cli import main
+
+    assert main(["serve", "--model", "llama-tiny", "--hf", "unused", "--mesh", "pp=2,dp=2", "--port", "0"]) == 2
+    assert "splits a model over 'tp' and 'pp' only, but dp=2; valid: e.g. --mesh tp=2 or --mesh pp=2,tp=2" in \
+        capsys.readouterr().err

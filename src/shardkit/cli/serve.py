@@ -96,11 +96,9 @@ def check_job(args: argparse.Namespace) -> tuple[Plan, ServeJob]:
     """Everything checked before launch; :class:`PlanError` / :class:`UsageError` naming the flag."""
     from ..families import model_layout, token_sizes
     from ..planner.pipeline_proof import decode_problems
-    from ..planner.stages import assign_stages
     from ..planner.validate import validate
     from ..runtime.generate import MODEL_EOS, stop_tokens
     from ..runtime.plain_decode import plain_problems
-    from ..runtime.plain_pipeline import assignment_problems
     from ..serving.run import ServeOptions
     from ..serving.text import load_tokenizer
     from .generate import check_weights
@@ -122,8 +120,7 @@ def check_job(args: argparse.Namespace) -> tuple[Plan, ServeJob]:
                 ).resolved(mesh.size)
     validate(plan, model, world_size=mesh.size)
     if pipeline is not None:
-        problems = decode_problems(model, model_layout(model)) + \
-            assignment_problems(assign_stages(model, pipeline, mesh))
+        problems = decode_problems(model, model_layout(model))  # validate refused stages without a layer
         if problems:
             raise PlanError([f"--mesh {args.mesh}: {p}" for p in problems])
     check_weights(args, model)

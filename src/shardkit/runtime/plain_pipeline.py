@@ -46,6 +46,14 @@ def pipeline_problems(model: nn.Module) -> list[str]:
     return problems
 
 
+def decode_positions(model: nn.Module) -> int | None:
+    """The positions of a model :class:`PlainDecoder` runs, read from its config (a later pipeline stage holds
+    no position embedding to count)."""
+    from ..models.gpt import GPT
+
+    return model.config.seq_len if isinstance(model, GPT) else getattr(model.config, "max_position_embeddings", None)
+
+
 def assignment_problems(assignment: StageAssignment) -> list[str]:
     """Why stages assigned so (:func:`~shardkit.planner.stages.assign_stages`, on meta before launch) cannot
     decode on the plain path: a stage without a decoder layer (empty: they can)."""
@@ -134,4 +142,4 @@ class PlainPipeline:
         return logits
 
 
-__all__ = ["PlainPipeline", "assignment_problems", "pipeline_problems"]
+__all__ = ["PlainPipeline", "assignment_problems", "decode_positions", "pipeline_problems"]

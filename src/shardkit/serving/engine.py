@@ -37,12 +37,11 @@ import torch.distributed as dist
 from rich.console import Console
 from torch import nn
 
-from ..families import family_of
 from ..plan import UsageError
 from ..planner.estimate import kv_cache_bytes
 from ..runtime.pipeline import PipelinedModule
 from ..runtime.plain_decode import PlainDecoder
-from ..runtime.plain_pipeline import PlainPipeline
+from ..runtime.plain_pipeline import PlainPipeline, decode_positions
 from .batch import Batch, Row
 from .requests import Finish, GenerationRequest, Inbox, Sink, TokenEvent
 from .sampling import choose, generator_for
@@ -60,7 +59,7 @@ class Engine:
 
     def __init__(self, model: nn.Module, inbox: Inbox | None, *, max_len: int | None = None, slots: int | None = None,
                  cache_bytes: int | None = None, quiet: bool = False):
-        limit = _positions(model)
+        limit = decode_positions(model)
         max_len = max_len or limit
         if max_len is None or (limit is not None and max_len > limit):
             raise UsageError(f"Engine: max_len={max_len} must be given and at most the model's {limit} positions")
@@ -208,16 +207,6 @@ def _size(model: nn.Module, axis: str) -> int:
 def _layers(model: nn.Module) -> int:
     """The whole model's decoder layers (a pipeline stage holds some of them)."""
     return getattr(model.config, "layers", None) or model.config.num_hidden_layers
-
-
-def _positions(model: nn.Module) -> int | None:
-    """The model's positions, from its config where it has them (a later pipeline stage holds no position
-    embedding to count)."""
-    from ..models.gpt import GPT
-
-    if isinstance(model, GPT):
-        return model.config.seq_len
-    return family_of(model).max_positions(model) or getattr(model.config, "max_position_embeddings", None)
 
 
 __all__ = ["Engine"]
