@@ -10,6 +10,8 @@ processes both decoders continue the same prompt (``--batch`` rows of ``--prompt
 of each in turn (so the shared machine's load hits both alike; an untimed barrier before each step);
 the median step time over every round is kept, on the last stage's first rank (where the logits
 are). The first logits of the two are checked to agree. Printed: tokens/s and the ratio plain / DTensor.
+At ``pp`` alone the parameters are plain tensors, so "DTensor" is then the stages' own forward without
+dispatch overhead, and the difference is the model's own code and the headers only.
 
     python benchmarks/decode_pp.py [--mesh pp=2] [--new 16] [--rounds 3] [--batch 4] [--prompt 32]
 """
@@ -38,6 +40,11 @@ SIZES = dict(hidden_size=1024, num_hidden_layers=16, num_attention_heads=16, num
 def measure(ctx, batch: int, prompt_len: int, new: int, rounds: int) -> dict:
     torch.set_num_threads(1)
     model = sk.shard(build_llama(tiny_llama_config(**SIZES)), ctx.plan, ctx).eval()
+    with torch.no_grad():
+        return _rounds(ctx, model, batch, prompt_len, new, rounds)
+
+
+def _rounds(ctx, model, batch: int, prompt_len: int, new: int, rounds: int) -> dict:
     prompt = torch.randint(0, SIZES["vocab_size"], (batch, prompt_len), generator=torch.Generator().manual_seed(0))
     times: dict[str, list[float]] = {"plain": [], "DTensor": []}
     runtime = model._sk_runtime

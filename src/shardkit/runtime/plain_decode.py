@@ -85,7 +85,8 @@ class PlainDecoder:
     of ``slots`` rows of ``max_len`` positions; :meth:`step` returns the last position's logits.
 
     ``model`` must be in eval mode with no gradients needed (generation); every rank of ``tp``
-    builds one and calls :meth:`step` with the same arguments.
+    builds one and calls :meth:`step` with the same arguments. ``model`` may be one pipeline stage of
+    ``sk.shard`` (its layers only; :class:`~shardkit.runtime.plain_pipeline.PlainPipeline` runs the stages).
     """
 
     def __init__(self, model: nn.Module, slots: int, max_len: int):
