@@ -2,7 +2,8 @@
 tokenizer and chat template), talked to as a user would: OpenAI's Python client (completions, chat,
 streams) checked against transformers' ``generate``, 32 concurrent streaming clients each equal to its
 run alone, plain HTTP for errors, the page in headless Chromium; then the ways it ends: SIGTERM (drain,
-exit 0), a worker killed under load (5xx, exit 1 naming it, nothing left), Ctrl-C (exit 130 at once).
+exit 0), a worker killed under load (5xx, exit 1 naming it, nothing left: on a ``pp=2`` server, which answers
+as transformers first), Ctrl-C (exit 130 at once).
 
 One server serves every test up to SIGTERM (the last of them); the faults start their own."""
 
@@ -298,9 +299,18 @@ def test_sigterm_finishes_what_is_in_flight_and_exits_0(served):
     assert "SIGTERM: finishing 1 open requests" in served.stderr()
 
 
-def test_a_worker_killed_under_load_fails_every_open_request_and_names_its_rank(folder, tmp_path):
-    server = Served(folder, tmp_path)
+def test_a_pipeline_server_serves_then_a_worker_killed_under_load_fails_every_open_request_and_names_its_rank(
+        folder, reference, tmp_path):
+    """On ``--mesh pp=2`` (a stage per rank, the last stage's rank killed): the same answers first."""
+    tokenizer, generate = reference
+    server = Served(folder, tmp_path, "pp=2")
     try:
+        assert "the heads of 1 of 2 layers per stage" in server.stderr()  # the KV cache's plan, per stage
+        got = server.client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0)
+        assert got.choices[0].text == generate(tokenizer.encode(PROMPTS[0]), 12)
+        stream = server.client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=10, temperature=0,
+                                                  stream=True)
+        assert "".join(c.choices[0].text for c in stream) == generate(tokenizer.encode(PROMPTS[1]), 10)
         rank1 = server.workers()[1]
         os.kill(rank1, signal.SIGSTOP)  # the batch cannot move: requests stay open
         results = {}

@@ -1,7 +1,8 @@
-"""``shardkit serve``: an OpenAI-compatible HTTP server over a tensor-parallel model::
+"""``shardkit serve``: an OpenAI-compatible HTTP server over a tensor- and pipeline-parallel model::
 
     shardkit serve --model gpt-small --checkpoint runs/gpt --mesh tp=2 --port 8000
     shardkit serve --model exported --hf exported --mesh tp=2 --max-batch 16
+    shardkit serve --model exported --hf exported --mesh pp=2,tp=2
 
 Every process of the world runs the decode engine (continuous batching); rank 0 also serves HTTP
 (``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``/health``, ``/metrics``,
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..models.registry import MODELS
-from ..plan import Plan, PlanError, UsageError
+from ..plan import Pipeline, Plan, PlanError, UsageError
 from .options import (
     add_model_option,
     add_weights_options,
@@ -41,8 +42,8 @@ if TYPE_CHECKING:
     from ..serving.run import ServeOptions
 
 DEFAULT_MESH = "tp=1"
-#: The only axis the engine splits a model over.
-SERVE_AXIS = "tp"
+#: The axes the engine splits a model over: heads over ``tp``, layers over ``pp`` (even stages, one per rank).
+SERVE_AXES = ("tp", "pp")
 
 
 @dataclass(frozen=True)
@@ -60,13 +61,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     usable = MODELS.buildable()
     parser = subparsers.add_parser(
         "serve", help="serve a sharded model over HTTP with OpenAI's API (continuous batching)",
-        description="Serve a model split over 'tp' across a local world (or torchrun's) with OpenAI's "
+        description="Serve a model split over 'tp' and 'pp' across a local world (or torchrun's) with OpenAI's "
                     "completions and chat API, weights from a checkpoint (sk.save) or a HuggingFace folder "
                     "(its tokenizer and chat template too). Everything is checked before any process starts.")
     add_model_option(parser, "gpt-tiny", usable)
     add_weights_options(parser, " (byte-level models)", ": its tokenizer and generation_config too")
     parser.add_argument("--mesh", default=DEFAULT_MESH, metavar="AXES",
-                        help=f"the mesh; only 'tp' may be larger than 1 (default: {DEFAULT_MESH})")
+                        help=f"the mesh: 'tp' (heads) and 'pp' (layers, even stages) may be larger than 1, e.g. "
+                             f"pp=2,tp=2 (default: {DEFAULT_MESH})")
     add_rules_option(parser)
     parser.add_argument("--host", default="127.0.0.1", help="the address to listen on (default: 127.0.0.1)")
     parser.add_argument("--port", type=_port, default=8000,
@@ -92,7 +94,8 @@ def _port(text: str) -> int:
 
 def check_job(args: argparse.Namespace) -> tuple[Plan, ServeJob]:
     """Everything checked before launch; :class:`PlanError` / :class:`UsageError` naming the flag."""
-    from ..families import token_sizes
+    from ..families import model_layout, token_sizes
+    from ..planner.pipeline_proof import decode_problems
     from ..planner.validate import validate
     from ..runtime.generate import MODEL_EOS, stop_tokens
     from ..runtime.plain_decode import plain_problems
@@ -105,15 +108,21 @@ def check_job(args: argparse.Namespace) -> tuple[Plan, ServeJob]:
     mesh = parse_mesh_flag(args.mesh)
     if not mesh.is_resolved:
         raise PlanError(f"--mesh {args.mesh}: give every axis its size (no -1), e.g. --mesh tp=2")
-    others = [f"{axis}={size}" for axis, size in zip(mesh.names, mesh.shape) if axis != SERVE_AXIS and size > 1]
+    others = [f"{axis}={size}" for axis, size in zip(mesh.names, mesh.shape) if axis not in SERVE_AXES and size > 1]
     if others:
-        raise PlanError(f"--mesh {args.mesh}: the server splits a model over {SERVE_AXIS!r} only, but "
-                        f"{', '.join(others)}; valid: e.g. --mesh tp=2")
+        raise PlanError(f"--mesh {args.mesh}: the server splits a model over {' and '.join(map(repr, SERVE_AXES))} "
+                        f"only, but {', '.join(others)}; valid: e.g. --mesh tp=2 or --mesh pp=2,tp=2")
     problems = plain_problems(model)
     if problems:
         raise UsageError(f"--model {args.model}: {'; '.join(problems)}")
-    plan = Plan(mesh=mesh, rules=model_rules(args.model, entry, mesh, args.rules)).resolved(mesh.size)
+    pipeline = Pipeline(schedule="sequential") if mesh.size_of("pp") > 1 else None  # even stages, one per rank
+    plan = Plan(mesh=mesh, rules=model_rules(args.model, entry, mesh, args.rules), pipeline=pipeline
+                ).resolved(mesh.size)
     validate(plan, model, world_size=mesh.size)
+    if pipeline is not None:
+        problems = decode_problems(model, model_layout(model))  # validate refused stages without a layer
+        if problems:
+            raise PlanError([f"--mesh {args.mesh}: {p}" for p in problems])
     check_weights(args, model)
     vocab, positions = token_sizes(model)
     load_tokenizer(args.hf, vocab)

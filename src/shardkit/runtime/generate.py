@@ -10,9 +10,10 @@ heads, so its cache holds only its own KV heads (a plan whose KV heads do not sp
 - a model with ``kv_cache()`` whose forward takes ``cache=`` (the reference GPT).
 
 When the model is one :mod:`.plain_decode` runs (the reference GPT, transformers' Llama and Qwen2)
-and the plan splits over ``tp`` alone, the steps run there instead (:class:`PlainSteps`: each rank's
-local shards as plain tensors, one ``all_reduce`` per row-parallel layer, no DTensor dispatch per
-operator); pipelines, the data axes and other models run the model's own forward (:class:`Decoder`).
+and the plan splits over ``tp`` and ``pp`` alone, the steps run there instead (:class:`PlainSteps`: each
+rank's local shards as plain tensors, one ``all_reduce`` per row-parallel layer, no DTensor dispatch per
+operator; a pipeline's stages through :mod:`.plain_pipeline`, one stage per rank); virtual pipeline
+stages, the data axes and other models run the model's own forward (:class:`Decoder`).
 
 transformers' ``generate`` is not used on a sharded model because it runs its own loop of
 stopping criteria, padding and logits processors per rank; ours is the loop of this module,
@@ -59,6 +60,7 @@ from ..plan.mesh import DATA_AXES
 from ..planner.pipeline_proof import decode_problems
 from .pipeline import PipelinedModule
 from .plain_decode import PlainDecoder, plain_problems
+from .plain_pipeline import PlainPipeline, pipeline_problems
 
 #: The only mesh axis generation may split (every other axis must have size 1).
 GENERATION_AXIS = "tp"
@@ -197,7 +199,8 @@ def generate(model: nn.Module, input_ids: torch.Tensor, *, max_new_tokens: int, 
     model.eval()
     try:
         with torch.no_grad():
-            plain = pipeline is None and not together and _tp_only(plan) and not plain_problems(model)
+            plain = not together and _plain_axes(plan) and not plain_problems(model) and \
+                (pipeline is None or not pipeline_problems(model))
             decoder = PlainSteps(model, *input_ids.shape, max_new_tokens) if plain else Decoder(model)
             tokens, new, done = input_ids.to(device), [], False
             finished = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=device)
@@ -390,19 +393,23 @@ class Decoder:
 
 class PlainSteps:
     """:class:`Decoder`'s ``step`` on :class:`~shardkit.runtime.plain_decode.PlainDecoder` (plain tensors, one
-    ``all_reduce`` per row-parallel layer): what :func:`generate` runs on a model it can decode that way."""
+    ``all_reduce`` per row-parallel layer), through the stages of a pipeline with
+    :class:`~shardkit.runtime.plain_pipeline.PlainPipeline`: what :func:`generate` runs on a model it can decode
+    that way (logits on the last stage's ranks, ``None`` on the others)."""
 
     def __init__(self, model: nn.Module, batch: int, prompt_len: int, max_new_tokens: int):
-        self.decoder, self.past = PlainDecoder(model, slots=batch, max_len=prompt_len + max_new_tokens), 0
+        kind = PlainPipeline if isinstance(model, PipelinedModule) else PlainDecoder
+        self.decoder, self.past = kind(model, slots=batch, max_len=prompt_len + max_new_tokens), 0
 
-    def step(self, ids: torch.Tensor) -> torch.Tensor:
+    def step(self, ids: torch.Tensor) -> torch.Tensor | None:
         past, self.past = self.past, self.past + ids.shape[1]
-        return self.decoder.step(ids, past)[:, None]
+        logits = self.decoder.step(ids, past)
+        return None if logits is None else logits[:, None]
 
 
-def _tp_only(plan: object) -> bool:
-    """Whether ``plan`` (or no plan: an unsharded model) splits over ``tp`` alone."""
-    return not isinstance(plan, Plan) or all(size == 1 or axis == GENERATION_AXIS
+def _plain_axes(plan: object) -> bool:
+    """Whether ``plan`` (or no plan: an unsharded model) splits over ``tp`` and ``pp`` alone."""
+    return not isinstance(plan, Plan) or all(size == 1 or axis in (GENERATION_AXIS, "pp")
                                               for axis, size in zip(plan.mesh.names, plan.mesh.shape))
 
 

@@ -85,7 +85,8 @@ class PlainDecoder:
     of ``slots`` rows of ``max_len`` positions; :meth:`step` returns the last position's logits.
 
     ``model`` must be in eval mode with no gradients needed (generation); every rank of ``tp``
-    builds one and calls :meth:`step` with the same arguments.
+    builds one and calls :meth:`step` with the same arguments. ``model`` may be one pipeline stage of
+    ``sk.shard`` (its layers only; :class:`~shardkit.runtime.plain_pipeline.PlainPipeline` runs the stages).
     """
 
     def __init__(self, model: nn.Module, slots: int, max_len: int):
@@ -102,27 +103,33 @@ class PlainDecoder:
                 break
         body = model if self.gpt else model.model
         self.layers = [self._layer(layer) for layer in body.layers]
+        if not self.layers:
+            raise UsageError("plain decode runs a model, or a pipeline stage, of at least one decoder layer")
         first = self.layers[0]
         self.head_dim = model.config.dim // model.config.heads if self.gpt else \
             getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
         self.q_size, self.kv_size = first["q"], first["kv"]
         self.heads, self.kv_heads = self.q_size // self.head_dim, self.kv_size // self.head_dim
         self.scale = None if self.gpt else self.head_dim ** -0.5  # each family's own: SDPA's default, transformers' scaling
-        self.embed, self.vocab_start = self._embedding(model.embed if self.gpt else body.embed_tokens)
-        self.head = self._linear(model.lm_head)
-        self.vocab = model.lm_head.weight.shape[0]
+        # a pipeline stage (sk.shard prunes the others' modules to None) has the embedding on the first stage,
+        # the final norm and the head on the last: None elsewhere (step then takes or returns hidden states)
+        embed, norm = (model.embed, model.norm_f) if self.gpt else (body.embed_tokens, body.norm)
+        self.embed, self.vocab_start = (None, None) if embed is None else self._embedding(embed)
+        self.head = None if model.lm_head is None else self._linear(model.lm_head)
+        if (norm is None) != (self.head is None):
+            raise UsageError("plain decode needs the final norm and the output head on one pipeline stage")
+        self.vocab = model.config.vocab if self.gpt else model.config.vocab_size
+        anchor = first["qkv"].weight.new_zeros(())  # the dtype and device of the cache and the rotary tables
         if self.gpt:
-            self.pos_embed = self._local(model.pos_embed.weight)[0]
-            self.norm = (self._local(model.norm_f.weight)[0], self._local(model.norm_f.bias)[0], model.norm_f.eps)
+            self.pos_embed = None if embed is None else self._local(model.pos_embed.weight)[0]
+            self.norm = None if norm is None else (self._local(norm.weight)[0], self._local(norm.bias)[0], norm.eps)
         else:
-            self.norm = (self._local(body.norm.weight)[0], None, body.norm.variance_epsilon)
-            positions = torch.arange(max_len, device=self.head.weight.device)[None]
-            anchor = torch.zeros((), dtype=self.head.weight.dtype, device=positions.device)
-            cos, sin = body.rotary_emb(anchor, positions)
+            self.norm = None if norm is None else (self._local(norm.weight)[0], None, norm.variance_epsilon)
+            cos, sin = body.rotary_emb(anchor, torch.arange(max_len, device=anchor.device)[None])
             self.cos, self.sin = cos[0], sin[0]
         self.slots, self.max_len = slots, max_len
         shape = (len(self.layers), slots, self.kv_heads, max_len, self.head_dim)
-        self.keys = torch.zeros(shape, dtype=self.head.weight.dtype, device=self.head.weight.device)
+        self.keys = torch.zeros(shape, dtype=anchor.dtype, device=anchor.device)
         self.values = torch.zeros_like(self.keys)
         self._gathered = None
 
@@ -203,8 +210,11 @@ class PlainDecoder:
         """Run ``ids [batch, new]`` in slots ``first_slot ..``, after ``past`` cached positions (an int:
         every row alike; a ``[batch]`` tensor: each row its own, ``kv_len`` then ``max(past) + new`` if the caller
         knows it);
-        returns the last position's logits ``[batch, vocab]`` on every rank."""
-        batch, new = ids.shape
+        returns the last position's logits ``[batch, vocab]`` on every rank.
+
+        A pipeline stage without the embedding takes hidden states ``[batch, new, hidden]`` as ``ids``; one
+        without the head returns its hidden states ``[batch, new, hidden]`` (:mod:`.plain_pipeline`)."""
+        batch, new = ids.shape[:2]
         rows = slice(first_slot, first_slot + batch)
         device = ids.device
         if isinstance(past, int):
@@ -218,7 +228,7 @@ class PlainDecoder:
             mask = (torch.arange(kv_len, device=device) <= positions[:, :, None])[:, None]
             causal = False
             slot_ids = torch.arange(first_slot, first_slot + batch, device=device)[:, None]
-        x = self._embed(ids, positions)
+        x = self._embed(ids, positions) if self.embed is not None else ids
         if self.gpt:
             rope = None
         else:
@@ -253,6 +263,8 @@ class PlainDecoder:
                 half = up.shape[-1] // 2
                 h = F.silu(up[..., :half]) * up[..., half:]
             x = x + self._project(h, layer["down"])
+        if self.head is None:  # a pipeline stage before the last: every new position's hidden states
+            return x
         x = self._norm(x[:, -1], *self.norm)
         return self._logits(F.linear(x, self.head.weight))
 

@@ -1,19 +1,22 @@
-"""The serving loop every rank runs: continuous batching over a tensor-parallel model.
+"""The serving loop every rank runs: continuous batching over a tensor- and pipeline-parallel model.
 
-Rank 0 (the first ``tp`` rank) reads the :class:`~.requests.Inbox` between steps; each step it
-broadcasts one small int64 tensor to the other ranks — whether requests joined or were cancelled,
+Rank 0 (the first ``tp`` rank, of the first pipeline stage) reads the :class:`~.requests.Inbox` between
+steps; each step it broadcasts one small int64 tensor to the other ranks (the model's ``tp`` group;
+under a pipeline every rank of the world) — whether requests joined or were cancelled,
 whether the inbox is closing, and the token it chose for every running row — followed, only when
 requests joined or were cancelled, by those (``broadcast_object_list``). Then every rank applies
 the same schedule to its :class:`~.batch.Batch`: rows whose token ends them leave (a stop id: the
 token is not sent; ``max_new_tokens`` reached), cancelled rows leave, joining requests are
 prefilled one by one into free slots, and the remaining rows run one decode step together
 (:class:`~shardkit.runtime.plain_decode.PlainDecoder`: plain tensors, one ``all_reduce`` per
-row-parallel layer). Rank 0 chooses the next tokens (:mod:`.sampling`) and sends
+row-parallel layer; under a pipeline :class:`~shardkit.runtime.plain_pipeline.PlainPipeline`: each
+stage its own layers and their cache, the hidden states sent stage to stage, the last stage's
+logits sent back to rank 0). Rank 0 chooses the next tokens (:mod:`.sampling`) and sends
 :class:`~.requests.TokenEvent` s to the requests' sinks.
 
 The cache holds ``slots`` sequences of ``max_len`` positions; with ``cache_bytes`` instead of
-``slots``, as many as fit, planned with :func:`shardkit.kv_cache_bytes`; the plan is printed at
-start. A request whose prompt plus ``max_new_tokens`` exceeds ``max_len``, or holds ids outside the
+``slots``, as many as fit, planned with :func:`shardkit.kv_cache_bytes` (a rank holds its heads of
+its stage's layers); the plan is printed at start. A request whose prompt plus ``max_new_tokens`` exceeds ``max_len``, or holds ids outside the
 vocabulary, ends at once with :attr:`~.requests.Finish.ERROR` naming what is valid.
 
 >>> from shardkit.models.gpt import build_tiny_gpt
@@ -34,10 +37,11 @@ import torch.distributed as dist
 from rich.console import Console
 from torch import nn
 
-from ..families import family_of
 from ..plan import UsageError
 from ..planner.estimate import kv_cache_bytes
+from ..runtime.pipeline import PipelinedModule
 from ..runtime.plain_decode import PlainDecoder
+from ..runtime.plain_pipeline import PlainPipeline, decode_positions
 from .batch import Batch, Row
 from .requests import Finish, GenerationRequest, Inbox, Sink, TokenEvent
 from .sampling import choose, generator_for
@@ -49,37 +53,45 @@ HEADER = 2
 
 
 class Engine:
-    """Continuous batching of ``model`` (from ``sk.shard`` with ``Mesh(tp=N)``, or whole in one process);
-    built and :meth:`run` on every rank, with the ``inbox`` on rank 0 only (``None`` elsewhere)."""
+    """Continuous batching of ``model`` (from ``sk.shard`` with ``Mesh(tp=N)``, ``Mesh(pp=N)`` with a
+    pipeline of one stage per rank, or both; or whole in one process); built and :meth:`run` on every rank,
+    with the ``inbox`` on rank 0 only (``None`` elsewhere)."""
 
     def __init__(self, model: nn.Module, inbox: Inbox | None, *, max_len: int | None = None, slots: int | None = None,
                  cache_bytes: int | None = None, quiet: bool = False):
-        limit = family_of(model).max_positions(model) or getattr(model.config, "max_position_embeddings", None)
+        limit = decode_positions(model)
         max_len = max_len or limit
         if max_len is None or (limit is not None and max_len > limit):
             raise UsageError(f"Engine: max_len={max_len} must be given and at most the model's {limit} positions")
         model.eval()
         dtype = next(model.parameters()).dtype
-        tp = _tp_size(model)
-        per_sequence = kv_cache_bytes(model.config, tp=tp, batch_size=1, seq_len=max_len, dtype=dtype)
+        tp, pp = _size(model, "tp"), _size(model, "pp")
+        per_sequence = kv_cache_bytes(model.config, tp=tp, pp=pp, batch_size=1, seq_len=max_len, dtype=dtype)
+        split = f"tp={tp}" + (f", pp={pp}" if pp > 1 else "")
         if slots is None:
             if cache_bytes is None or cache_bytes < per_sequence:
                 raise UsageError(f"Engine: give slots=N or cache_bytes of at least one sequence of max_len={max_len} "
-                                 f"positions ({per_sequence} bytes per rank, sk.kv_cache_bytes at tp={tp})")
+                                 f"positions ({per_sequence} bytes per rank, sk.kv_cache_bytes at {split})")
             slots = cache_bytes // per_sequence
-        self.decoder = PlainDecoder(model, slots=slots, max_len=max_len)
+        if isinstance(model, PipelinedModule):
+            self.decoder: PlainDecoder | PlainPipeline = PlainPipeline(model, slots, max_len, to_first=True)
+            # the world's rank 0 is the first stage's first tp rank (the first coordinate of every axis)
+            self.group, self.leader = dist.group.WORLD, dist.get_rank() == 0
+        else:
+            self.decoder = PlainDecoder(model, slots=slots, max_len=max_len)
+            self.group, self.leader = self.decoder.group, self.decoder.tp_rank == 0
         self.batch, self.inbox, self.max_len = Batch(self.decoder), inbox, max_len
-        self.leader = self.decoder.tp_rank == 0
         if self.leader and inbox is None:
             raise UsageError("Engine: rank 0 reads the requests, so it needs an Inbox")
         self.sinks: dict[str, Sink] = {}
         self.generators: dict[str, torch.Generator | None] = {}
         self.chosen: list[int] = []  # rank 0: the next token of each row, sent with the next schedule
         self.failed: list[str] = []  # rank 0: requests whose sink raised, cancelled at the next step
+        layers = f": the heads of {-(-_layers(model) // pp)} of {_layers(model)} layers per stage" if pp > 1 else ""
         if self.leader and not quiet:
             Console(stderr=True).print(
                 f"KV cache: {slots} sequences of {max_len} positions, {slots * per_sequence / 2**20:.1f} MiB per rank "
-                f"(sk.kv_cache_bytes, tp={tp}, {dtype})")
+                f"(sk.kv_cache_bytes, {split}{layers}, {dtype})", soft_wrap=True)
 
     def run(self) -> None:
         """Serve until the inbox closes and every request in the batch has finished."""
@@ -111,11 +123,10 @@ class Engine:
             header[0] = arrivals.closing
             header[1] = bool(objects[0] or objects[1])
             header[HEADER:HEADER + len(self.chosen)] = torch.tensor(self.chosen, dtype=torch.long)
-        group = self.decoder.group
-        if group is not None:
-            dist.broadcast(header, group=group, group_src=0)
+        if self.group is not None:
+            dist.broadcast(header, group=self.group, group_src=0)
             if header[1]:
-                dist.broadcast_object_list(objects, group=group, group_src=0)
+                dist.broadcast_object_list(objects, group=self.group, group_src=0)
         tokens = header[HEADER:HEADER + len(self.batch.rows)].tolist()
         return bool(header[0]), objects[0], objects[1], tokens
 
@@ -188,9 +199,14 @@ class Engine:
                 self.failed.append(event.request_id)
 
 
-def _tp_size(model: nn.Module) -> int:
+def _size(model: nn.Module, axis: str) -> int:
     plan = getattr(model, "plan", None)
-    return plan.mesh.size_of("tp") if plan is not None else 1
+    return plan.mesh.size_of(axis) if plan is not None else 1
+
+
+def _layers(model: nn.Module) -> int:
+    """The whole model's decoder layers (a pipeline stage holds some of them)."""
+    return getattr(model.config, "layers", None) or model.config.num_hidden_layers
 
 
 __all__ = ["Engine"]

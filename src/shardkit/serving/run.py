@@ -10,11 +10,17 @@ uvicorn on a thread of its own; they meet at the :class:`~.requests.Inbox`. How 
   already under way gets the error as its last event), then the error is raised, and the world names
   the rank that died.
 - SIGINT (Ctrl-C) is the parent's: it stops the world at once. Under ``torchrun`` every rank gets it.
+
+Under ``torchrun``, SIGTERM to rank 0's process drains as above and torchrun exits 0; SIGTERM to torchrun
+itself reaches every rank (rank 0 drains, the others follow its schedule) but torchrun exits 1 all the
+same: its agent raises ``SignalException`` on a signal of its own, whatever its ranks return, and no rank
+can change that. So rank 0 prints its pid at start.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import sys
 import threading
@@ -58,13 +64,14 @@ def serve_rank(model: nn.Module, rank: int, world_size: int, options: ServeOptio
             signal.signal(signal.SIGTERM, signal.SIG_IGN)  # rank 0's schedule says when to stop
             Engine(model, None, max_len=options.max_len, slots=options.max_batch).run()
             return
-        _serve_leader(model, world_size, options, eos_ids)
+        _serve_leader(model, world_size, options, eos_ids, torchrun)
     finally:
         for number, handler in restore.items():
             signal.signal(number, handler)
 
 
-def _serve_leader(model: nn.Module, world_size: int, options: ServeOptions, eos_ids: frozenset[int]) -> None:
+def _serve_leader(model: nn.Module, world_size: int, options: ServeOptions, eos_ids: frozenset[int],
+                  torchrun: bool) -> None:
     from ..families import token_sizes
 
     inbox = Inbox(options.max_queue)
@@ -78,6 +85,9 @@ def _serve_leader(model: nn.Module, world_size: int, options: ServeOptions, eos_
     print(f"shardkit serve: {options.name} on {options.mesh or 'one process'}, {engine.decoder.slots} requests "
           f"at a time, {engine.max_len} positions each; tokenizer: {tokenizer.name}\n"
           f"shardkit serve: listening on http://{host}:{http.port} (OpenAI API under /v1, try it at /)", flush=True)
+    if torchrun:  # torchrun exits 1 on a SIGTERM of its own, however its ranks end (docs/serve.md)
+        print(f"shardkit serve: to stop, SIGTERM rank 0 (pid {os.getpid()}): it drains, every rank exits 0 and so "
+              f"does torchrun", flush=True)
     signal.signal(signal.SIGTERM, lambda *_: _drain(server, options.drain_s))
     try:
         engine.run()
