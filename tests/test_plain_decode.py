@@ -85,3 +85,18 @@ def test_plain_decode_names_what_it_cannot_run():
     assert plain_problems(build_tiny_llama()) == []
     with pytest.raises(UsageError, match="dense MLPs.*not GPT with experts"):
         PlainDecoder(build_tiny_gpt_moe(), slots=1, max_len=8)
+
+
+def test_prompts_of_different_lengths_prefill_together_as_each_alone():
+    model = build_tiny_llama().eval()
+    decoder = PlainDecoder(model, slots=3, max_len=16)
+    prompts = [PROMPT[0].tolist(), [58, 97], PROMPT[1, :4].tolist()]  # padded to 5: the second row's 3 padding
+    first = decoder.prefill(prompts)                                  # positions hold keys a later step must mask
+    nxt = decoder.step(torch.tensor([[7], [8], [9]]), torch.tensor([5, 2, 4]), kv_len=6)
+    with torch.no_grad():
+        for row, (prompt, token) in enumerate(zip(prompts, (7, 8, 9))):
+            alone = model(torch.tensor([prompt + [token]])).logits[0]
+            torch.testing.assert_close(first[row], alone[-2], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(nxt[row], alone[-1], atol=1e-5, rtol=1e-5)
+    with pytest.raises(UsageError, match="prefill: 1 prompts of 1 to 16 tokens from slot 3 of 3"):
+        decoder.prefill([[1]], first_slot=3)

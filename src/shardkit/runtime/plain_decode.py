@@ -19,7 +19,8 @@ computed once for every position.
 Families: the reference GPT (dense) and transformers' Llama and Qwen2 (full attention, rotary
 positions, SwiGLU). :func:`plain_problems` says why another model cannot decode this way.
 Slots are cache rows: a step runs rows ``first_slot .. first_slot + batch`` each at its own position,
-so sequences of different lengths share a batch (a mask hides each row's unused positions).
+so sequences of different lengths share a batch (a mask hides each row's unused positions), and
+:meth:`PlainDecoder.prefill` fills several slots with prompts of different lengths in one forward.
 
 >>> from shardkit.models.gpt import build_tiny_gpt
 >>> decoder = PlainDecoder(build_tiny_gpt().eval(), slots=2, max_len=16)
@@ -30,6 +31,7 @@ torch.Size([2, 256])
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -204,9 +206,39 @@ class PlainDecoder:
         every row alike; a ``[batch]`` tensor: each row its own, ``kv_len`` then ``max(past) + new`` if the caller
         knows it);
         returns the last position's logits ``[batch, vocab]`` on every rank."""
+        return self._forward(ids, past, first_slot, kv_len, None)
+
+    @torch.no_grad()
+    def prefill(self, prompts: list[Sequence[int]], first_slot: int = 0) -> torch.Tensor:
+        """Prompts of any lengths into slots ``first_slot ..`` in one forward; returns each prompt's last position's
+        logits ``[len(prompts), vocab]``.
+
+        The prompts are right-padded to the longest: under the causal mask a real position never attends a
+        later one, so no row sees its padding; the padding's keys and values lie beyond the row's length,
+        where every later step masks them (per-row positions) until they are overwritten.
+
+        >>> from shardkit.models.gpt import build_tiny_gpt
+        >>> decoder = PlainDecoder(build_tiny_gpt().eval(), slots=2, max_len=16)
+        >>> decoder.prefill([[1, 2, 3], [4, 5]]).shape
+        torch.Size([2, 256])
+        """
+        lengths = [len(p) for p in prompts]
+        if min(lengths) < 1 or max(lengths) > self.max_len or first_slot + len(prompts) > self.slots:
+            raise UsageError(f"prefill: {len(prompts)} prompts of 1 to {self.max_len} tokens from slot {first_slot} "
+                             f"of {self.slots}, got lengths {lengths}")
+        ids = torch.zeros(len(prompts), max(lengths), dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            ids[row, :len(prompt)] = torch.as_tensor(prompt)
+        device = self.keys.device
+        return self._forward(ids.to(device), 0, first_slot, None, torch.tensor(lengths, device=device) - 1)
+
+    def _forward(self, ids: torch.Tensor, past: int | torch.Tensor, first_slot: int, kv_len: int | None,
+                 last: torch.Tensor | None) -> torch.Tensor:
+        """:meth:`step`'s forward; the logits of position ``last[row]`` of each row (``None``: the last)."""
         batch, new = ids.shape
         rows = slice(first_slot, first_slot + batch)
         device = ids.device
+        written = None  # per-row positions: the rows of the flat ``[slots * kv heads * max_len, head_dim]`` cache
         if isinstance(past, int):
             kv_len = past + new
             positions = torch.arange(past, kv_len, device=device)
@@ -215,9 +247,13 @@ class PlainDecoder:
         else:
             kv_len = int(past.max()) + new if kv_len is None else kv_len
             positions = past[:, None] + torch.arange(new, device=device)
-            mask = (torch.arange(kv_len, device=device) <= positions[:, :, None])[:, None]
+            visible = torch.arange(kv_len, device=device) <= positions[:, None, :, None]  # [batch, 1, new, kv_len]
+            # additive, once a step (not converted by every layer's attention); the same values as the boolean mask
+            mask = torch.zeros(visible.shape, dtype=self.keys.dtype, device=device).masked_fill_(~visible, -math.inf)
             causal = False
-            slot_ids = torch.arange(first_slot, first_slot + batch, device=device)[:, None]
+            heads = torch.arange(self.kv_heads, device=device)[None, :, None]
+            written = (((first_slot + torch.arange(batch, device=device))[:, None, None] * self.kv_heads + heads)
+                       * self.max_len + positions[:, None, :]).flatten()  # [batch, kv heads, new], as k's rows
         x = self._embed(ids, positions)
         if self.gpt:
             rope = None
@@ -236,12 +272,12 @@ class PlainDecoder:
                 q = q * rope[0] + _rotate_half(q) * rope[1]
                 k = k * rope[0] + _rotate_half(k) * rope[1]
             keys, values = self.keys[i], self.values[i]
-            if isinstance(past, int):
+            if written is None:
                 keys[rows, :, past:kv_len] = k
                 values[rows, :, past:kv_len] = v
-            else:
-                keys[slot_ids, :, positions] = k.transpose(1, 2)
-                values[slot_ids, :, positions] = v.transpose(1, 2)
+            else:  # one row copy per (row, head, position), at an index computed once a step
+                keys.view(-1, head_dim).index_copy_(0, written, k.reshape(-1, head_dim))
+                values.view(-1, head_dim).index_copy_(0, written, v.reshape(-1, head_dim))
             a = F.scaled_dot_product_attention(q, keys[rows, :, :kv_len], values[rows, :, :kv_len], attn_mask=mask,
                                                is_causal=causal, scale=self.scale, enable_gqa=gqa)
             x = x + self._project(a.transpose(1, 2).reshape(batch, new, -1), layer["out"])
@@ -253,7 +289,8 @@ class PlainDecoder:
                 half = up.shape[-1] // 2
                 h = F.silu(up[..., :half]) * up[..., half:]
             x = x + self._project(h, layer["down"])
-        x = self._norm(x[:, -1], *self.norm)
+        x = x[:, -1] if last is None else x[torch.arange(batch, device=device), last]
+        x = self._norm(x, *self.norm)
         return self._logits(F.linear(x, self.head.weight))
 
     def _embed(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
