@@ -126,9 +126,11 @@ def test_plain_decode_names_what_it_cannot_run():
         PlainDecoder(build_tiny_gpt_moe(), slots=1, max_len=8)
 
 
-def test_prompts_of_different_lengths_prefill_together_as_each_alone():
+@pytest.mark.parametrize("transposed", [False, True])
+def test_prompts_of_different_lengths_prefill_together_as_each_alone(transposed):
     model = build_tiny_llama().eval()
     decoder = PlainDecoder(model, slots=3, max_len=16)
+    decoder._transposed.update({15: transposed, 3: transposed})  # each product's form at 3 x 5 and 3 rows, not timed
     prompts = [PROMPT[0].tolist(), [58, 97], PROMPT[1, :4].tolist()]  # padded to 5: the second row's 3 padding
     first = decoder.prefill(prompts)                                  # positions hold keys a later step must mask
     nxt = decoder.step(torch.tensor([[7], [8], [9]]), torch.tensor([5, 2, 4]), kv_len=6)

@@ -12,7 +12,9 @@ Training keeps DTensor; this reads the same storage, so the two paths always hol
 
 Speed without a second copy of the weights: the q/k/v (and gate/up) shards are concatenated once
 into one tensor and the parameters' local tensors are made views of it (their values unchanged),
-so one matmul does the three projections; the KV cache is allocated once
+so one matmul does the three projections; at the few rows of a decode step each product is computed
+as ``h @ weight.T`` (``F.linear``) or as ``(weight @ h.T).T``, whichever this rank timed faster at that many
+rows (:meth:`PlainDecoder._product`); the KV cache is allocated once
 (``[layers, slots, local kv heads, max_len, head_dim]``) and written in place; rotary tables are
 computed once for every position.
 
@@ -41,10 +43,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..plan import UsageError
+from .devices import clock
 
 #: transformers model types whose decoder layers :class:`PlainDecoder` runs (Llama's layer, Qwen2's with q/k/v biases).
 HF_TYPES = ("llama", "qwen2")
 WHOLE, COLWISE, ROWWISE = "whole", "colwise", "rowwise"
+#: Rows (batch x new positions) up to which a product's two forms are timed; more rows: ``F.linear``.
+TIMED_ROWS = 16
 
 
 def plain_problems(model: nn.Module) -> list[str]:
@@ -127,6 +132,7 @@ class PlainDecoder:
         self.keys = torch.zeros(shape, dtype=self.head.weight.dtype, device=self.head.weight.device)
         self.values = torch.zeros_like(self.keys)
         self._gathered = None
+        self._transposed: dict[int, bool] = {}  # rows -> whether (weight @ h.T).T is faster here
 
     # -- reading the shards ----------------------------------------------------------------------
     def _group_of(self, p: DTensor) -> None:
@@ -264,7 +270,7 @@ class PlainDecoder:
         gqa = self.heads != self.kv_heads
         for i, layer in enumerate(self.layers):
             h = self._norm(x, *layer["norms"][0])
-            qkv = F.linear(h, layer["qkv"].weight, layer["qkv"].bias)
+            qkv = self._product(h, layer["qkv"].weight, layer["qkv"].bias)
             q = qkv[..., :q_size].view(batch, new, -1, head_dim).transpose(1, 2)
             k = qkv[..., q_size:q_size + kv_size].view(batch, new, -1, head_dim).transpose(1, 2)
             v = qkv[..., q_size + kv_size:].view(batch, new, -1, head_dim).transpose(1, 2)
@@ -282,7 +288,7 @@ class PlainDecoder:
                                                is_causal=causal, scale=self.scale, enable_gqa=gqa)
             x = x + self._project(a.transpose(1, 2).reshape(batch, new, -1), layer["out"])
             h = self._norm(x, *layer["norms"][1])
-            up = F.linear(h, layer["up"].weight, layer["up"].bias)
+            up = self._product(h, layer["up"].weight, layer["up"].bias)
             if self.gpt:
                 h = F.gelu(up)
             else:
@@ -291,7 +297,44 @@ class PlainDecoder:
             x = x + self._project(h, layer["down"])
         x = x[:, -1] if last is None else x[torch.arange(batch, device=device), last]
         x = self._norm(x, *self.norm)
-        return self._logits(F.linear(x, self.head.weight))
+        return self._logits(self._product(x, self.head.weight))
+
+    def _product(self, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``h @ weight.T (+ bias)``: as ``F.linear``, or as ``(weight @ h.T).T`` where this rank timed that faster
+        at this many rows.
+
+        Why not always ``F.linear``: at the 2-6 rows of a batched decode step, MKL's float32 GEMM on the
+        machine of ``docs/benchmarks.md`` (an AMD EPYC) computes the second form 1.2-2.7x faster (the same at
+        1 row, slower from 8 rows and in bfloat16), and which one wins depends on the BLAS and the CPU; so
+        each row count up to :data:`TIMED_ROWS` is timed once, on the CPU, and the faster form kept.
+        """
+        rows = h.numel() // h.shape[-1]
+        if not self._transposed_at(rows):
+            return F.linear(h, weight, bias)
+        flat = h.reshape(rows, -1).t()
+        out = torch.mm(weight, flat) if bias is None else torch.addmm(bias[:, None], weight, flat)
+        return out.t().contiguous().view(*h.shape[:-1], -1)
+
+    def _transposed_at(self, rows: int) -> bool:
+        choice = self._transposed.get(rows)
+        if choice is None:
+            choice = 1 < rows <= TIMED_ROWS and self.keys.device.type == "cpu" and self._faster_transposed(rows)
+            self._transposed[rows] = choice
+        return choice
+
+    def _faster_transposed(self, rows: int) -> bool:
+        """Whether ``(weight @ h.T).T`` beats ``F.linear`` by a tenth at ``rows`` rows on the first layer's
+        products (q/k/v, up, down): the best of five interleaved runs of each."""
+        weights = [self.layers[0][name].weight for name in ("qkv", "up", "down")]
+        inputs = [torch.randn(rows, w.shape[1], dtype=w.dtype, device=w.device) for w in weights]
+        best = {True: math.inf, False: math.inf}
+        for _ in range(5):
+            for transposed in (False, True):
+                start = clock()
+                for w, h in zip(weights, inputs):
+                    torch.mm(w, h.t()).t().contiguous() if transposed else F.linear(h, w)
+                best[transposed] = min(best[transposed], clock() - start)
+        return best[True] < 0.9 * best[False]
 
     def _embed(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if self.vocab_start is None:
@@ -305,7 +348,7 @@ class PlainDecoder:
 
     def _project(self, h: torch.Tensor, linear: _Linear) -> torch.Tensor:
         """A row-parallel (or whole) projection: partial sums all-reduced before the bias."""
-        out = F.linear(h, linear.weight)
+        out = self._product(h, linear.weight)
         if linear.split == ROWWISE:
             dist.all_reduce(out, group=self.group)
         return out if linear.bias is None else out + linear.bias
