@@ -6,8 +6,10 @@ intermediate 2816, vocabulary 32000; float32 by default) is sharded with ``sk.sh
 ``Mesh(tp=2)`` in a local gloo world of 2 processes (one intra-op thread each). In the same
 processes three decoders continue the same prompt (``--batch`` rows of ``--prompt`` tokens):
 
-- **plain**: :class:`shardkit.runtime.plain_decode.PlainDecoder` (what ``sk.generate`` and the
-  serving engine run);
+- **plain**: :class:`shardkit.runtime.plain_decode.PlainDecoder` as ``sk.generate`` runs it (every row at
+  one position);
+- **plain, per-row**: the same, each row given its own position as the serving engine does (a mask,
+  the cache written at an index), here all rows at the same one;
 - **hand-written** (the baseline, in this file): the same local shards as plain tensors, written
   the way one writes it by hand (gpt-fast style): separate q/k/v and gate/up matmuls, a
   preallocated cache written at one position, one ``all_reduce`` after o_proj and down_proj, a
@@ -17,9 +19,11 @@ processes three decoders continue the same prompt (``--batch`` rows of ``--promp
 
 Each round runs ``--new`` decode steps, one step of each variant in turn (so load on the shared
 machine hits all of them alike; a barrier, untimed, before each step, so that no step absorbs the
-ranks' skew from the step before it); per variant, the median step time over every round is kept. The first step's
-logits of plain and hand-written are checked to agree. Printed: tokens/s (batch / step time) and
-ratios plain / hand-written and plain / DTensor.
+ranks' skew from the step before it), the order rotated at every step (each variant follows each
+other as often: a step run just after the DTensor step's many allocations was 3-5% slower, whichever
+it was); per variant, the median step time over every round is kept. The first step's
+logits of plain and hand-written are printed. Printed: tokens/s (batch / step time) and each variant's
+speed as a fraction of hand-written's (the target: plain at least 0.95) and of DTensor's.
 
     python benchmarks/decode.py [--new 32] [--rounds 5] [--batch 1] [--prompt 32] [--dtype float32]
 """
@@ -113,28 +117,42 @@ class HandDecoder:
         return logits
 
 
+#: The variants, in the table's order.
+VARIANTS = ("plain", "plain, per-row", "hand-written", "DTensor")
+
+
 def _last_position(decoder: Decoder):
     return lambda ids, pos: decoder.step(ids)[:, -1]
+
+
+def _per_row(decoder: PlainDecoder, batch: int):
+    """The engine's call: each row's own position (a ``[batch]`` tensor), ``kv_len`` given."""
+    return lambda ids, pos: decoder.step(ids, torch.full((batch,), pos), kv_len=pos + 1)
 
 
 def measure(ctx, batch: int, prompt_len: int, new: int, rounds: int, dtype: str) -> dict:
     torch.set_num_threads(1)
     model = sk.shard(build_llama(tiny_llama_config(**SIZES)).to(getattr(torch, dtype)), ctx.plan, ctx).eval()
     prompt = torch.randint(0, SIZES["vocab_size"], (batch, prompt_len), generator=torch.Generator().manual_seed(0))
-    times: dict[str, list[float]] = {"plain": [], "hand-written": [], "DTensor": []}
+    times: dict[str, list[float]] = {name: [] for name in VARIANTS}
     agree = None
     for _ in range(rounds):
         plain = PlainDecoder(model, slots=batch, max_len=prompt_len + new + 1)
+        per_row = PlainDecoder(model, slots=batch, max_len=prompt_len + new + 1)
         hand = HandDecoder(model, batch, prompt_len + new + 1) if dtype == "float32" else None
         dtensor = Decoder(model)
-        steps = {"plain": plain.step, "DTensor": _last_position(dtensor)}
-        first = {"plain": plain.step(prompt, 0), "DTensor": dtensor.step(prompt)[:, -1]}
+        steps = {"plain": plain.step, "plain, per-row": _per_row(per_row, batch), "DTensor": _last_position(dtensor)}
+        first = {"plain": plain.step(prompt, 0), "plain, per-row": per_row.prefill(prompt.tolist()),
+                 "DTensor": dtensor.step(prompt)[:, -1]}
         if hand is not None:
             steps["hand-written"], first["hand-written"] = hand.step, hand.prefill(prompt)
             agree = float((first["plain"] - first["hand-written"]).abs().max())
         ids = {name: logits.argmax(-1, keepdim=True) for name, logits in first.items()}
+        order = list(steps)
         for pos in range(prompt_len, prompt_len + new):
-            for name, step in steps.items():  # one step of each in turn: the machine's load hits all alike
+            turn = pos % len(order)  # rotated: each variant follows each other as often
+            for name in order[turn:] + order[:turn]:  # one step of each in turn: the machine's load hits all alike
+                step = steps[name]
                 dist.barrier()  # untimed: no step absorbs the ranks' skew from the one before
                 start = clock()
                 ids[name] = step(ids[name], pos).argmax(-1, keepdim=True)
@@ -155,13 +173,14 @@ def main() -> None:
     params = sum(p.numel() for p in sk.meta_model(lambda: build_llama(tiny_llama_config(**SIZES))).parameters())
     table = Table(title=f"decode step at tp=2 (2 gloo processes), Llama {params / 1e6:.0f}M {args.dtype}, batch "
                         f"{args.batch}, prompt {args.prompt}, {args.new} steps x {args.rounds} rounds (median)")
-    for column in ("decoder", "ms / step", "tokens/s", "plain vs it"):
+    bases = [name for name in ("hand-written", "DTensor") if name in result]
+    for column in ("decoder", "ms / step", "tokens/s", *(f"speed vs {name}" for name in bases)):
         table.add_column(column, justify="right")
-    for name in ("plain", "hand-written", "DTensor"):
+    for name in VARIANTS:
         if name in result:
             seconds = result[name]
             table.add_row(name, f"{seconds * 1e3:.1f}", f"{args.batch / seconds:.2f}",
-                          f"{seconds / result['plain']:.3f}")
+                          *(f"{result[base] / seconds:.3f}" for base in bases))
     Console(width=160).print(table)
     if result["max |plain - hand|"] is not None:
         print(f"first logits, max |plain - hand-written| = {result['max |plain - hand|']:.2e}")

@@ -133,3 +133,22 @@ def test_a_sink_that_raises_cancels_only_its_request():
     Engine(build_tiny_llama(), inbox, slots=2, max_len=32, quiet=True).run()
     assert [e.finish for e in events if e.request_id == "x"] == [None, Finish.CANCELLED]
     assert [e.token for e in events if e.request_id == "y"][:3] == _hf_greedy((1, 2), 3)
+
+
+def test_prefill_is_bounded_per_step_and_a_waiting_request_can_leave():
+    inbox, events = Inbox(max_queue=4), []
+
+    def sink(event):
+        events.append(event)
+        if event.request_id == "a" and event.token is not None and sum(e.request_id == "a" for e in events) == 1:
+            inbox.cancel("c")  # c still waits for its prefill (behind a and b): it leaves at once
+
+    for rid in ("a", "b", "c"):
+        inbox.submit(GenerationRequest(rid, PROMPTS[rid], NEW[rid]), sink)
+    inbox.close()
+    Engine(build_tiny_llama(), inbox, slots=3, max_len=32, prefill_tokens=8, quiet=True).run()
+    made = [(e.request_id, e.token) for e in events if e.token is not None]
+    assert [t for rid, t in made if rid == "a"] == _hf_greedy(PROMPTS["a"], NEW["a"])
+    assert [t for rid, t in made if rid == "b"] == _hf_greedy(PROMPTS["b"], NEW["b"])
+    assert made.index(("b", _hf_greedy(PROMPTS["b"], 1)[0])) > 1  # b joined a step after a: 5 + 2 x 5 > 8 positions
+    assert [e.finish for e in events if e.request_id == "c"] == [Finish.CANCELLED]

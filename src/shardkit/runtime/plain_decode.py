@@ -12,14 +12,17 @@ Training keeps DTensor; this reads the same storage, so the two paths always hol
 
 Speed without a second copy of the weights: the q/k/v (and gate/up) shards are concatenated once
 into one tensor and the parameters' local tensors are made views of it (their values unchanged),
-so one matmul does the three projections; the KV cache is allocated once
+so one matmul does the three projections; at the few rows of a decode step each product is computed
+as ``h @ weight.T`` (``F.linear``) or as ``(weight @ h.T).T``, whichever this rank timed faster at that many
+rows (:meth:`PlainDecoder._product`); the KV cache is allocated once
 (``[layers, slots, local kv heads, max_len, head_dim]``) and written in place; rotary tables are
 computed once for every position.
 
 Families: the reference GPT (dense) and transformers' Llama and Qwen2 (full attention, rotary
 positions, SwiGLU). :func:`plain_problems` says why another model cannot decode this way.
 Slots are cache rows: a step runs rows ``first_slot .. first_slot + batch`` each at its own position,
-so sequences of different lengths share a batch (a mask hides each row's unused positions).
+so sequences of different lengths share a batch (a mask hides each row's unused positions), and
+:meth:`PlainDecoder.prefill` fills several slots with prompts of different lengths in one forward.
 
 >>> from shardkit.models.gpt import build_tiny_gpt
 >>> decoder = PlainDecoder(build_tiny_gpt().eval(), slots=2, max_len=16)
@@ -30,6 +33,7 @@ torch.Size([2, 256])
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -39,10 +43,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..plan import UsageError
+from .devices import clock
 
 #: transformers model types whose decoder layers :class:`PlainDecoder` runs (Llama's layer, Qwen2's with q/k/v biases).
 HF_TYPES = ("llama", "qwen2")
 WHOLE, COLWISE, ROWWISE = "whole", "colwise", "rowwise"
+#: Rows (batch x new positions) up to which a product's two forms are timed; more rows: ``F.linear``.
+TIMED_ROWS = 16
 
 
 def plain_problems(model: nn.Module) -> list[str]:
@@ -132,6 +139,7 @@ class PlainDecoder:
         self.keys = torch.zeros(shape, dtype=anchor.dtype, device=anchor.device)
         self.values = torch.zeros_like(self.keys)
         self._gathered = None
+        self._transposed: dict[int, bool] = {}  # rows -> whether (weight @ h.T).T is faster here
 
     # -- reading the shards ----------------------------------------------------------------------
     def _group_of(self, p: DTensor) -> None:
@@ -214,9 +222,47 @@ class PlainDecoder:
 
         A pipeline stage without the embedding takes hidden states ``[batch, new, hidden]`` as ``ids``; one
         without the head returns its hidden states ``[batch, new, hidden]`` (:mod:`.plain_pipeline`)."""
+        return self.forward(ids, past, first_slot, kv_len)
+
+    @torch.no_grad()
+    def prefill(self, prompts: list[Sequence[int]], first_slot: int = 0) -> torch.Tensor:
+        """Prompts of any lengths into slots ``first_slot ..`` in one forward; returns each prompt's last position's
+        logits ``[len(prompts), vocab]``.
+
+        The prompts are right-padded to the longest: under the causal mask a real position never attends a
+        later one, so no row sees its padding; the padding's keys and values lie beyond the row's length,
+        where every later step masks them (per-row positions) until they are overwritten.
+
+        >>> from shardkit.models.gpt import build_tiny_gpt
+        >>> decoder = PlainDecoder(build_tiny_gpt().eval(), slots=2, max_len=16)
+        >>> decoder.prefill([[1, 2, 3], [4, 5]]).shape
+        torch.Size([2, 256])
+        """
+        ids, last = self.padded(prompts, first_slot)
+        return self.forward(ids, 0, first_slot, None, last)
+
+    def padded(self, prompts: list[Sequence[int]], first_slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``prompts`` right-padded to the longest, ``[len(prompts), longest]`` on the cache's device, and each
+        one's last position; refused where they do not fit the slots from ``first_slot``."""
+        lengths = [len(p) for p in prompts]
+        if min(lengths) < 1 or max(lengths) > self.max_len or first_slot + len(prompts) > self.slots:
+            raise UsageError(f"prefill: {len(prompts)} prompts of 1 to {self.max_len} tokens from slot {first_slot} "
+                             f"of {self.slots}, got lengths {lengths}")
+        ids = torch.zeros(len(prompts), max(lengths), dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            ids[row, :len(prompt)] = torch.as_tensor(prompt)
+        device = self.keys.device
+        return ids.to(device), torch.tensor(lengths, device=device) - 1
+
+    @torch.no_grad()
+    def forward(self, ids: torch.Tensor, past: int | torch.Tensor, first_slot: int = 0, kv_len: int | None = None,
+                last: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`step`'s forward; the logits (or, on a stage without the head, the hidden states of every new
+        position) of position ``last[row]`` of each row (``None``: the last)."""
         batch, new = ids.shape[:2]
         rows = slice(first_slot, first_slot + batch)
         device = ids.device
+        written = None  # per-row positions: the rows of the flat ``[slots * kv heads * max_len, head_dim]`` cache
         if isinstance(past, int):
             kv_len = past + new
             positions = torch.arange(past, kv_len, device=device)
@@ -225,9 +271,13 @@ class PlainDecoder:
         else:
             kv_len = int(past.max()) + new if kv_len is None else kv_len
             positions = past[:, None] + torch.arange(new, device=device)
-            mask = (torch.arange(kv_len, device=device) <= positions[:, :, None])[:, None]
+            visible = torch.arange(kv_len, device=device) <= positions[:, None, :, None]  # [batch, 1, new, kv_len]
+            # additive, once a step (not converted by every layer's attention); the same values as the boolean mask
+            mask = torch.zeros(visible.shape, dtype=self.keys.dtype, device=device).masked_fill_(~visible, -math.inf)
             causal = False
-            slot_ids = torch.arange(first_slot, first_slot + batch, device=device)[:, None]
+            heads = torch.arange(self.kv_heads, device=device)[None, :, None]
+            written = (((first_slot + torch.arange(batch, device=device))[:, None, None] * self.kv_heads + heads)
+                       * self.max_len + positions[:, None, :]).flatten()  # [batch, kv heads, new], as k's rows
         x = self._embed(ids, positions) if self.embed is not None else ids
         if self.gpt:
             rope = None
@@ -238,7 +288,7 @@ class PlainDecoder:
         gqa = self.heads != self.kv_heads
         for i, layer in enumerate(self.layers):
             h = self._norm(x, *layer["norms"][0])
-            qkv = F.linear(h, layer["qkv"].weight, layer["qkv"].bias)
+            qkv = self._product(h, layer["qkv"].weight, layer["qkv"].bias)
             q = qkv[..., :q_size].view(batch, new, -1, head_dim).transpose(1, 2)
             k = qkv[..., q_size:q_size + kv_size].view(batch, new, -1, head_dim).transpose(1, 2)
             v = qkv[..., q_size + kv_size:].view(batch, new, -1, head_dim).transpose(1, 2)
@@ -246,17 +296,17 @@ class PlainDecoder:
                 q = q * rope[0] + _rotate_half(q) * rope[1]
                 k = k * rope[0] + _rotate_half(k) * rope[1]
             keys, values = self.keys[i], self.values[i]
-            if isinstance(past, int):
+            if written is None:
                 keys[rows, :, past:kv_len] = k
                 values[rows, :, past:kv_len] = v
-            else:
-                keys[slot_ids, :, positions] = k.transpose(1, 2)
-                values[slot_ids, :, positions] = v.transpose(1, 2)
+            else:  # one row copy per (row, head, position), at an index computed once a step
+                keys.view(-1, head_dim).index_copy_(0, written, k.reshape(-1, head_dim))
+                values.view(-1, head_dim).index_copy_(0, written, v.reshape(-1, head_dim))
             a = F.scaled_dot_product_attention(q, keys[rows, :, :kv_len], values[rows, :, :kv_len], attn_mask=mask,
                                                is_causal=causal, scale=self.scale, enable_gqa=gqa)
             x = x + self._project(a.transpose(1, 2).reshape(batch, new, -1), layer["out"])
             h = self._norm(x, *layer["norms"][1])
-            up = F.linear(h, layer["up"].weight, layer["up"].bias)
+            up = self._product(h, layer["up"].weight, layer["up"].bias)
             if self.gpt:
                 h = F.gelu(up)
             else:
@@ -265,8 +315,46 @@ class PlainDecoder:
             x = x + self._project(h, layer["down"])
         if self.head is None:  # a pipeline stage before the last: every new position's hidden states
             return x
-        x = self._norm(x[:, -1], *self.norm)
-        return self._logits(F.linear(x, self.head.weight))
+        x = x[:, -1] if last is None else x[torch.arange(batch, device=device), last]
+        x = self._norm(x, *self.norm)
+        return self._logits(self._product(x, self.head.weight))
+
+    def _product(self, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``h @ weight.T (+ bias)``: as ``F.linear``, or as ``(weight @ h.T).T`` where this rank timed that faster
+        at this many rows.
+
+        Why not always ``F.linear``: at the 2-6 rows of a batched decode step, MKL's float32 GEMM on the
+        machine of ``docs/benchmarks.md`` (an AMD EPYC) computes the second form 1.2-2.7x faster (the same at
+        1 row, slower from 8 rows and in bfloat16), and which one wins depends on the BLAS and the CPU; so
+        each row count up to :data:`TIMED_ROWS` is timed once, on the CPU, and the faster form kept.
+        """
+        rows = h.numel() // h.shape[-1]
+        if not self._transposed_at(rows):
+            return F.linear(h, weight, bias)
+        flat = h.reshape(rows, -1).t()
+        out = torch.mm(weight, flat) if bias is None else torch.addmm(bias[:, None], weight, flat)
+        return out.t().contiguous().view(*h.shape[:-1], -1)
+
+    def _transposed_at(self, rows: int) -> bool:
+        choice = self._transposed.get(rows)
+        if choice is None:
+            choice = 1 < rows <= TIMED_ROWS and self.keys.device.type == "cpu" and self._faster_transposed(rows)
+            self._transposed[rows] = choice
+        return choice
+
+    def _faster_transposed(self, rows: int) -> bool:
+        """Whether ``(weight @ h.T).T`` beats ``F.linear`` by a tenth at ``rows`` rows on the first layer's
+        products (q/k/v, up, down): the best of five interleaved runs of each."""
+        weights = [self.layers[0][name].weight for name in ("qkv", "up", "down")]
+        inputs = [torch.randn(rows, w.shape[1], dtype=w.dtype, device=w.device) for w in weights]
+        best = {True: math.inf, False: math.inf}
+        for _ in range(5):
+            for transposed in (False, True):
+                start = clock()
+                for w, h in zip(weights, inputs):
+                    torch.mm(w, h.t()).t().contiguous() if transposed else F.linear(h, w)
+                best[transposed] = min(best[transposed], clock() - start)
+        return best[True] < 0.9 * best[False]
 
     def _embed(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if self.vocab_start is None:
@@ -280,7 +368,7 @@ class PlainDecoder:
 
     def _project(self, h: torch.Tensor, linear: _Linear) -> torch.Tensor:
         """A row-parallel (or whole) projection: partial sums all-reduced before the bias."""
-        out = F.linear(h, linear.weight)
+        out = self._product(h, linear.weight)
         if linear.split == ROWWISE:
             dist.all_reduce(out, group=self.group)
         return out if linear.bias is None else out + linear.bias

@@ -23,6 +23,8 @@ stages' own forward instead.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
@@ -122,12 +124,23 @@ class PlainPipeline:
              kv_len: int | None = None) -> torch.Tensor | None:
         """:meth:`PlainDecoder.step` through every stage: the last position's logits ``[batch, vocab]`` on the
         last stage's ranks (and, with ``to_first``, the first stage's first ``tp`` rank), ``None`` elsewhere."""
+        return self._through_stages(ids, past, first_slot, kv_len, None)
+
+    @torch.no_grad()
+    def prefill(self, prompts: list[Sequence[int]], first_slot: int = 0) -> torch.Tensor | None:
+        """:meth:`PlainDecoder.prefill` through every stage (prompts right-padded, one forward): each prompt's
+        last position's logits where :meth:`step` returns them."""
+        ids, last = self.stage.padded(prompts, first_slot)
+        return self._through_stages(ids, 0, first_slot, None, last)
+
+    def _through_stages(self, ids: torch.Tensor, past: int | torch.Tensor, first_slot: int, kv_len: int | None,
+                        last: torch.Tensor | None) -> torch.Tensor | None:
         batch, new = ids.shape
         x = ids
         if self.previous is not None:
             x = self.stage.keys.new_empty(batch, new, self.hidden)
             p2p.exchange_and_wait(self.group, receives=[(self.previous, x)])
-        out = self.stage.step(x, past, first_slot, kv_len)
+        out = self.stage.forward(x, past, first_slot, kv_len, last)
         if self.next is not None:
             p2p.exchange_and_wait(self.group, sends=[(self.next, out)])
         if not self.to_first:

@@ -1,9 +1,10 @@
 """The running batch of the engine: which request holds which KV-cache slot, at which position.
 
 Every rank keeps the same rows in the same order (the engine applies one broadcast schedule on
-all of them). Row ``i`` holds cache slot ``i``: a joining request takes the next free slot and
-its prompt is prefilled alone there (so it computes as transformers' ``generate`` on that prompt
-alone); a leaving row's slot is filled by the last row (its keys and values copied once), so the
+all of them). Row ``i`` holds cache slot ``i``: the requests joining at a step take the next free
+slots and their prompts are prefilled together in one forward
+(:meth:`~shardkit.runtime.plain_decode.PlainDecoder.prefill`: right-padded, each row attending its
+own prompt only, so each computes as transformers' ``generate`` on that prompt alone); a leaving row's slot is filled by the last row (its keys and values copied once), so the
 running rows are always slots ``0 .. n-1`` and a decode step runs them as one batch, each at its
 own position (:meth:`~shardkit.runtime.plain_decode.PlainDecoder.step` masks the rest).
 
@@ -11,7 +12,7 @@ own position (:meth:`~shardkit.runtime.plain_decode.PlainDecoder.step` masks the
 >>> from shardkit.runtime.plain_decode import PlainDecoder
 >>> from shardkit.serving.requests import GenerationRequest
 >>> batch = Batch(PlainDecoder(build_tiny_gpt().eval(), slots=2, max_len=16))
->>> batch.join(GenerationRequest("a", (1, 2, 3), max_new_tokens=4)).shape
+>>> batch.join([GenerationRequest("a", (1, 2, 3), max_new_tokens=4)]).shape
 torch.Size([1, 256])
 >>> batch.decode([7]).shape, batch.rows[0].length
 (torch.Size([1, 256]), 4)
@@ -48,12 +49,11 @@ class Batch:
         """Slots no request holds."""
         return self.decoder.slots - len(self.rows)
 
-    def join(self, request: GenerationRequest) -> torch.Tensor:
-        """Prefill ``request``'s prompt in the next free slot; returns its last position's logits ``[1, vocab]``."""
-        slot = len(self.rows)
-        ids = torch.tensor([request.prompt], device=self.decoder.keys.device)
-        logits = self.decoder.step(ids, 0, first_slot=slot)
-        self.rows.append(Row(request, len(request.prompt)))
+    def join(self, requests: list[GenerationRequest]) -> torch.Tensor:
+        """Prefill ``requests``' prompts together in the next free slots; returns each one's last position's
+        logits ``[len(requests), vocab]``."""
+        logits = self.decoder.prefill([request.prompt for request in requests], first_slot=len(self.rows))
+        self.rows += [Row(request, len(request.prompt)) for request in requests]
         return logits
 
     def decode(self, tokens: list[int]) -> torch.Tensor:

@@ -6,8 +6,9 @@ under a pipeline every rank of the world) — whether requests joined or were ca
 whether the inbox is closing, and the token it chose for every running row — followed, only when
 requests joined or were cancelled, by those (``broadcast_object_list``). Then every rank applies
 the same schedule to its :class:`~.batch.Batch`: rows whose token ends them leave (a stop id: the
-token is not sent; ``max_new_tokens`` reached), cancelled rows leave, joining requests are
-prefilled one by one into free slots, and the remaining rows run one decode step together
+token is not sent; ``max_new_tokens`` reached), cancelled rows leave, the requests joining are
+prefilled together in one forward into free slots (:meth:`.Batch.join`), and the remaining rows run one
+decode step together
 (:class:`~shardkit.runtime.plain_decode.PlainDecoder`: plain tensors, one ``all_reduce`` per
 row-parallel layer; under a pipeline :class:`~shardkit.runtime.plain_pipeline.PlainPipeline`: each
 stage its own layers and their cache, the hidden states sent stage to stage, the last stage's
@@ -16,7 +17,10 @@ logits sent back to rank 0). Rank 0 chooses the next tokens (:mod:`.sampling`) a
 
 The cache holds ``slots`` sequences of ``max_len`` positions; with ``cache_bytes`` instead of
 ``slots``, as many as fit, planned with :func:`shardkit.kv_cache_bytes` (a rank holds its heads of
-its stage's layers); the plan is printed at start. A request whose prompt plus ``max_new_tokens`` exceeds ``max_len``, or holds ids outside the
+its stage's layers); the plan is printed at start. Prefill is bounded per step: rank 0 lets join at most
+``prefill_tokens`` padded prompt positions (joins x the longest prompt; at least one request), and holds
+the others admitted for the next steps, so a burst of arrivals delays the running rows' next token by a
+bounded prefill. A request whose prompt plus ``max_new_tokens`` exceeds ``max_len``, or holds ids outside the
 vocabulary, ends at once with :attr:`~.requests.Finish.ERROR` naming what is valid.
 
 >>> from shardkit.models.gpt import build_tiny_gpt
@@ -50,6 +54,8 @@ from .sampling import choose, generator_for
 IDLE_WAIT_S = 0.02
 #: The header's fields before the tokens: closing, requests joined or cancelled.
 HEADER = 2
+#: Padded prompt positions prefilled in one step by default (requests joining x the longest of their prompts).
+PREFILL_TOKENS = 4096
 
 
 class Engine:
@@ -58,7 +64,7 @@ class Engine:
     with the ``inbox`` on rank 0 only (``None`` elsewhere)."""
 
     def __init__(self, model: nn.Module, inbox: Inbox | None, *, max_len: int | None = None, slots: int | None = None,
-                 cache_bytes: int | None = None, quiet: bool = False):
+                 cache_bytes: int | None = None, prefill_tokens: int = PREFILL_TOKENS, quiet: bool = False):
         limit = decode_positions(model)
         max_len = max_len or limit
         if max_len is None or (limit is not None and max_len > limit):
@@ -88,6 +94,8 @@ class Engine:
         self.chosen: list[int] = []  # rank 0: the next token of each row, sent with the next schedule
         self.failed: list[str] = []  # rank 0: requests whose sink raised, cancelled at the next step
         layers = f": the heads of {-(-_layers(model) // pp)} of {_layers(model)} layers per stage" if pp > 1 else ""
+        self.deferred: list[GenerationRequest] = []  # rank 0: admitted, beyond a step's prefill_tokens: the next
+        self.prefill_tokens = prefill_tokens
         if self.leader and not quiet:
             Console(stderr=True).print(
                 f"KV cache: {slots} sequences of {max_len} positions, {slots * per_sequence / 2**20:.1f} MiB per rank "
@@ -99,10 +107,10 @@ class Engine:
             closing, joins, cancelled, tokens = self._schedule()
             self._advance(tokens, set(cancelled))
             fed = len(self.batch.rows)
-            for request in joins:
-                logits = self.batch.join(request)
+            if joins:
+                logits = self.batch.join(joins)
                 if self.leader:
-                    self.chosen += choose(logits, [request.sampling], [self.generators[request.id]])
+                    self.chosen += choose(logits, [r.sampling for r in joins], [self.generators[r.id] for r in joins])
             if fed:
                 logits = self.batch.decode(tokens)
                 if self.leader:
@@ -115,14 +123,17 @@ class Engine:
     def _schedule(self) -> tuple[bool, list[GenerationRequest], list[str], list[int]]:
         """Rank 0's poll of the inbox and its tokens, broadcast: (closing, joins, cancelled ids, each row's token)."""
         objects: list = [[], []]
-        header = torch.zeros(HEADER + self.decoder.slots, dtype=torch.long)
+        # on the cache's device: NCCL broadcasts device tensors only
+        header = torch.zeros(HEADER + self.decoder.slots, dtype=torch.long, device=self.decoder.keys.device)
         if self.leader:
-            arrivals = self.inbox.poll(self.batch.free, 0 if self.batch.rows else IDLE_WAIT_S)
-            objects = [self._admitted(arrivals.arrived), arrivals.cancelled + self.failed]
+            busy = self.batch.rows or self.deferred
+            arrivals = self.inbox.poll(self.batch.free - len(self.deferred), 0 if busy else IDLE_WAIT_S)
+            cancelled = arrivals.cancelled + self.failed
+            objects = [self._joining(self._admitted(arrivals.arrived), set(cancelled)), cancelled]
             self.failed = []
-            header[0] = arrivals.closing
+            header[0] = arrivals.closing and not self.deferred
             header[1] = bool(objects[0] or objects[1])
-            header[HEADER:HEADER + len(self.chosen)] = torch.tensor(self.chosen, dtype=torch.long)
+            header[HEADER:HEADER + len(self.chosen)] = torch.tensor(self.chosen, dtype=torch.long, device=header.device)
         if self.group is not None:
             dist.broadcast(header, group=self.group, group_src=0)
             if header[1]:
@@ -142,6 +153,25 @@ class Engine:
             self.generators[request.id] = generator_for(request.sampling)
             admitted.append(request)
         return admitted
+
+    def _joining(self, admitted: list[GenerationRequest], cancelled: set[str]) -> list[GenerationRequest]:
+        """Rank 0: the requests to prefill this step, the earliest first, within ``prefill_tokens`` padded
+        positions (at least one); the rest wait in ``deferred``, cancelled ones leave it at once."""
+        waiting, joins = [], []
+        for request in self.deferred + admitted:
+            if request.id in cancelled:
+                self._emit(TokenEvent(request.id, finish=Finish.CANCELLED))
+                del self.sinks[request.id], self.generators[request.id]
+            else:
+                waiting.append(request)
+        longest = 0
+        for i, request in enumerate(waiting):
+            longest = max(longest, len(request.prompt))
+            if joins and (i + 1) * longest > self.prefill_tokens:
+                break
+            joins.append(request)
+        self.deferred = waiting[len(joins):]
+        return joins
 
     def _problem(self, request: GenerationRequest) -> str | None:
         need = len(request.prompt) + request.max_new_tokens
