@@ -46,7 +46,8 @@ _FIELDS = ("name", "memory", "flops", "devices_per_node", "intra_node", "inter_n
            "reserved")
 #: Fields added after files were first written: a file without them reads as the value given here
 #: (a file of ``shardkit calibrate`` written before had no DTensor probe: the presets' figure).
-_OPTIONAL = {"matmul_latency": 0.0, "dtensor_overhead": 1e-5}  # dtensor_overhead: the presets' (comments below)
+_DTENSOR_OVERHEAD = 1e-5  # the presets' (the comments of the presets below)
+_OPTIONAL = {"matmul_latency": 0.0, "dtensor_overhead": _DTENSOR_OVERHEAD}
 _LINK_FIELDS = ("bandwidth", "latency")
 _NESTED = {"flops": DTYPES, "intra_node": COLLECTIVES, "inter_node": COLLECTIVES}  # mapping fields: their keys
 
@@ -391,7 +392,6 @@ _BUS_EFFICIENCY = {"all_reduce": 0.75, "all_gather": 0.80, "p2p": 0.80}
 _INTRA_LATENCY, _INTER_LATENCY = 2e-6, 6e-6
 _GPU_OP_OVERHEAD = 4e-6
 _GPU_MATMUL_LATENCY = 4e-6
-_DTENSOR_OVERHEAD = 1e-5
 _MIB = 2**20
 
 
