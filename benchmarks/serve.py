@@ -17,7 +17,7 @@ end-of-sequence id (every request makes all its tokens).
    first step, inter-token gaps its later steps (timed by a stopping criterion called every step).
 
     python benchmarks/serve.py [--concurrency 1,4,16,64] [--requests 16] [--prompt 32] [--new 32]
-                               [--layers 24] [--mesh tp=2]
+                               [--layers 24] [--mesh tp=2] [--threads N]
 """
 
 from __future__ import annotations
@@ -67,18 +67,20 @@ def prompts(n: int, length: int) -> list[list[int]]:
     return torch.randint(0, 256, (n, length), generator=g).tolist()
 
 
-def start_server(folder: Path, mesh: str, max_batch: int, port: int) -> threading.Thread:
-    """``shardkit serve``'s job on a local world, on a thread of this process (its HTTP on rank 0)."""
+def start_server(folder: Path, mesh: str, max_batch: int, port: int, threads: int | None) -> threading.Thread:
+    """``shardkit serve``'s job on a local world, on a thread of this process (its HTTP on rank 0); ``threads``:
+    torch threads per rank (``None``: the world's own, the cores over the ranks)."""
     from shardkit.cli import build_parser
     from shardkit.cli.serve import check_job, serve_job
-    from shardkit.runtime.world import launch
+    from shardkit.runtime.world import LocalWorld, launch
 
     args = build_parser(["serve"]).parse_args(
         ["serve", "--model", str(folder), "--hf", str(folder), "--mesh", mesh, "--port", str(port),
          "--max-batch", str(max_batch), "--max-queue", "1024"])
     plan, job = check_job(args)
+    world = None if threads is None else LocalWorld(plan.mesh.size, threads=threads)
     thread = threading.Thread(target=launch, args=(serve_job, plan, job),
-                              kwargs={"world_size": plan.mesh.size, "timeout": None}, daemon=True)
+                              kwargs={"world_size": plan.mesh.size, "world": world, "timeout": None}, daemon=True)
     thread.start()
     return thread
 
@@ -173,6 +175,7 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=32)
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--mesh", default="tp=2")
+    parser.add_argument("--threads", type=int, help="torch threads per rank (default: the cores over the ranks)")
     args = parser.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
     console = Console(width=150)
@@ -187,7 +190,7 @@ def main() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
-    server = start_server(folder, args.mesh, max(levels), port)
+    server = start_server(folder, args.mesh, max(levels), port, args.threads)
     import httpx
 
     deadline = time.monotonic() + 1800
