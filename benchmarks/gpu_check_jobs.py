@@ -733,7 +733,7 @@ def profile_events(env: Env) -> str:
     if not worst[1] - 0.3 * worst[1] - 0.005 <= worst[0] <= worst[1] + 0.002:
         raise Failed(f"a step span of {worst[0] * 1e3:.2f} ms against {worst[1] * 1e3:.2f} ms by {what} for the "
                      f"same step")
-    return (f"{len(pairs)} step spans within the {what} of their steps (worst {worst[0] * 1e3:.2f} vs "
+    return (f"{len(pairs)} step spans within {what} around their steps (worst {worst[0] * 1e3:.2f} vs "
             f"{worst[1] * 1e3:.2f} ms); trace in {folder.name}/")
 
 
