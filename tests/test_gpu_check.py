@@ -1,9 +1,9 @@
 """benchmarks/gpu_check.py, the check to run on a lent GPU machine, run here as it runs without one: on
 two CPU processes (gloo) at its tiny sizes, the rows whose code nothing else in the suite runs (the
-witnessed step of ``shardkit train``, the step timer against the device clock, ring attention against
-SDPA, checkpoint export, the serving engine under tp with seeded sampling, fp16 loss scaling through
-``sk.verify``, a hung rank) and rows skipped for want of CUDA or devices. The rows left out here repeat
-what other tests run (``docs/gpu.md``, "Where each row runs"). The whole script:
+witnessed steps of ``shardkit train``, the step timer against the device clock, ring attention against
+SDPA, the sp=2 accumulator, generation and the serving engine under tp with seeded sampling, a hung
+rank) and rows skipped for want of CUDA or devices. The rows left out repeat what other tests run, or
+cost more than this file's share of the suite (``docs/gpu.md``, "Where each row runs"). The whole script:
 ``python benchmarks/gpu_check.py --world 2``."""
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import pytest
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
-ROWS = ["one: fp16 scaled verify", "one: train cli", "one: step time vs events", "one: ring vs sdpa output",
-        "one: ring vs sdpa memory", "one: checkpoint", "world: verify hsdp", "world: verify pp x fsdp x tp",
-        "world: sp=2 accumulator", "world: generate tp", "world: serve tp", "world: hung rank"]
+ROWS = ["one: train cli", "one: step time vs events", "one: ring vs sdpa output", "one: ring vs sdpa memory",
+        "world: verify hsdp", "world: verify pp x fsdp x tp", "world: sp=2 accumulator", "world: generate tp",
+        "world: serve tp", "world: hung rank"]
 
 
 def _import_benchmarks(ctx, path: str) -> None:
