@@ -62,13 +62,14 @@ def checks() -> list[Check]:
            ("fp16 scaled verify", jobs.fp16_scaled_verify, 60), ("train cli", jobs.train_cli, 90),
            ("step time vs events", jobs.step_time, 60), ("ring vs sdpa output", jobs.ring_output, 90),
            ("ring vs sdpa memory", jobs.ring_memory, 90), ("checkpoint", jobs.checkpoint_one, 60),
-           ("generate", jobs.generate_one, 60)]
-    strategies = ["dp", "fsdp", "tp", "sp", "hsdp", "fsdp x tp", "pp interleaved", "pp zbv", "zero=1", "recompute"]
+           ("generate", jobs.generate_one, 60), ("serve", jobs.serve_one, 60)]
+    strategies = ["dp", "fsdp", "tp", "tp+sp", "sp", "ep", "hsdp", "fsdp x tp", "pp x fsdp x tp", "pp 1f1b",
+                  "pp gpipe", "pp interleaved", "pp zbv", "zero=1", "recompute"]
     multi = [*((f"verify {s}", partial(jobs.verify_strategy, name=s), 60) for s in strategies),
-             ("sp=2 accumulator", jobs.sp_accumulator, 120), ("profile vs events", jobs.profile_events, 60),
+             ("sp=2 accumulator", jobs.sp_accumulator, 120), ("profile vs events", jobs.profile_events, 90),
              ("generate tp", jobs.generate_tp, 60), ("generate pp", jobs.generate_pp, 60),
-             ("checkpoint fsdp", jobs.checkpoint_multi, 60), ("dry run vs cuda peak", jobs.dry_run_memory, 60),
-             ("hung rank", jobs.hung_rank, 60),
+             ("serve tp", jobs.serve_tp, 60), ("checkpoint fsdp", jobs.checkpoint_multi, 60),
+             ("dry run vs cuda peak", jobs.dry_run_memory, 60), ("hung rank", jobs.hung_rank, 60),
              ("torchrun plan auto", jobs.torchrun_plan_auto, 150)]
     return [*(Check(f"one: {n}", f, False, t) for n, f, t in one),
             *(Check(f"world: {n}", f, True, t) for n, f, t in multi)]
