@@ -37,6 +37,7 @@ COMPONENTS: dict[str, tuple[str, ...]] = {
     "temporaries": ("TEMP",),
     "other": ("BUFFER", "INP", "OTH"),
 }
+_PART = {kind: part for part, kinds in COMPONENTS.items() for kind in kinds}
 #: components read at the step's end (the state a rank keeps); the others at their own peak
 STATE = ("parameters", "gradients", "optimizer")
 
@@ -63,17 +64,27 @@ def _tracker(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Any:
     class _ComponentPeaks(base):  # type: ignore[misc, valid-type]
         def __init__(self) -> None:
             super().__init__(model, optimizer) if base is FSDPMemTracker else super().__init__()
-            self.component_peaks: dict[str, int] = {}
+            self.component_peaks: dict[str, int] = dict.fromkeys(COMPONENTS, 0)
+            self._part_of: dict[Any, str | None] = {}  # the tracker's category -> its component
 
         def _update_peak_stats(self, peak_state: Any) -> None:
-            # the device's peak and each component's; torch's own also updates every module's peak,
-            # per op, which the dry run does not read and which doubles its time
+            # the device's peak and each component's, after every op; torch's own also updates every
+            # module's peak, which the dry run does not read and which doubles its time
             for device, snapshot in self._curr_mem_snap.items():
                 if self._peak_mem.get(device, 0) < snapshot["Total"]:
                     self._peak_mem[device] = snapshot["Total"]
                     self._peak_mem_snap[device] = dict(snapshot)
-                for part, size in _by_component(snapshot).items():
-                    self.component_peaks[part] = max(self.component_peaks.get(part, 0), size)
+                sizes = dict.fromkeys(COMPONENTS, 0)
+                for key, size in snapshot.items():
+                    if key not in self._part_of:
+                        self._part_of[key] = _PART.get(getattr(key, "name", key))
+                    part = self._part_of[key]
+                    if part is not None:
+                        sizes[part] += size
+                peaks = self.component_peaks
+                for part, size in sizes.items():
+                    if size > peaks[part]:
+                        peaks[part] = size
 
         def _fsdp_param_group_post_backward(self, fsdp_mod: Any, orig: Any) -> Any:
             # FSDP2 keeps the gradients it accumulates without a reduce-scatter (a pipeline's

@@ -25,7 +25,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
-from torch.utils._pytree import tree_leaves
 
 from ..plan import Plan, UsageError
 from . import meshes
@@ -41,7 +40,7 @@ class DryRunMode(FakeTensorMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        tensors = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        tensors = _tensors(args, kwargs)
         if tensors and not any(isinstance(t, FakeTensor) for t in tensors) and not _off_meta(tensors, kwargs):
             with unset_fake_temporarily():
                 return func(*args, **kwargs)
@@ -53,6 +52,18 @@ class DryRunMode(FakeTensorMode):
             with unset_fake_temporarily():  # indices, token ids, positions: values the bookkeeping reads
                 return func(*args, **kwargs)
         return out
+
+
+def _tensors(args: tuple, kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors an ATen op takes (its arguments are tensors, lists of tensors, or neither):
+    ``tree_leaves`` without its per-op cost."""
+    found = []
+    for arg in (*args, *kwargs.values()):
+        if isinstance(arg, torch.Tensor):
+            found.append(arg)
+        elif isinstance(arg, (list, tuple)):
+            found += [a for a in arg if isinstance(a, torch.Tensor)]
+    return found
 
 
 def _device_type(kwargs: dict[str, Any]) -> str | None:

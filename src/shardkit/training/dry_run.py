@@ -142,7 +142,8 @@ def dry_run(build: Callable[..., nn.Module] | Any, plan: Plan, *, world_size: in
     hw = as_hardware(hardware)
     # every check before any rank runs, and outside fake tensors: a pipeline's stages are proven on a
     # real miniature of the model (the proof is kept, and sk.shard's own validation finds it)
-    validate(plan, meta_model(builder), world_size)
+    whole = meta_model(builder)  # checked and priced; each rank shards a fresh one
+    validate(plan, whole, world_size)
     costs = []
     for rank in ranks:
         start = time.process_time()
@@ -151,7 +152,7 @@ def dry_run(build: Callable[..., nn.Module] | Any, plan: Plan, *, world_size: in
         costs.append(RankCost(rank, memory, collectives, time.process_time() - start))
     predicted = None
     if estimate:
-        predicted = dict(sk_estimate(meta_model(builder), plan, batch_size=batch, seq_len=seq_len, hardware=hw,
+        predicted = dict(sk_estimate(whole, plan, batch_size=batch, seq_len=seq_len, hardware=hw,
                                      optimizer=optimizer, world_size=world_size).memory)
     return DryRun(plan, world_size, batch, seq_len, costs, predicted,
                   hw.memory if device_memory is None else device_memory)
