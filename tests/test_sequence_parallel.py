@@ -163,3 +163,46 @@ def test_verify_llama_sequence_parallel(world, plan):
 def test_verify_rejects_bad_sequence_lengths_before_launch(plan, seq_len):
     with pytest.raises(PlanError, match=rf"sequence length {seq_len} "):
         verify(build_tiny_gpt, plan, _tokens(seq_len, batch=4), loss_fn=gpt_loss)
+
+
+# -- Megatron SP without a data axis: the norms' Partial gradients reduced once, not by the optimizer --
+def _partial_grads_job(ctx, batch):
+    from torch.distributed.tensor import DTensor
+
+    from shardkit.observe.comm import CommCounter
+    from shardkit.runtime.apply import full_grads, shard
+    from shardkit.runtime.clipping import grad_norm
+
+    model = shard(build_tiny_gpt(), ctx.plan)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    found = {}
+    for accumulate in (1, 2):
+        opt.zero_grad()
+        with CommCounter() as backward:
+            model.step(*batch, gpt_loss, accumulate=accumulate)
+        found[accumulate] = {
+            "backward_all_reduces": backward.summary().get("all_reduce", (0, 0))[0],
+            "partial": [n for n, p in model.named_parameters()
+                        if isinstance(p.grad, DTensor) and any(pl.is_partial() for pl in p.grad.placements)],
+            "norm": grad_norm(model).item(), "grads": full_grads(model)}
+    with CommCounter() as step:
+        opt.step()
+    found["optimizer_collectives"] = step.summary()
+    return found
+
+
+def test_sequence_parallel_without_data_axis_reduces_partial_grads_once(world):
+    batch = _tokens(32, batch=4)
+    reference = build_tiny_gpt()
+    gpt_loss(reference(batch[0]), batch[1]).backward()
+    ref_norm = torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()]).item()
+    plan = Plan(mesh=Mesh(tp=2), rules=GPT_RULES, sequence_parallel=True)
+    for found in world(2).run(_partial_grads_job, batch, plan=plan):
+        assert found["optimizer_collectives"] == {}
+        for accumulate in (1, 2):
+            got = found[accumulate]
+            assert got["partial"] == [], f"accumulate={accumulate}: Partial gradients {got['partial']}"
+            assert got["backward_all_reduces"] == 2, got  # the loss's mean and ONE for every norm gradient
+            assert abs(got["norm"] - ref_norm) < 1e-4 * ref_norm
+            for name, p in reference.named_parameters():
+                assert torch.allclose(got["grads"][name], p.grad, atol=TOL), (accumulate, name)

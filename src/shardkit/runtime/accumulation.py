@@ -6,7 +6,8 @@ activations at a time), each loss scaled by ``1/k``, so the gradients summed in 
 equal one step on the whole batch. Data-parallel gradient reduction is switched off with
 torch's own switch, ``set_requires_gradient_sync`` (FSDP2's ``fully_shard`` and
 ``replicate``; DDP's composable ``replicate``: its ``no_sync``), for every micro-batch but
-the last, whose backward reduces the accumulated sum once.
+the last, whose backward reduces the accumulated sum once; so are the sums tensor parallel leaves
+``Partial`` with no data axis (:mod:`shardkit.runtime.partial_grads`).
 """
 
 from __future__ import annotations
@@ -77,11 +78,16 @@ def gradient_sync_deferred(model: nn.Module) -> Iterator[None]:
     wrapped = isinstance(model, (FSDPModule, DDP))
     if wrapped:
         model.set_requires_gradient_sync(False)
+    partial = getattr(model, "_sk_partial_grads", None)  # tensor parallel's pending sums (partial_grads.py)
+    if partial is not None:
+        partial.deferred = True
     try:
         yield
     finally:
         if wrapped:
             model.set_requires_gradient_sync(True)
+        if partial is not None:
+            partial.deferred = False
 
 
 __all__ = ["gradient_sync_deferred", "micro_batches"]

@@ -34,6 +34,7 @@ from .expert_parallel import apply_expert_parallel, wrap_experts
 from .materialize import WeightSource, load_weights, materialize
 from .meshes import DataMesh, meshes_for
 from .outputs import install_plain_outputs
+from .partial_grads import reduce_at_end_of_backward
 from .precision import Precision
 from .recompute import apply_recompute
 from .router_balance import balance_routers
@@ -102,6 +103,8 @@ def parallelize(module: nn.Module, plan: Plan, ctx: Context, layouts: dict[str, 
             materialize(module, ctx.device, seed=seed, source=source)
     if source is not None and not on_meta:
         load_weights(module, source)
+    if data is None:  # no data-parallel wrapper reduces what tensor parallel leaves Partial (SP's norms)
+        reduce_at_end_of_backward(module)
     module._sk_facts = facts
     return module
 
