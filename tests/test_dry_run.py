@@ -71,3 +71,17 @@ def test_the_dry_run_flags_need_dry_run_and_a_rank_of_the_world(capsys, no_proce
     assert "add --dry-run" in capsys.readouterr().err
     assert main(["train", "--dry-run", "--mesh", "fsdp=4", "--world-size", "4", "--ranks", "7"]) == 2
     assert "the world has 4 ranks" in capsys.readouterr().err
+
+
+def test_a_dry_run_materialises_the_model_into_fake_tensors():
+    # no memory for the rank's shards, and no real arithmetic in its optimizer steps
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    from shardkit.runtime.fake_world import fake_world
+
+    plan = PLANS["fsdp x tp, recompute"].resolved(4)
+    model = sk.meta_model(build_tiny_llama)
+    with fake_world(3, 4, plan) as ctx:
+        sharded = sk.shard(model, plan, ctx)
+        locals_ = [p.to_local() for p in sharded.parameters()]
+    assert locals_ and all(isinstance(t, FakeTensor) for t in locals_)
