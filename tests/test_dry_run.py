@@ -1,5 +1,6 @@
 """``sk.dry_run``: one rank's training step on fake tensors and torch's fake process group gives the
-bytes per component and the collectives a real 4-process run of the same plan measures."""
+bytes per component and the collectives a real 4-process run of the same plan measures in its
+second step."""
 
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ PLANS = {
 
 
 def _real_steps(ctx, names):
-    return [measure_step(ctx, sk.meta_model(build_tiny_llama), PLANS[name].resolved(4), BATCH, SEQ) for name in names]
+    # after a whole first step, as training runs (the dry run makes what it leaves without running it)
+    return [measure_step(ctx, sk.meta_model(build_tiny_llama), PLANS[name].resolved(4), BATCH, SEQ, first_step=True)
+            for name in names]
 
 
 @pytest.fixture(scope="module")
@@ -99,3 +102,17 @@ def test_the_estimate_gives_each_component_of_a_dry_run_within_five_percent(name
     ratios = dry.ratios()
     assert set(ratios) == {"parameters", "gradients", "optimizer", "gathered", "activations", "temporaries"}
     assert all(abs(ratio - 1) <= 0.05 for ratio in ratios.values()), ratios
+
+
+def test_a_dry_run_materialises_the_model_into_fake_tensors():
+    # no memory for the rank's shards, and no real arithmetic in its optimizer steps
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    from shardkit.runtime.fake_world import fake_world
+
+    plan = PLANS["fsdp x tp, recompute"].resolved(4)
+    model = sk.meta_model(build_tiny_llama)
+    with fake_world(3, 4, plan) as ctx:
+        sharded = sk.shard(model, plan, ctx)
+        locals_ = [p.to_local() for p in sharded.parameters()]
+    assert locals_ and all(isinstance(t, FakeTensor) for t in locals_)

@@ -202,11 +202,14 @@ def _one_rank(model: nn.Module, plan: Plan, rank: int, world_size: int, batch: i
 
 
 def measure_step(ctx: Context, model: nn.Module, plan: Plan, batch: int, seq_len: int,
-                 loss_fn: Callable | None = None, optimizer: str = "adamw") -> tuple[dict[str, int], list[Collective]]:
+                 loss_fn: Callable | None = None, optimizer: str = "adamw",
+                 first_step: bool = False) -> tuple[dict[str, int], list[Collective]]:
     """Shard ``model`` (on meta) by ``plan`` in ``ctx``'s world, and run one training step of a global
     batch of ``batch`` random sequences of ``seq_len`` tokens under :class:`StepCost`: the rank's
     bytes by component and its collectives in a step that finds the optimizer state made, as every
-    step but the first does (:func:`_steady_state`). The dry run calls it in its fake world; a real world's
+    step but the first does. What the first step leaves is made without running it
+    (:func:`_steady_state`), or with ``first_step=True`` by running it (forward, backward and
+    optimizer step), as a real run does. The dry run calls it in its fake world; a real world's
     job can call it too, and gets the same numbers (``tests/test_dry_run.py``)."""
     import torch
 
@@ -222,7 +225,12 @@ def measure_step(ctx: Context, model: nn.Module, plan: Plan, batch: int, seq_len
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, vocab, (batch, seq_len + 1), generator=generator)
     inputs, targets = ctx.shard_batch(tokens[:, :-1], tokens[:, 1:])
-    _steady_state(sharded, opt, plan, inputs, targets, loss_fn or hf_loss)
+    if first_step:
+        sharded.step(inputs, targets, loss_fn or hf_loss)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    else:
+        _steady_state(sharded, opt, plan, inputs, targets, loss_fn or hf_loss)
     with StepCost(sharded, opt, plan.mesh) as cost:
         sharded.step(inputs, targets, loss_fn or hf_loss)
         opt.step()
