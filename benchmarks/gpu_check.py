@@ -5,13 +5,18 @@ stops the run (exit 3). Then every check of ``benchmarks/gpu_check_jobs.py``, ea
 time bound, each a row ``ok`` / ``FAIL`` / ``skipped: <reason>``:
 
 - on one device (a world of one process): meta build + verify, bfloat16 verify, float16 with
-  loss scaling, ``shardkit train``, its step timer against CUDA events, ring attention against
-  SDPA (output; memory on CUDA only), checkpoint save/load/export, generation by logits;
+  loss scaling, ``shardkit train`` (its printed step time against CUDA events around the same
+  steps), its step timer against CUDA events, ring attention against SDPA (output; memory on
+  CUDA only, bounded by SDPA's measured peak), checkpoint save/load/export, generation by logits,
+  the serving engine (greedy against transformers' generate, seeded temperature-1 sampling);
 - on ``--world`` devices: every strategy and mix verified against one process (dp, fsdp, tp,
-  sp, HSDP and fsdp x tp on 4 or more, pipelines with a tied embedding under interleaved-1f1b
-  and zbv, zero=1, recompute), sp=2 ring attention with a 64 MiB accumulator within 120 s,
-  the profile's step spans against CUDA events, generation under tp and pp, checkpoints under
-  fsdp, the dry run's bytes against the CUDA allocator's peak, a deliberately hung rank (a timeout report, not SIGABRT), ``torchrun ... --plan auto``.
+  Megatron tp+sp, sp, ep with uneven all_to_all splits, HSDP and fsdp x tp on 4 or more,
+  pp x fsdp x tp on 8, pipelines with a tied embedding under 1f1b, gpipe, interleaved-1f1b and
+  zbv, zero=1, recompute), sp=2 ring attention with a 64 MiB accumulator within 120 s,
+  ``shardkit train --profile``'s step spans against CUDA events, generation under tp and pp,
+  the serving engine under tp, checkpoints under fsdp, the dry run's bytes against the CUDA
+  allocator's peak, a deliberately hung rank (a timeout report, not SIGABRT), ``torchrun ...
+  --plan auto``.
 
 On CUDA (NCCL) when there is a GPU per rank, at the full sizes; otherwise on a gloo world of
 local CPU processes at tiny sizes, where the rows that need CUDA say ``skipped: no CUDA``.

@@ -128,7 +128,8 @@ def tokens(vocab: int, batch: int, seq: int, seed: int = 1) -> tuple[torch.Tenso
 
 def _verify(env: Env, build, plan: sk.Plan, loss_fn=gpt_loss, vocab: int | None = None, steps: int = 3) -> str:
     vocab = vocab or env.sizes.gpt["vocab"]
-    result = sk.verify(build, plan, tokens(vocab, env.sizes.batch, env.sizes.seq), loss_fn=loss_fn, steps=steps,
+    samples = math.lcm(env.sizes.batch, plan.mesh.data_size)  # at least one sample per data rank
+    result = sk.verify(build, plan, tokens(vocab, samples, env.sizes.seq), loss_fn=loss_fn, steps=steps,
                        world=env.worlds(plan.mesh.size))
     if not result.ok:
         raise Failed(" | ".join(str(result).splitlines()[:4]))
@@ -636,12 +637,14 @@ def verify_expert_parallel(env: Env) -> str:
     n = env.world
     fields = {**env.sizes.gpt, "experts": 2 * n, "top_k": 2}
     build, plan = partial(build_gpt, fields), sk.Plan(sk.Mesh(ep=n))
-    batch = tokens(fields["vocab"], env.sizes.batch, env.sizes.seq)
+    batch = tokens(fields["vocab"], math.lcm(env.sizes.batch, n), env.sizes.seq)
     sent = env.worlds(n).run(_expert_rows_job, build, batch, plan=plan, timeout=env.limit_s)
     first = [rank[0] for rank in sent]  # layer 0: [rank][to rank]
     if not first[0] or len({count for row in first for count in row}) < 2:
         raise Failed(f"the routing sent even splits {first}: the uneven all_to_all is not exercised")
-    return _verify(env, build, plan) + f"; layer 0 sent rows {first} (uneven)"
+    counts = [count for row in first for count in row]
+    return _verify(env, build, plan) + (f"; layer 0's all_to_all splits uneven: {min(counts)} to {max(counts)} rows "
+                                         f"(rank 0 sent {list(first[0])})")
 
 
 def verify_strategy(env: Env, name: str) -> str:
