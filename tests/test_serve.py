@@ -172,6 +172,11 @@ def test_openai_completions_and_chat_equal_transformers_generate(served, referen
         got = served.client.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0)
         assert got.choices[0].text == generate(tokenizer.encode(prompt), 20), prompt
         assert got.usage.prompt_tokens == len(tokenizer.encode(prompt))
+    greedy = generate(tokenizer.encode(PROMPTS[1]), 12)  # top_k=1, or a top_p that keeps one token: greedy
+    for cut in ({"top_p": 1e-6}, {"extra_body": {"top_k": 1}}):
+        got = served.client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=12, temperature=1, seed=3,
+                                               **cut)
+        assert got.choices[0].text == greedy, cut
     streamed = served.client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=20, temperature=0,
                                                 stream=True, stream_options={"include_usage": True})
     chunks = list(streamed)
@@ -258,7 +263,8 @@ def test_metrics_show_the_requests_and_each_ranks_kv_cache(served):
     assert re.search(r'shardkit_requests_total\{endpoint="/v1/completions",status="200"\} \d+', metrics)
     assert re.search(r'shardkit_requests_total\{endpoint="/v1/completions",status="400"\} [1-9]', metrics)
     for rank in (0, 1):
-        assert f'shardkit_kv_cache_capacity_tokens{{rank="{rank}"}} 1024' in metrics  # 8 slots of 128
+        # 8 slots of 128 positions: keys and values of 2 layers, each rank its 1 of 2 KV heads 16 wide, float32
+        assert f'shardkit_kv_cache_capacity_bytes{{rank="{rank}"}} {8 * 128 * 2 * 2 * 1 * 16 * 4}' in metrics
     assert re.search(r"shardkit_generated_tokens_total [1-9]\d*", metrics)
 
 
@@ -303,9 +309,13 @@ def test_a_pipeline_server_serves_then_a_worker_killed_under_load_fails_every_op
         folder, reference, tmp_path):
     """On ``--mesh pp=2`` (a stage per rank, the last stage's rank killed): the same answers first."""
     tokenizer, generate = reference
-    server = Served(folder, tmp_path, "pp=2")
+    server = Served(folder, tmp_path, "pp=2", "--kv-cache-memory", "128KiB")  # 4 sequences of 128 positions
     try:
         assert "the heads of 1 of 2 layers per stage" in server.stderr()  # the KV cache's plan, per stage
+        assert "KV cache plan: 4 sequences of 128 positions, 131072 of 131072 bytes per rank" in server.stderr()
+        metrics = httpx.get(f"{server.url}/metrics").text
+        for rank in (0, 1):  # each stage: keys and values of its 1 layer, 2 KV heads 16 wide, float32
+            assert f'shardkit_kv_cache_capacity_bytes{{rank="{rank}"}} {4 * 128 * 2 * 1 * 2 * 16 * 4}' in metrics
         got = server.client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0)
         assert got.choices[0].text == generate(tokenizer.encode(PROMPTS[0]), 12)
         stream = server.client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=10, temperature=0,
