@@ -95,10 +95,11 @@ def _sockets(pid: int) -> set[str]:
 class Served:
     """A ``shardkit serve`` process, started and waited for until it listens."""
 
-    def __init__(self, folder: Path, tmp: Path, mesh: str = "tp=2", *flags: str):
+    def __init__(self, folder: Path, tmp: Path, mesh: str = "tp=2", *flags: str, model: str = MODEL,
+                 weights: str = "--hf"):
         self.stderr_path = tmp / "stderr.txt"
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "shardkit", "serve", "--model", MODEL, "--hf", str(folder), "--mesh", mesh,
+            [sys.executable, "-m", "shardkit", "serve", "--model", model, weights, str(folder), "--mesh", mesh,
              "--port", "0", *flags], stdout=subprocess.PIPE, stderr=self.stderr_path.open("w"), text=True,
             start_new_session=True)
         deadline = time.monotonic() + STARTUP_S
@@ -345,9 +346,23 @@ def test_a_pipeline_server_serves_then_a_worker_killed_under_load_fails_every_op
         server.kill()
 
 
-def test_ctrl_c_stops_at_once_and_leaves_nothing(folder, tmp_path):
-    server = Served(folder, tmp_path, "tp=1")
+def test_a_checkpoint_of_the_byte_level_gpt_serves_then_ctrl_c_stops_at_once_and_leaves_nothing(tmp_path):
+    import torch
+
+    import shardkit as sk
+    from shardkit.models.gpt import build_tiny_gpt
+    from shardkit.serving.text import ByteTokenizer
+
+    model = build_tiny_gpt().eval()
+    sk.save(tmp_path / "gpt", model, step=1)
+    ids = list(b"ab")
+    with torch.no_grad():  # the model's own greedy tokens, one process
+        for _ in range(6):
+            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+    server = Served(tmp_path / "gpt", tmp_path, "tp=1", model="gpt-tiny", weights="--checkpoint")
     try:
+        got = server.client.completions.create(model="gpt-tiny", prompt="ab", max_tokens=6, temperature=0)
+        assert got.choices[0].text == ByteTokenizer().decode(ids[2:]) and got.usage.completion_tokens == 6
         started = time.monotonic()
         os.killpg(server.proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the whole process group
         assert server.ended(30) == 130
