@@ -36,7 +36,8 @@ class FakeEngine:
 
     def state(self) -> EngineState:
         used = sum(len(r[0].prompt) + r[2] for r in list(self.running.values()))
-        return EngineState(len(self.running), self.slots, [used, used], [self.slots * 32] * 2)
+        # two ranks holding 8 and 4 bytes per position (two pipeline stages of 2 and 1 layers)
+        return EngineState(len(self.running), self.slots, [used * 8, used * 4], [self.slots * 32 * 8, self.slots * 32 * 4])
 
     def _loop(self) -> None:
         while True:

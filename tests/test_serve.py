@@ -95,10 +95,11 @@ def _sockets(pid: int) -> set[str]:
 class Served:
     """A ``shardkit serve`` process, started and waited for until it listens."""
 
-    def __init__(self, folder: Path, tmp: Path, mesh: str = "tp=2", *flags: str):
+    def __init__(self, folder: Path, tmp: Path, mesh: str = "tp=2", *flags: str, model: str = MODEL,
+                 weights: str = "--hf"):
         self.stderr_path = tmp / "stderr.txt"
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "shardkit", "serve", "--model", MODEL, "--hf", str(folder), "--mesh", mesh,
+            [sys.executable, "-m", "shardkit", "serve", "--model", model, weights, str(folder), "--mesh", mesh,
              "--port", "0", *flags], stdout=subprocess.PIPE, stderr=self.stderr_path.open("w"), text=True,
             start_new_session=True)
         deadline = time.monotonic() + STARTUP_S
@@ -172,6 +173,11 @@ def test_openai_completions_and_chat_equal_transformers_generate(served, referen
         got = served.client.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0)
         assert got.choices[0].text == generate(tokenizer.encode(prompt), 20), prompt
         assert got.usage.prompt_tokens == len(tokenizer.encode(prompt))
+    greedy = generate(tokenizer.encode(PROMPTS[1]), 12)  # top_k=1, or a top_p that keeps one token: greedy
+    for cut in ({"top_p": 1e-6}, {"extra_body": {"top_k": 1}}):
+        got = served.client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=12, temperature=1, seed=3,
+                                               **cut)
+        assert got.choices[0].text == greedy, cut
     streamed = served.client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=20, temperature=0,
                                                 stream=True, stream_options={"include_usage": True})
     chunks = list(streamed)
@@ -258,7 +264,8 @@ def test_metrics_show_the_requests_and_each_ranks_kv_cache(served):
     assert re.search(r'shardkit_requests_total\{endpoint="/v1/completions",status="200"\} \d+', metrics)
     assert re.search(r'shardkit_requests_total\{endpoint="/v1/completions",status="400"\} [1-9]', metrics)
     for rank in (0, 1):
-        assert f'shardkit_kv_cache_capacity_tokens{{rank="{rank}"}} 1024' in metrics  # 8 slots of 128
+        # 8 slots of 128 positions: keys and values of 2 layers, each rank its 1 of 2 KV heads 16 wide, float32
+        assert f'shardkit_kv_cache_capacity_bytes{{rank="{rank}"}} {8 * 128 * 2 * 2 * 1 * 16 * 4}' in metrics
     assert re.search(r"shardkit_generated_tokens_total [1-9]\d*", metrics)
 
 
@@ -303,9 +310,13 @@ def test_a_pipeline_server_serves_then_a_worker_killed_under_load_fails_every_op
         folder, reference, tmp_path):
     """On ``--mesh pp=2`` (a stage per rank, the last stage's rank killed): the same answers first."""
     tokenizer, generate = reference
-    server = Served(folder, tmp_path, "pp=2")
+    server = Served(folder, tmp_path, "pp=2", "--kv-cache-memory", "128KiB")  # 4 sequences of 128 positions
     try:
         assert "the heads of 1 of 2 layers per stage" in server.stderr()  # the KV cache's plan, per stage
+        assert "KV cache plan: 4 sequences of 128 positions, 131072 of 131072 bytes per rank" in server.stderr()
+        metrics = httpx.get(f"{server.url}/metrics").text
+        for rank in (0, 1):  # each stage: keys and values of its 1 layer, 2 KV heads 16 wide, float32
+            assert f'shardkit_kv_cache_capacity_bytes{{rank="{rank}"}} {4 * 128 * 2 * 1 * 2 * 16 * 4}' in metrics
         got = server.client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0)
         assert got.choices[0].text == generate(tokenizer.encode(PROMPTS[0]), 12)
         stream = server.client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=10, temperature=0,
@@ -335,9 +346,23 @@ def test_a_pipeline_server_serves_then_a_worker_killed_under_load_fails_every_op
         server.kill()
 
 
-def test_ctrl_c_stops_at_once_and_leaves_nothing(folder, tmp_path):
-    server = Served(folder, tmp_path, "tp=1")
+def test_a_checkpoint_of_the_byte_level_gpt_serves_then_ctrl_c_stops_at_once_and_leaves_nothing(tmp_path):
+    import torch
+
+    import shardkit as sk
+    from shardkit.models.gpt import build_tiny_gpt
+    from shardkit.serving.text import ByteTokenizer
+
+    model = build_tiny_gpt().eval()
+    sk.save(tmp_path / "gpt", model, step=1)
+    ids = list(b"ab")
+    with torch.no_grad():  # the model's own greedy tokens, one process
+        for _ in range(6):
+            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+    server = Served(tmp_path / "gpt", tmp_path, "tp=1", model="gpt-tiny", weights="--checkpoint")
     try:
+        got = server.client.completions.create(model="gpt-tiny", prompt="ab", max_tokens=6, temperature=0)
+        assert got.choices[0].text == ByteTokenizer().decode(ids[2:]) and got.usage.completion_tokens == 6
         started = time.monotonic()
         os.killpg(server.proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the whole process group
         assert server.ended(30) == 130

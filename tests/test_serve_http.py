@@ -5,12 +5,15 @@ that fails, draining. The real engine behind the same server: tests/test_serve.p
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
+from dataclasses import replace
 
 import httpx
 import openai
 import pytest
+import torch
 from serve_fake import FakeEngine, expected_tokens
 
 from shardkit.serving.requests import Inbox
@@ -144,9 +147,10 @@ def test_models_health_metrics_state_and_the_page(served):
     assert [m.id for m in served.client.models.list()] == [MODEL]
     assert httpx.get(f"{served.url}/health").json() == {"status": "ok"}
     metrics = httpx.get(f"{served.url}/metrics").text
-    for name in ("requests_total", "queue_length", "batch_size", "tokens_per_second", "kv_cache_used_tokens"):
+    for name in ("requests_total", "queue_length", "batch_size", "tokens_per_second", "kv_cache_used_bytes"):
         assert f"# TYPE shardkit_{name} " in metrics
-    assert 'shardkit_kv_cache_capacity_tokens{rank="1"} 128' in metrics
+    assert 'shardkit_kv_cache_capacity_bytes{rank="0"} 1024' in metrics  # each rank its own bytes per position
+    assert 'shardkit_kv_cache_capacity_bytes{rank="1"} 512' in metrics
     assert 'shardkit_requests_total{endpoint="/v1/completions",status="200"}' in metrics
     state = httpx.get(f"{served.url}/state").json()
     assert state["slots"] == 4 and len(state["kv_cache"]) == 2
@@ -243,3 +247,111 @@ def test_text_is_held_back_only_while_a_character_may_be_unfinished():
     invalid = [stream.push(b)[0] for b in (0xFF,) * (MAX_HELD + 1)]  # bytes no character starts with
     assert invalid == [""] * MAX_HELD + ["\ufffd" * (MAX_HELD + 1)]
     assert [stream.push(b)[0] for b in "€!".encode()] == ["", "", "€", "!"]  # 3 bytes, then one
+
+
+def test_metrics_print_counters_exactly(served):
+    served.server.stats.prompt_tokens = 1234567
+    metrics = httpx.get(f"{served.url}/metrics").text
+    assert "shardkit_prompt_tokens_total 1234567\n" in metrics  # not 1.23457e+06
+    from shardkit.serving.server import _number
+
+    assert _number(0.1 + 0.2) == "0.30000000000000004" and _number(2.0) == "2" and _number(10**15) == str(10**15)
+
+
+def test_stop_ids_in_stop_get_a_400_naming_stop_token_ids(served):
+    got = served.http_client.post("/v1/completions", json={"model": MODEL, "prompt": "a", "stop": [7]})
+    assert got.status_code == 400 and "stop_token_ids" in got.json()["error"]["message"]
+
+
+def test_the_kv_cache_of_each_rank_in_bytes_from_the_shared_schedule():
+    from types import SimpleNamespace
+
+    from shardkit.serving.run import _state
+
+    engine = SimpleNamespace(batch=SimpleNamespace(rows=[SimpleNamespace(length=5), SimpleNamespace(length=7)]),
+                             decoder=SimpleNamespace(slots=4), max_len=32)
+    state = _state(engine, [256, 128])  # two stages of 2 and 1 layers
+    assert (state.batch, state.kv_used, state.kv_capacity) == (2, [12 * 256, 12 * 128], [128 * 256, 128 * 128])
+
+
+def test_the_kv_cache_is_sized_and_checked_against_memory_before_it_is_allocated():
+    from shardkit.models.gpt import build_tiny_gpt
+    from shardkit.plan import UsageError
+    from shardkit.serving.run import ServeOptions, cache_slots, free_memory
+
+    model = build_tiny_gpt()  # 32768 bytes per sequence of 32 positions
+    options = ServeOptions(MODEL, max_len=32)
+    assert cache_slots(model, options, 1) == 8
+    assert cache_slots(model, replace(options, max_batch=None, cache_memory=float(2**20)), 1) == 32
+    with pytest.raises(UsageError, match=r"--max-batch 33 x --max-tokens 32 takes 1081344 bytes.*holds 32 .*"
+                                         r"--max-batch at most 32, or --max-tokens at most 31 with --max-batch 33"):
+        cache_slots(model, replace(options, max_batch=33, cache_memory=float(2**20)), 1)
+    free = free_memory(torch.device("cpu"), 1)
+    with pytest.raises(UsageError, match="more than is free"):
+        cache_slots(model, replace(options, cache_memory=float(2 * free + 2**30)), 1)
+    with pytest.raises(UsageError, match=r"--max-batch 9 x --max-tokens 32 .*--kv-cache-memory 1e-09 of the free"):
+        cache_slots(model, replace(options, max_batch=9, cache_memory=1e-9), 1)
+    huge = free // 32768 + 1  # more sequences than the free memory holds: refused with the numbers, not an OOM
+    with pytest.raises(UsageError, match=rf"--max-batch {huge} x --max-tokens 32 .*but the free memory"):
+        cache_slots(model, replace(options, max_batch=huge), 1)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    import shardkit as sk
+    from shardkit.models.gpt import build_tiny_gpt
+
+    root = tmp_path_factory.mktemp("gpt")
+    sk.save(root, build_tiny_gpt(), step=1)
+    return root
+
+
+def test_check_job_plans_the_cache_and_refuses_before_launch(checkpoint, capsys):
+    from shardkit.cli import build_parser
+    from shardkit.cli.serve import check_job
+    from shardkit.plan import PlanError, UsageError
+    from shardkit.serving.text import load_tokenizer
+
+    def job(*flags):
+        argv = ["serve", "--checkpoint", str(checkpoint), "--port", "0", *flags]
+        return check_job(build_parser(argv).parse_args(argv))
+
+    plan, ready = job("--kv-cache-memory", "1MiB")
+    assert ready.options.max_batch == 32 and ready.checkpoint and ready.hf is None
+    assert "KV cache plan: 32 sequences of 32 positions, 1048576 of 1048576 bytes per rank" in capsys.readouterr().err
+    assert job("--kv-cache-memory", "0.5")[1].options.max_batch is None  # sized on the ranks, weights loaded
+    with pytest.raises(UsageError, match=r"--max-batch at most 32, or --max-tokens at most 10 with --max-batch 100"):
+        job("--kv-cache-memory", "1MiB", "--max-batch", "100")
+    with pytest.raises(UsageError, match=r"--kv-cache-memory at least 32768"):
+        job("--kv-cache-memory", "1000")
+    with pytest.raises(PlanError, match=r"--mesh fsdp=2: the server splits a model over 'tp' and 'pp' only"):
+        job("--mesh", "fsdp=2")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        with pytest.raises(UsageError, match=rf"--port {port}: cannot listen there"):
+            job("--port", port)
+    with pytest.raises(UsageError, match="the server needs a tokenizer: --checkpoint has none.*vocabulary is 300"):
+        load_tokenizer(None, 300)  # what check_job asks of a model that is not byte-level
+
+
+def test_sigterms_drain_cancels_what_is_still_running_after_the_timeout():
+    from shardkit.serving.run import _drain
+
+    running = Running(step_s=0.05)
+    try:
+        body = {"model": MODEL, "prompt": "abc", "max_tokens": 60, "temperature": 0}  # 3 s of steps
+        results = []
+        thread = threading.Thread(target=lambda: results.append(httpx.post(f"{running.url}/v1/completions", json=body)))
+        thread.start()
+        _wait(lambda: running.engine.running)
+        start = time.monotonic()
+        _drain(running.server, 0.3)
+        thread.join(5)
+        assert time.monotonic() - start < 2 and results[0].status_code == 503  # cancelled at the bound, answered
+        assert running.engine.cancelled
+        running.engine.thread.join(5)
+        assert not running.engine.thread.is_alive()
+    finally:
+        running.http.stop()

@@ -73,8 +73,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="the address to listen on (default: 127.0.0.1)")
     parser.add_argument("--port", type=_port, default=8000,
                         help="the port to listen on; 0: any free port, printed at start (default: 8000)")
-    parser.add_argument("--max-batch", type=positive_int, default=8, metavar="N",
-                        help="requests decoded together: the KV cache holds N sequences (default: 8)")
+    parser.add_argument("--max-batch", type=positive_int, metavar="N",
+                        help="requests decoded together: the KV cache holds N sequences (default: 8, or with "
+                             "--kv-cache-memory as many as it holds)")
+    parser.add_argument("--kv-cache-memory", type=_cache_memory, metavar="BYTES|FRACTION",
+                        help="KV cache per rank: bytes (e.g. 2GiB), or a fraction (0 to 1) of the memory free after "
+                             "the weights (a GPU's; on the CPU the available RAM per process); sizes --max-batch, "
+                             "or refuses one that does not fit (default: the cache --max-batch x --max-tokens asks "
+                             "for, checked against the free memory)")
     parser.add_argument("--max-tokens", type=positive_int, metavar="N",
                         help="positions one request may use, prompt and completion together (default: the "
                              "model's positions); sizes the KV cache with --max-batch")
@@ -90,6 +96,24 @@ def _port(text: str) -> int:
     if not text.isdigit() or int(text) > 65535:
         raise argparse.ArgumentTypeError(f"must be a port number from 0 to 65535, got {text!r}")
     return int(text)
+
+
+def _cache_memory(text: str) -> float:
+    """``--kv-cache-memory``: a fraction in (0, 1], or a size in bytes (``2GiB``, ``500MB``, ``1048576``)."""
+    from ..plan.text import parse_bytes
+
+    with contextlib.suppress(ValueError):
+        fraction = float(text)
+        if 0 < fraction <= 1:
+            return fraction
+    try:
+        size = parse_bytes(text)
+    except ValueError:
+        size = 0
+    if size <= 1:
+        raise argparse.ArgumentTypeError(f"must be a fraction of the free memory (0 < f <= 1, e.g. 0.9) or a size "
+                                         f"in bytes (e.g. 2GiB), got {text!r}")
+    return float(size)
 
 
 def check_job(args: argparse.Namespace) -> tuple[Plan, ServeJob]:
@@ -131,13 +155,46 @@ def check_job(args: argparse.Namespace) -> tuple[Plan, ServeJob]:
                          f"valid: 1 to {positions}")
     if args.max_tokens is None and positions is None:
         raise UsageError(f"--model {args.model}: its positions are unknown; give --max-tokens N")
+    max_batch = _check_cache(args, model, mesh, args.max_tokens or positions)
     _check_port(args.host, args.port)
     eos = stop_tokens(model, MODEL_EOS)
-    options = ServeOptions(name=args.model, host=args.host, port=args.port, max_batch=args.max_batch,
+    options = ServeOptions(name=args.model, host=args.host, port=args.port, max_batch=max_batch,
                            max_len=args.max_tokens, max_queue=args.max_queue, drain_s=args.drain_timeout,
-                           mesh=args.mesh, tokenizer=None if args.hf is None else str(args.hf))
+                           mesh=args.mesh, tokenizer=None if args.hf is None else str(args.hf),
+                           cache_memory=args.kv_cache_memory)
     return plan, ServeJob(args.model, None if args.checkpoint is None else str(args.checkpoint),
                           options.tokenizer, options, frozenset(eos[0]) if eos else frozenset())
+
+
+def _check_cache(args: argparse.Namespace, model: object, mesh: object, max_len: int) -> int | None:
+    """The KV cache's plan before launch: ``--max-batch`` sequences of ``max_len`` positions against a
+    ``--kv-cache-memory`` given in bytes (a fraction, and every size against the free memory, are checked
+    on the ranks once the weights are loaded: :func:`shardkit.serving.run.cache_slots`). Returns the slots
+    (None: as many as the memory holds); printed."""
+    from ..planner.estimate import kv_cache_bytes
+
+    dtype = next(model.parameters()).dtype
+    tp, pp = mesh.size_of("tp"), mesh.size_of("pp")
+    per_sequence = kv_cache_bytes(model.config, tp=tp, pp=pp, batch_size=1, seq_len=max_len, dtype=dtype)
+    asked = args.kv_cache_memory
+    if asked is None or asked <= 1:
+        slots = args.max_batch or (None if asked is not None else 8)
+        what = f"{slots} sequences" if slots else f"as many sequences as {asked:g} of the free memory holds"
+        print(f"shardkit serve: KV cache plan: {what} of {max_len} positions, {per_sequence} bytes each per rank "
+              f"(sk.kv_cache_bytes, tp={tp}, pp={pp}, {dtype}); checked against each rank's free memory at start",
+              file=sys.stderr, flush=True)
+        return slots
+    fits = int(asked) // per_sequence
+    slots = args.max_batch or max(fits, 1)
+    if slots > fits or fits < 1:
+        raise UsageError(f"--kv-cache-memory {int(asked)}: --max-batch {slots} x --max-tokens {max_len} takes "
+                         f"{slots * per_sequence} bytes per rank (sk.kv_cache_bytes, tp={tp}, pp={pp}, {dtype}), "
+                         f"but it holds {fits} such sequences; valid: --max-batch at most {fits}, or --max-tokens at "
+                         f"most {int(asked) // (per_sequence // max_len * slots)} with --max-batch {slots}, or "
+                         f"--kv-cache-memory at least {slots * per_sequence}")
+    print(f"shardkit serve: KV cache plan: {slots} sequences of {max_len} positions, {slots * per_sequence} of "
+          f"{int(asked)} bytes per rank (sk.kv_cache_bytes, tp={tp}, pp={pp}, {dtype})", file=sys.stderr, flush=True)
+    return slots
 
 
 def _check_port(host: str, port: int) -> None:

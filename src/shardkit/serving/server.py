@@ -63,7 +63,7 @@ class ModelInfo:
 @dataclass
 class EngineState:
     """The engine's live state, for ``/metrics`` and the page: requests in the running batch, its
-    slots, and each rank's KV cache (tokens held, tokens it can hold)."""
+    slots, and each rank's KV cache in bytes (held by the running rows, allocated)."""
 
     batch: int = 0
     slots: int = 0
@@ -176,7 +176,7 @@ class Server:
 
         def metric(name: str, kind: str, help: str, samples: list[tuple[str, float]]) -> None:
             lines.extend([f"# HELP shardkit_{name} {help}", f"# TYPE shardkit_{name} {kind}"])
-            lines.extend(f"shardkit_{name}{labels} {value:g}" for labels, value in samples)
+            lines.extend(f"shardkit_{name}{labels} {_number(value)}" for labels, value in samples)
 
         with self.stats._lock:
             answered = sorted(self.stats.requests.items())
@@ -190,9 +190,9 @@ class Server:
         metric("prompt_tokens_total", "counter", "Prompt tokens received.", [("", self.stats.prompt_tokens)])
         metric("tokens_per_second", "gauge", f"Tokens generated per second over the last {RATE_WINDOW_S:g} s.",
                [("", state["tokens_per_second"])])
-        metric("kv_cache_used_tokens", "gauge", "Positions held in each rank's KV cache.",
+        metric("kv_cache_used_bytes", "gauge", "Bytes of each rank's KV cache held by the running requests.",
                [(f'{{rank="{k["rank"]}"}}', k["used"]) for k in state["kv_cache"]])
-        metric("kv_cache_capacity_tokens", "gauge", "Positions each rank's KV cache can hold.",
+        metric("kv_cache_capacity_bytes", "gauge", "Bytes of KV cache each rank allocated.",
                [(f'{{rank="{k["rank"]}"}}', k["capacity"]) for k in state["kv_cache"]])
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
@@ -288,6 +288,11 @@ class Server:
 
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def _number(value: float) -> str:
+    """A sample as Prometheus reads it back exactly: integers in full (not ``1.23457e+06``), floats by ``repr``."""
+    return str(int(value)) if isinstance(value, int) or float(value).is_integer() else repr(float(value))
 
 
 def _sse(data: dict[str, Any]) -> str:
