@@ -3,12 +3,14 @@
     shardkit serve --model gpt-small --checkpoint runs/gpt --mesh tp=2 --port 8000
     shardkit serve --model exported --hf exported --mesh tp=2 --max-batch 16
     shardkit serve --model exported --hf exported --mesh pp=2,tp=2
+    shardkit serve --model exported --hf exported --mesh tp=2 --kv-cache-memory 0.9 --max-tokens 4096
 
 Every process of the world runs the decode engine (continuous batching); rank 0 also serves HTTP
 (``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``/health``, ``/metrics``,
 and a page to try it at ``/``). Everything is checked before any process starts: the plan against the
 model, the weights, the tokenizer (the model folder's, or bytes for a byte-level model), the sizes,
-the port. SIGTERM stops taking requests, finishes those in flight (at most ``--drain-timeout``) and
+the KV cache against ``--kv-cache-memory`` (and, on the ranks before it is allocated, against the free
+memory), the port. SIGTERM stops taking requests, finishes those in flight (at most ``--drain-timeout``) and
 exits 0; Ctrl-C stops at once (130); a rank that dies ends every open request with a 5xx and the
 command exits 1 naming it. See docs/serve.md.
 """
