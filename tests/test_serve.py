@@ -3,7 +3,8 @@ tokenizer and chat template), talked to as a user would: OpenAI's Python client 
 streams) checked against transformers' ``generate``, 32 concurrent streaming clients each equal to its
 run alone, plain HTTP for errors, the page in headless Chromium; then the ways it ends: SIGTERM (drain,
 exit 0), a worker killed under load (5xx, exit 1 naming it, nothing left: on a ``pp=2`` server, which answers
-as transformers first), Ctrl-C (exit 130 at once).
+as transformers first), Ctrl-C (exit 130 at once). Under ``torchrun`` too: it answers as transformers, and
+SIGTERM to rank 0's printed pid drains and torchrun exits 0.
 
 One server serves every test up to SIGTERM (the last of them); the faults start their own."""
 
@@ -304,6 +305,53 @@ def test_sigterm_finishes_what_is_in_flight_and_exits_0(served):
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{served.url}/health")
     assert "SIGTERM: finishing 1 open requests" in served.stderr()
+
+
+def test_under_torchrun_it_serves_then_sigterm_to_rank_0_drains_and_torchrun_exits_0(folder, reference, tmp_path):
+    """``torchrun -m shardkit serve``: rank 0 prints its pid; SIGTERM to it drains what is in flight, every
+    rank returns and torchrun exits 0 (a SIGTERM to torchrun itself exits 1 whatever its ranks do: docs/serve.md)."""
+    tokenizer, generate = reference
+    stderr = tmp_path / "stderr.txt"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "shardkit", "serve",
+         "--model", MODEL, "--hf", str(folder), "--mesh", "tp=2", "--port", "0"],
+        stdout=subprocess.PIPE, stderr=stderr.open("w"), text=True, start_new_session=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        url = pid = None
+        deadline = time.monotonic() + STARTUP_S
+        while pid is None:
+            line = proc.stdout.readline()
+            assert line or proc.poll() is None, f"torchrun ended: {stderr.read_text()}"
+            assert time.monotonic() < deadline, "the server did not start"
+            listening, stop = re.search(r"listening on (http://\S+)", line), re.search(r"\(pid (\d+)\)", line)
+            url, pid = listening.group(1) if listening else url, stop and int(stop.group(1))
+        threading.Thread(target=proc.stdout.read, daemon=True).start()
+        tree = _process_tree(proc.pid)
+        assert pid in [p for p, _ in tree] and len(tree) >= 2  # rank 0 is torchrun's, beside rank 1
+        assert httpx.get(f"{url}/health").json() == {"status": "ok"}
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+        got = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=12, temperature=0)
+        assert got.choices[0].text == generate(tokenizer.encode(PROMPTS[2]), 12)
+        request = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 30, "temperature": 0, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=request, timeout=120) as r:
+            lines = r.iter_lines()
+            events = [next(line for line in lines if line)]
+            os.kill(pid, signal.SIGTERM)
+            events += [line for line in lines if line]
+        assert events[-1] == "data: [DONE]"  # the request in flight finished
+        text = "".join(json.loads(e[len("data: "):])["choices"][0]["text"] for e in events[:-1])
+        assert text == generate(tokenizer.encode(PROMPTS[0]), 30)
+        assert proc.wait(60) == 0, stderr.read_text()[-3000:]
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p in tree) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not [p for p in tree if _alive(p)], "processes of the torchrun job were left running"
+        assert "SIGTERM: finishing 1 open requests" in stderr.read_text()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 def test_a_pipeline_server_serves_then_a_worker_killed_under_load_fails_every_open_request_and_names_its_rank(
