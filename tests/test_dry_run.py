@@ -38,9 +38,12 @@ def test_a_dry_run_gives_the_bytes_and_collectives_of_a_real_four_process_run(re
         memory, collectives = real[name][cost.rank]
         exact = {k: v for k, v in memory.items() if k != "temporaries"}
         assert {k: cost.memory[k] for k in exact} == exact, (cost.rank, cost.memory, memory)
-        # the backward's temporaries may differ by a small tensor between fake and real kernels (docs/dry-run.md)
-        assert abs(cost.memory["temporaries"] - memory["temporaries"]) <= 0.01 * memory["temporaries"], \
-            (cost.rank, cost.memory, memory)
+        # the backward's temporaries may differ by a small tensor between fake and real kernels, and a real
+        # world's may hold a collective's buffers longer: a gloo worker thread that still holds a finished
+        # call frees them when it lets go of it, at most one call per worker thread (docs/dry-run.md)
+        late = 2 * max(c.bytes // c.calls for c in collectives)
+        fake, real_ = cost.memory["temporaries"], memory["temporaries"]
+        assert -0.01 * fake <= real_ - fake <= 0.01 * fake + late, (cost.rank, cost.memory, memory, late)
         assert cost.collectives == collectives, cost.rank
         assert memory["parameters"] > 0 and memory["optimizer"] > 0 and memory["activations"] > 0
         assert {c.kind for c in collectives} >= {"all_gather_into_tensor", "reduce_scatter_tensor"}

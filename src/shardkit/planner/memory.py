@@ -170,11 +170,13 @@ def step_phases(n: Numbers, s: Setting, tokens: float, first: bool, last: bool, 
         # the loss's backward (the root unit resharded after its forward): the gradients of the
         # log-softmax and of the logits
         phases["loss"] = {"gathered": accumulated, "activations": later + head_act, "temporaries": 2 * logits}
-        # the head's backward: the logits' gradient, the weight's gradient (whole: DTensor computes it
-        # whole from replicated logits before taking the rank's rows) and the input's
-        weight_grad = whole * compute + ((head * compute + logits / s.tp) if split_head else 0)
+        # the head's backward: the logits' gradient, the weight's gradient (a split head's: its rows, from
+        # its columns of the logits' gradient), the input's (and its sum over tp) and the final norm's,
+        # which transformers' norms compute in float32
+        weight_grad = (head * compute + logits / s.tp) if split_head else whole * compute
+        input_grad = n.hidden * tokens * (compute * (2 if s.tp > 1 else 1) + 4)
         phases["head"] = {"gathered": gathered_root + live / 2 + accumulated, "activations": later,
-                          "temporaries": logits + weight_grad + n.hidden * compute * tokens}
+                          "temporaries": logits + weight_grad + input_grad}
     # a block's backward (with full recompute, one block rebuilt): its gradients, filed with the
     # temporaries until its post-backward, and its transient ones; the head's gradients are filed with the
     # temporaries until the root's post-backward
@@ -195,12 +197,13 @@ def step_phases(n: Numbers, s: Setting, tokens: float, first: bool, last: bool, 
         phases["end"] = {"gathered": gathered_root + (embedding_grad + (head if last else 0)) * compute
                          + (accumulated or scatter), "activations": 0.0,
                          "temporaries": embedding_grad * reduce if accumulated and reduce != compute else 0.0}
-        # then its reduce-scatter: the rank's rows of the embedding's whole gradient copied out, the input and output
-        rows = n.embedding_params if embedding_grad > n.embedding_params else 0
+        # then its reduce-scatter: the input and output, and with accumulated gradients the rank's rows of
+        # the embedding's whole gradient copied out (without, they are a view of it: a real run measures no copy)
+        rows = n.embedding_params if accumulated and embedding_grad > n.embedding_params else 0
         phases["end, reduce-scatter"] = {
             "gathered": (embedding_grad + (head if last else 0)) * compute + (embedding_grad * reduce if accumulated else 0),
             "activations": 0.0,
-            "temporaries": rows * (reduce if accumulated else compute) + root * reduce * (1 + 1 / s.shards)}
+            "temporaries": rows * reduce + root * reduce * (1 + 1 / s.shards)}
     return phases
 
 
