@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_serving_engine import _alone, _hf_greedy
 
 from shardkit.models.hf import LLAMA_RULES, build_tiny_llama
 from shardkit.plan import Mesh, Pipeline, Plan
@@ -24,13 +25,6 @@ AFTER = {("a", 1): ["b", "c"], ("b", 2): ["d", "s"]}
 GENERATE_PROMPT = torch.tensor([[5, 6, 7, 8], [40, 41, 42, 43]])
 PLANS = {"pp2": Plan(mesh=Mesh(pp=2), pipeline=Pipeline(schedule="sequential")),
          "pp2xtp2": Plan(mesh=Mesh(pp=2, tp=2), rules=LLAMA_RULES, pipeline=Pipeline(schedule="sequential"))}
-
-
-def _hf_greedy(prompt: tuple[int, ...], new: int) -> list[int]:
-    ids = torch.tensor([prompt])
-    out = build_tiny_llama().generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
-                                      eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 def _request(rid: str) -> GenerationRequest:
@@ -74,14 +68,6 @@ def _serve(ctx):
 @pytest.fixture(scope="module")
 def runs(world):
     return {name: world(plan.mesh.size).run(_serve, plan=plan, timeout=300) for name, plan in PLANS.items()}
-
-
-def _alone(request: GenerationRequest) -> list[int]:
-    inbox, events = Inbox(max_queue=1), []
-    inbox.submit(request, events.append)
-    inbox.close()
-    Engine(build_tiny_llama(), inbox, slots=1, max_len=32, quiet=True).run()
-    return [e.token for e in events if e.token is not None]
 
 
 @pytest.fixture(scope="module")

@@ -55,22 +55,28 @@ def _summed_dims(grad: torch.Tensor) -> tuple[int, ...]:
     """The mesh dims on which ``grad`` is a pending sum (none for a plain tensor)."""
     if not isinstance(grad, DTensor):
         return ()
-    dims = tuple(i for i, p in enumerate(grad.placements) if p.is_partial())
-    for i in dims:
-        op = grad.placements[i].reduce_op  # type: ignore[attr-defined]
-        if op != "sum":
-            raise NotImplementedError(f"a gradient Partial({op!r}) on mesh dim {i}: only sums are reduced here")
-    return dims
+    return tuple(i for i, p in enumerate(grad.placements) if p.is_partial())
+
+
+def _only_sums(grad: torch.Tensor) -> bool:
+    return all(p.reduce_op == "sum" for p in grad.placements if p.is_partial())  # type: ignore[attr-defined]
 
 
 def reduce_partial_grads(params: list[nn.Parameter]) -> int:
     """Make every ``Partial(sum)`` gradient of ``params`` ``Replicate`` on those mesh dims, one flat
-    all-reduce per (mesh, summed dims, dtype); returns the number of gradients reduced."""
+    all-reduce per (mesh, summed dims, dtype) (another pending reduction by DTensor's own
+    ``redistribute``); returns the number of gradients reduced."""
     groups: dict[tuple, list[nn.Parameter]] = defaultdict(list)
+    others = 0
     for p in params:
         dims = _summed_dims(p.grad) if p.grad is not None else ()
-        if dims:
+        if dims and _only_sums(p.grad):
             groups[p.grad.device_mesh, dims, p.grad.dtype].append(p)
+        elif dims:  # another reduction (avg, max): DTensor's own, one parameter at a time
+            grad = p.grad
+            p.grad = grad.redistribute(grad.device_mesh, [Replicate() if pl.is_partial() else pl  # type: ignore
+                                                          for pl in grad.placements])
+            others += 1
     for (mesh, dims, _dtype), members in groups.items():
         locals_ = [p.grad.to_local() for p in members]  # type: ignore[union-attr]
         flat = torch.cat([t.reshape(-1) for t in locals_])
@@ -82,7 +88,7 @@ def reduce_partial_grads(params: list[nn.Parameter]) -> int:
             placements = [Replicate() if isinstance(pl, Partial) else pl for pl in grad.placements]
             p.grad = DTensor.from_local(part.view_as(grad.to_local()), mesh, placements, run_check=False,
                                         shape=grad.shape, stride=grad.stride())
-    return sum(len(m) for m in groups.values())
+    return others + sum(len(m) for m in groups.values())
 
 
 def reduce_at_end_of_backward(module: nn.Module) -> PartialGradients:
