@@ -11,7 +11,6 @@ which waits for the device's queued work first: on a GPU the kernels are timed, 
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -20,7 +19,7 @@ import torch.distributed as dist
 
 from ..planner.counters import OpCounter
 from ..runtime import p2p
-from ..runtime.devices import clock, device_kind
+from ..runtime.devices import clock, device_kind, memory_per_process
 
 #: Where the largest message of the sweep takes less than :data:`GROWTH` times the smallest's time,
 #: latency and noise hide the bandwidth (a loaded or throttled machine): the sweep goes on with
@@ -69,17 +68,6 @@ def device_job(ctx, ranks_on_host: int) -> tuple[str, int, str]:
         return device_kind(device), total, f"memory: the total of each GPU ({device_kind(device)})"
     memory, note = memory_per_process(ranks_on_host)
     return device_kind(device), memory, note
-
-
-def memory_per_process(ranks_on_host: int) -> tuple[int, str]:
-    """The machine's available RAM over the processes sharing it, and a note saying what was read."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            fields = dict(line.split(":", 1) for line in meminfo)
-        available, source = int(fields["MemAvailable"].split()[0]) * 1024, "available RAM (MemAvailable)"
-    except (OSError, KeyError, ValueError):  # no /proc (macOS): the physical memory, said so in the note
-        available, source = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "physical RAM (no MemAvailable)"
-    return available // ranks_on_host, f"memory: {source} / {ranks_on_host} processes"
 
 
 def _slowest(value: float, device: torch.device) -> float:
@@ -304,4 +292,4 @@ _OPS = {"all_reduce": _all_reduce, "all_gather": _all_gather, "p2p": _p2p}
 
 
 __all__ = ["GROWTH", "MAX_MESSAGE_BYTES", "OVERLAP_MATMUL", "OVERLAP_MESSAGE", "Overlap", "bandwidth_job",
-           "collective_job", "device_job", "dtensor_overhead_job", "matmul_job", "memory_per_process", "overhead_job", "overlap_job", "ready"]
+           "collective_job", "device_job", "dtensor_overhead_job", "matmul_job", "overhead_job", "overlap_job", "ready"]

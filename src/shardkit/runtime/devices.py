@@ -224,6 +224,17 @@ class StepTimer:
         return time.perf_counter() - self._start
 
 
+def memory_per_process(ranks_on_host: int) -> tuple[int, str]:
+    """The machine's available RAM over the processes sharing it, and a note saying what was read."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            fields = dict(line.split(":", 1) for line in meminfo)
+        available, source = int(fields["MemAvailable"].split()[0]) * 1024, "available RAM (MemAvailable)"
+    except (OSError, KeyError, ValueError):  # no /proc (macOS): the physical memory, said so in the note
+        available, source = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "physical RAM (no MemAvailable)"
+    return available // ranks_on_host, f"memory: {source} / {ranks_on_host} processes"
+
+
 def memory_mark(device: torch.device) -> int:
     """Start a peak-memory measurement on a GPU: its peak statistic reset; returns the bytes
     allocated now (what :func:`peak_growth` subtracts). 0 on the CPU (``observe.memory`` reads RSS)."""
@@ -240,6 +251,6 @@ def peak_growth(device: torch.device, mark: int) -> int:
 
 __all__ = ["BACKENDS", "GROUP_MARGIN_S", "INIT_DEVICE", "NO_LIMIT", "StepTimer", "choose_backend", "clock",
            "device_kind", "device_of", "gpu_count", "group_timeout", "group_timeout_for", "launcher_local_rank",
-           "launcher_ranks_on_host", "memory_mark", "open_process_group", "peak_growth", "rank_device", "set_group_timeout",
+           "launcher_ranks_on_host", "memory_mark", "memory_per_process", "open_process_group", "peak_growth", "rank_device", "set_group_timeout",
            "synchronize", "to_device",
            "wall_ns"]

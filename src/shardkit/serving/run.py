@@ -33,7 +33,7 @@ from torch import nn
 
 from ..plan import UsageError
 from ..planner.estimate import kv_cache_bytes
-from ..runtime.devices import launcher_ranks_on_host
+from ..runtime.devices import launcher_ranks_on_host, memory_per_process
 from ..runtime.plain_pipeline import decode_positions
 from ..runtime.torchrun import in_torchrun
 from .engine import Engine
@@ -115,10 +115,7 @@ def free_memory(device: torch.device, world_size: int) -> int:
     shared by the processes of this host (``MemAvailable`` / the local ranks)."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
-    with open("/proc/meminfo") as info:
-        available = next(int(line.split()[1]) * 1024 for line in info if line.startswith("MemAvailable:"))
-    local = launcher_ranks_on_host() if in_torchrun() else world_size
-    return available // max(1, local)
+    return memory_per_process(max(1, launcher_ranks_on_host() if in_torchrun() else world_size))[0]
 
 
 def _least(value: int, model: nn.Module) -> int:
