@@ -28,6 +28,10 @@ a training step there sees:
   Python, the module call, autograd and dispatch, amortised over the ops (the kernels on 16
   numbers cost next to nothing). The same step with the layer's parameters and input as
   replicated DTensors gives ``dtensor_overhead``, what each operator on a DTensor adds.
+- **DTensor collective overhead**: a small shard all-gathered by DTensor's ``redistribute`` and by
+  ``dist.all_gather_into_tensor`` on the same pairs of ranks, every pair at once: the difference
+  per call is ``dtensor_collective``, what each of tensor parallel's collectives adds to the link's
+  alpha-beta time (:func:`~shardkit.observe.probes.dtensor_collective_job`).
 - **overlap**: a loop of float32 matrix products alone, a loop of 2 MiB all-reduces alone, then
   both at once (the all-reduces issued with ``async_op=True`` before the products, waited after
   them, as FSDP and DDP issue theirs), :class:`Overlap`.
@@ -164,7 +168,7 @@ def measure(world_size: int | None = None, *, matmul_sizes: Sequence[int] | None
     assert world_size is not None
     start = clock()
     report = progress or (lambda done, total, what: None)
-    total = len(DTYPES) + len(COLLECTIVES) + 5
+    total = len(DTYPES) + len(COLLECTIVES) + 6
     report(0, total, "joining the torchrun world" if torchrun else f"starting {world_size} processes")
     measured = dict(matmul_sizes=matmul_sizes, message_sizes=message_sizes, seconds=seconds_per_size,
                     report=report, total=total)
@@ -183,7 +187,7 @@ def _calibration(world: LocalWorld | None, launcher: str, world_size: int, per_n
     """Measure ``world`` (``None``: the torchrun world) and make its :class:`Calibration`."""
     device, memory, memory_note, backend = _devices(world, per_node)
     sizes = tuple(matmul_sizes or (GPU_MATMUL_SIZES if backend == "nccl" else MATMUL_SIZES))
-    matmul, fits, bandwidth, (ops_per_step, op_overhead), overlap, dtensor_overhead = _run(
+    matmul, fits, bandwidth, (ops_per_step, op_overhead), overlap, (dtensor_overhead, dtensor_collective) = _run(
         world, world_size, backend, sizes, message_sizes, seconds, report, total)
     notes = []
     if matmul["float16"] is None:
@@ -198,7 +202,7 @@ def _calibration(world: LocalWorld | None, launcher: str, world_size: int, per_n
                         devices_per_node=per_node, intra_node=links, inter_node=links, memory_bandwidth=bandwidth,
                         matmul_efficiency=1.0, reserved=0, op_overhead=op_overhead, overlap=overlap.fraction,
                         shared_compute=device == "cpu" and per_node > (os.cpu_count() or 1),
-                        dtensor_overhead=dtensor_overhead)
+                        dtensor_overhead=dtensor_overhead, dtensor_collective=dtensor_collective)
     report(total, total, "done")
     return Calibration(hardware, matmul, fits, ops_per_step, overlap, tuple(notes), clock() - start, backend, device)
 
@@ -230,7 +234,7 @@ def _from_rank_0(calibration: Calibration) -> Calibration:
 def _run(world: LocalWorld | None, world_size: int, backend: str, matmul_sizes: Sequence[int],
          message_sizes: Sequence[int], seconds: float, report: Progress,
          total: int) -> tuple[dict[str, tuple[int, float] | None], dict[str, Fit], float, tuple[int, float],
-                              Overlap, float]:
+                              Overlap, tuple[float, float]]:
     done = 1
     matmul: dict[str, tuple[int, float] | None] = {}
     for dtype in DTYPES:
@@ -259,9 +263,11 @@ def _run(world: LocalWorld | None, world_size: int, backend: str, matmul_sizes: 
     overhead = launch(probes.overhead_job, world=world, seconds=seconds)[0]
     report(done + 2, total, "DTensor operator overhead")
     dtensor = launch(probes.dtensor_overhead_job, world=world, seconds=seconds)[0][1]
-    report(done + 3, total, "overlap of all-reduce and matmul")
+    report(done + 3, total, "DTensor collective overhead")
+    dtensor_collective = launch(probes.dtensor_collective_job, world=world, seconds=seconds)[0]
+    report(done + 4, total, "overlap of all-reduce and matmul")
     overlap = launch(probes.overlap_job, world=world, seconds=2 * seconds, rounds=2)[0]
-    return matmul, fits, bandwidth, overhead, overlap, dtensor
+    return matmul, fits, bandwidth, overhead, overlap, (dtensor, dtensor_collective)
 
 
 def _best_matmul(per_rank: list[list[tuple[int, float]] | None]) -> tuple[int, float] | None:

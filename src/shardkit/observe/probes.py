@@ -233,6 +233,41 @@ def dtensor_overhead_job(ctx, seconds: float) -> tuple[int, float]:
     return counter.calls, max(0.0, times[1] - times[0]) / counter.calls
 
 
+def dtensor_collective_job(ctx, seconds: float) -> float:
+    """Seconds a collective launched by DTensor costs on top of the same collective called directly:
+    a 4 KiB-per-rank shard all-gathered by ``DTensor.full_tensor()`` (``redistribute`` from
+    ``Shard(0)`` to ``Replicate()``: its plan, the functional collective, the wrapper and its wait)
+    against ``dist.all_gather_into_tensor`` of the same bytes on the same group, every rank at once
+    in groups of two consecutive ranks (tensor parallel's groups; the whole world when it has fewer
+    than four ranks or an odd number), each the best of :data:`_BLOCKS` blocks of about
+    ``seconds``, the slowest rank's; ``Hardware.dtensor_collective``."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    device, world = ctx.device, dist.get_world_size()
+    if world >= 4 and world % 2 == 0:
+        mesh = init_device_mesh(device.type, (world // 2, 2), mesh_dim_names=("rest", "pair"))["pair"]
+    else:
+        mesh = init_device_mesh(device.type, (world,))
+    group, size = mesh.get_group(), mesh.size()
+    local = torch.ones(1024, device=device)
+    whole = torch.empty(1024 * size, device=device)
+    shard = DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
+    steps = (lambda: dist.all_gather_into_tensor(whole, local, group=group),
+             lambda: shard.redistribute(mesh, [Replicate()]).full_tensor())
+    for step in steps:
+        step()  # warm-up: the communicator is up, the redistribute's plan cached
+    repeats = max(1, min(_MAX_REPEATS * 4, int(seconds / _slowest(_timed(steps[1], device), device) / _BLOCKS)))
+    times = []
+    for step in steps:
+        best = math.inf
+        for _ in range(_BLOCKS):
+            dist.barrier()
+            best = min(best, _timed(lambda step=step: [step() for _ in range(repeats)], device) / repeats)
+        times.append(_slowest(best, device))
+    return max(0.0, times[1] - times[0])
+
+
 def overlap_job(ctx, seconds: float, rounds: int) -> Overlap:
     """:class:`Overlap` of float32 products of :data:`OVERLAP_MATMUL` square matrices and
     all-reduces of :data:`OVERLAP_MESSAGE` bytes, each loop sized to take about ``seconds``

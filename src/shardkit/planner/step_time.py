@@ -18,7 +18,9 @@ are consecutive and fit in one, else across nodes:
   SP's residual stream too; backward twice the forward's, full recompute the forward again), and
   the optimizer's :data:`OPTIMIZER_OPS` on each DTensor parameter (every parameter under FSDP,
   which keeps them sharded as DTensors, or with a data axis beside ``tp``; else the split
-  modules', and under SP the norms');
+  modules', and under SP the norms'); and ``dtensor_collective`` per collective of ``tp`` (each
+  launched by DTensor's ``redistribute``, whose plan, functional collective and wait cost more than
+  the collective's alpha-beta time: on a CPU world more than the collective itself);
 - ``optimizer``: the step reads each parameter, gradient and optimizer state and writes the
   parameter and the states, over ``memory_bandwidth``, plus its :data:`OPTIMIZER_OPS` calls per
   parameter x ``op_overhead``;
@@ -131,10 +133,15 @@ def time_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer: 
         inputs, outputs = n.block_tp_boundaries
         again = s.recompute == "full"  # the forward's collectives run again
         if s.sequence_parallel:  # inputs gathered forward, their gradients reduce-scattered; outputs the reverse
-            per_block = (2 + again) * (inputs + outputs) * gather
+            calls = (2 + again) * (inputs + outputs)
+            per_block = calls * gather
         else:  # outputs all-reduced forward, the inputs' gradients backward
-            per_block = ((1 + again) * outputs + inputs) * all_reduce
+            calls = (1 + again) * outputs + inputs
+            per_block = calls * all_reduce
         parts["tp"] = m * (blocks * per_block + head + 2 * all_reduce)
+        # each of them launched by DTensor's redistribute, which costs more than the collective itself
+        if hw.dtensor_collective:
+            parts["dtensor"] = parts.get("dtensor", 0.0) + m * (blocks * calls + 3) * hw.dtensor_collective
     # data parallel: gradients (DDP, in buckets) or parameters and gradients (FSDP, per unit), behind compute
     reduce = s.reduce_dtype.itemsize if s.reduce_dtype is not None else itemsize
     if s.fsdp > 1:
