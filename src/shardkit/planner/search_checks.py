@@ -16,8 +16,10 @@ from torch import nn
 from ..plan import Plan, PlanError, PlanWarning
 from .analysis import model_key, probe_model
 from .costs import Setting
+from .dataflow import Dataflow
 from .expert_search import expert_degrees
 from .experts import ExpertsLayer, ModelExperts, model_experts
+from .model_checks import shared_traces
 from .stored import stored
 
 #: What sk.validate said of each probe plan, per module (a model's kinds of plan do not change while it lives).
@@ -36,6 +38,7 @@ class ModelChecks:
         self.model = model
         self.key = model_key(model)  # None for a module: what validate says of it is kept in the process only
         self.name = model if isinstance(model, str) else None  # a catalogue name: shipped answers may hold it
+        self._traces: weakref.WeakKeyDictionary[nn.Module, Dataflow] = weakref.WeakKeyDictionary()
 
     @functools.cached_property
     def probe(self) -> nn.Module:
@@ -70,7 +73,7 @@ class ModelChecks:
         from .validate import validate
 
         try:
-            with warnings.catch_warnings():
+            with warnings.catch_warnings(), shared_traces(self._traces):  # one meta forward for every plan
                 warnings.simplefilter("ignore", PlanWarning)
                 validate(plan, self.probe)
             return None
