@@ -19,9 +19,9 @@ once per process and cached here; callers ask by axis name:
 - :func:`process_group`: a group for an arbitrary list of ranks (replica groups).
 
 Every group gets the world's timeout (devices.py's :func:`group_timeout`: the job's plus a margin).
-The groups of :func:`process_group` a job did not use are freed when it ends
-(:func:`release_unused`); the plans' DeviceMeshes are kept for the process's life, as torch's
-DTensor caches assume (see there).
+At the end of a job, the meshes and groups no job asked for since the last release and that
+nothing holds any more are destroyed on every rank (:func:`release_unused`; why this is safe with
+torch's DTensor caches: docs/devices.md, "Process groups over a world's life").
 
 Axis roles themselves are stated once, in :mod:`shardkit.plan.mesh`.
 """
@@ -284,8 +284,13 @@ def _held(key: tuple) -> bool:
     objects += [d for d in objects[0]._data.values() if d is not None] + objects[0]._device_meshes()
     internal = Counter(id(ref) for obj in objects for ref in _links(obj))
     internal[id(objects[0])] += 1  # the registry's
-    # getrefcount's argument, the list and the generator's variable are the 3 references made here
-    return any(sys.getrefcount(obj) - 3 > internal[id(obj)] for obj in objects)
+    counts = _reference_counts(objects)
+    here = _reference_counts([object()])[0]  # a list's only element: the references counting makes
+    return any(count - here > internal[id(obj)] for obj, count in zip(objects, counts))
+
+
+def _reference_counts(objects: list[Any]) -> list[int]:
+    return [sys.getrefcount(obj) for obj in objects]
 
 
 class _ForgetFastPath(torch.autograd.Function):
