@@ -66,6 +66,24 @@ def _tracker(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Any:
             super().__init__(model, optimizer) if base is FSDPMemTracker else super().__init__()
             self.component_peaks: dict[str, int] = dict.fromkeys(COMPONENTS, 0)
             self._part_of: dict[Any, str | None] = {}  # the tracker's category -> its component
+            self._gloo_inputs: list[tuple[tuple[int, ...], torch.dtype]] = []  # see _gloo_reduce_scatter_inputs
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if self._gloo_inputs and func is torch.ops.aten.split.Tensor and self._gloo_buffer(args[0]):
+                return func(*args, **(kwargs or {}))  # a chunk of gloo's copy of a reduce-scatter's input
+            res = super().__torch_dispatch__(func, types, args, kwargs)
+            if res is not NotImplemented:
+                self._gloo_inputs += _gloo_reduce_scatter_inputs(func, args)
+            return res
+
+        def _gloo_buffer(self, tensor: torch.Tensor) -> bool:
+            """Whether ``tensor`` is gloo's copy of a pending reduce-scatter's input (a storage the
+            tracker never saw, of that input's shape and dtype), which is then left untracked."""
+            key = (tuple(tensor.shape), tensor.dtype)
+            if key not in self._gloo_inputs or tensor.untyped_storage() in self._WINFO:
+                return False
+            self._gloo_inputs.remove(key)
+            return True
 
         def _update_peak_stats(self, peak_state: Any) -> None:
             # the device's peak and each component's, after every op; torch's own also updates every
@@ -105,6 +123,31 @@ def _tracker(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Any:
     if base is MemTracker:
         tracker.track_external(model, *([optimizer] if optimizer is not None else []))
     return tracker
+
+
+#: reduce-scatter ops that take a whole input tensor (or a list of them): their kind in ``comm._OPS``
+_REDUCE_SCATTER_KINDS = ("reduce_scatter_tensor", "reduce_scatter_tensor_coalesced")
+
+
+def _gloo_reduce_scatter_inputs(func: Any, args: tuple) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """The (shape, dtype) of each input of a reduce-scatter ``func`` issued on a gloo group, else none.
+
+    gloo reduce-scatters by all-reducing a copy of the whole input, made inside the op where the
+    tracker does not see it (``ProcessGroupGloo::reduce_scatter_tensor_coalesced``: ``input.clone()``),
+    then copies this rank's chunk of it into the output when the call is waited on: the tracker
+    first sees that copy there, at the chunk (``aten.split``), and would count it live until the
+    call is freed, beside the input. NCCL, and the dry run's fake process group, write the output
+    directly, with no copy; so a real gloo world's step measures what a GPU's would, the copy is
+    left untracked (:meth:`_ComponentPeaks._gloo_buffer`). It was the only difference between a
+    4-process gloo run and the dry run where a rank's peak falls on the root's reduce-scatter of
+    its float32 gradients (bfloat16 compute, ``tests/test_dry_run.py``)."""
+    import torch.distributed as dist
+
+    kind = _OPS.get(getattr(func, "namespace", ""), {}).get(getattr(func, "_opname", ""))
+    if kind is None or kind[0] not in _REDUCE_SCATTER_KINDS or dist.get_backend(_group(_group_arg(args))) != "gloo":
+        return []
+    inputs = args[kind[1]]
+    return [(tuple(t.shape), t.dtype) for t in (inputs if isinstance(inputs, (list, tuple)) else [inputs])]
 
 
 @dataclass(frozen=True)
