@@ -18,9 +18,12 @@ a training step there sees:
   :func:`fit_alpha_beta`; the fit's relative residual says how well alpha-beta describes them.
   Where the largest message takes less than twice the smallest's time (a loaded machine, whose
   latency and noise hide the bandwidth), larger messages are timed, up to 256 MiB.
-- **memory bandwidth**: every process runs ``torch.add(a, b, out=c)`` on float32 tensors of
-  :func:`bandwidth_bytes` (64 MiB on the CPU, 256 MiB on a GPU) at once; bytes/s is ``3 x`` that
-  (read ``a`` and ``b``, write ``c``) over the best time, the slowest process's.
+- **memory bandwidth**: every process runs a layer norm, a GeLU and a residual add on a float32
+  tensor of :func:`bandwidth_bytes` (4 MiB on the CPU, 256 MiB on a GPU), forward and backward, at
+  once; bytes/s is the bytes the planner books for them (:class:`~shardkit.planner.counters.OpCounter`,
+  the backward at ``BACKWARD_TRAFFIC`` times the forward's) over the best time, the slowest
+  process's (:func:`~shardkit.observe.probes.bandwidth_job`: on a CPU these operators are bound by
+  their arithmetic, not by the memory's streaming bandwidth, 2-4x lower than a large add's).
 - **op overhead**: a tiny training step, ``Linear(4, 4)`` forward, ``.sum()`` and backward on a
   4 x 4 input, timed on every process at once; its seconds divided by the number of aten ops it
   calls that launch a kernel (counted as the planner counts a model's, with
@@ -85,9 +88,9 @@ MATMUL_SIZES = (64, 128, 256, 512, 1024)
 GPU_MATMUL_SIZES = (1024, 2048, 4096, 8192)
 MESSAGE_SIZES = tuple(2**k for k in range(12, 23, 2))  # 4 KiB to 4 MiB
 SECONDS_PER_SIZE = 0.12
-#: Bytes of each tensor of the memory-bandwidth add on the CPU; large enough to leave its caches
-#: (:func:`bandwidth_bytes`: 4 times that on a GPU, whose L2 cache is up to 50 MiB).
-BANDWIDTH_BYTES = 64 * 2**20
+#: Bytes of the memory-bandwidth probe's tensor on the CPU: a block's activation in the models a CPU
+#: world trains (:func:`bandwidth_bytes`: 256 MiB on a GPU, out of its L2 cache of up to 50 MiB).
+BANDWIDTH_BYTES = 4 * 2**20
 #: ``progress(done, total, what)``: called before each measurement and once at the end.
 Progress = Callable[[int, int, str], None]
 
@@ -123,9 +126,9 @@ def world_name(launcher: str, world_size: int, backend: str, device: str) -> str
 
 
 def bandwidth_bytes(backend: str) -> int:
-    """Bytes of each tensor of the memory-bandwidth add: :data:`BANDWIDTH_BYTES` on the CPU, 4 times
-    that on GPUs (NCCL), to leave their caches too."""
-    return BANDWIDTH_BYTES * (4 if backend == "nccl" else 1)
+    """Bytes of the memory-bandwidth probe's tensor: :data:`BANDWIDTH_BYTES` on the CPU, 256 MiB on
+    GPUs (NCCL), out of their caches."""
+    return BANDWIDTH_BYTES * (64 if backend == "nccl" else 1)
 
 
 # -- measuring -----------------------------------------------------------------------------------
