@@ -34,7 +34,8 @@ are consecutive and fit in one, else across nodes:
   projections: 4 and 2); under Megatron SP an all-gather forward and a reduce-scatter backward
   for each input, the reverse for each output; full recompute runs the forward's again; plus the
   head's gathered logits, not overlapped;
-- ``dp`` / ``fsdp``: gradient all-reduce in DDP's 25 MiB buckets, or per FSDP unit an all-gather
+- ``dp`` / ``fsdp``: gradient all-reduce over every data rank (``dp``, ``sp`` and ``ep``: context
+  parallel's ranks see different tokens) in DDP's 25 MiB buckets, or per FSDP unit an all-gather
   forward, another backward (with resharding) and a reduce-scatter (HSDP adds an all-reduce of
   the shard); ``overlap`` of it runs while the backward computes (DDP: the last micro-batch's
   backward only, the one that makes the gradients), except the last bucket / the first unit's gather;
@@ -160,13 +161,13 @@ def time_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer: 
             comm += _collective("all_reduce", stored * reduce, s.dp, _link(hw, shape, ("dp",), "all_reduce"),
                                 calls=units)
         parts["fsdp"] = _exposed(comm, compute, hw) + gather / units  # the first unit's gather waits
-    elif s.dp * s.ep > 1:  # DDP (or replicate) over every data rank; the experts over dp only
+    elif s.dp * s.sp * s.ep > 1:  # DDP (or replicate) over every data rank (sp's too); the experts but over ep
         size = dense * reduce
         buckets = max(1, math.ceil(size / DDP_BUCKET_BYTES))
-        comm = _collective("all_reduce", size, s.dp * s.ep, _link(hw, shape, ("dp", "ep"), "all_reduce"),
+        comm = _collective("all_reduce", size, s.dp * s.sp * s.ep, _link(hw, shape, ("dp", "sp", "ep"), "all_reduce"),
                            calls=buckets)
-        if experts and s.dp > 1:
-            comm += _collective("all_reduce", experts * reduce, s.dp, _link(hw, shape, ("dp",), "all_reduce"),
+        if experts and s.dp * s.sp > 1:
+            comm += _collective("all_reduce", experts * reduce, s.dp * s.sp, _link(hw, shape, ("dp", "sp"), "all_reduce"),
                                 calls=max(1, math.ceil(experts * reduce / DDP_BUCKET_BYTES)))
         # only the last micro-batch's backward produces the gradients to reduce: the buckets but the last hide
         # behind it, not behind the whole step's compute (accumulation steps skip the reduction)
