@@ -3,15 +3,19 @@
 NCCL needs the sends and receives that must progress together in one group: a send posted in a
 batch of its own, its receive in a later batch of the other rank, waits for that batch, and a
 cycle of such waits (a ring) hangs once messages outgrow NCCL's buffers. Each worker records
-every batch it posts (``torch.distributed.batch_isend_irecv``, and torch's schedules'
-``_batch_p2p``, which posts homogeneous batches op by op) while ring attention runs forward and
-backward, a pipeline steps and generates; :func:`pairing_problems` then matches every send with
-its receive (per pair of ranks, in order: how gloo and NCCL match them), joins the batches that
-must therefore run together, and refuses a byte count that differs, a message without its other
-half, and any cycle of waits (a rank's batch can only start after its previous one). A structural
-scan keeps bare point-to-point calls out of the package: they all go through ``runtime/p2p.py``.
+every batch it posts (``batch_isend_irecv``, a blocking ``send``/``recv``, and torch's schedules'
+``_batch_p2p``, which posts a batch of only sends or only receives op by op) while every user of
+point-to-point in shardkit runs on one world of 4 (:func:`_record_everything`: ring attention, the
+causal convolutions' halo, the bandwidth probe, pipelines under 1F1B and under torch's own
+interleaved-1f1b and zbv schedules with a tied embedding, generation through single and virtual
+stages, the serving engine's plain pipeline, an export to rank 0); :func:`pairing_problems` then
+matches every send with its receive (per pair of ranks, in order: how gloo and NCCL match them),
+joins the batches that must therefore run together, and refuses a byte count that differs, a
+message without its other half, and any cycle of waits (a rank's batch can only start after its
+previous one). torch's multi-stage schedules post each send and each receive alone; they pass
+because their order closes no cycle. A structural scan keeps bare point-to-point calls out of the
+package: they all go through ``runtime/p2p.py``.
 """
-
 from __future__ import annotations
 
 import ast
