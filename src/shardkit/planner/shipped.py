@@ -8,13 +8,15 @@ code. For the named models of :mod:`shardkit.planner.catalogue` those answers sh
 no entry, so a first search on a fresh install builds no model.
 
 A file holds the entries of :mod:`shardkit.planner.ship`'s grid (each model at its own context
-length and at the lengths in :data:`~shardkit.planner.ship.SEQ_LENS`, every tensor-parallel
-degree up to 8 its sizes allow) and says what they were measured with: :data:`MEASUREMENT`,
-torch's version and transformers'. It is read only when all three are the running ones: another
-torch or transformers measures afresh, as a change of the measurement does once the version is
-bumped. ``tests/test_shipped.py`` measures every entry again and fails when one differs, so a
-change of the code that measures cannot leave them stale; ``make shipped`` (``python -m
-shardkit.planner.ship``) writes them again.
+length, every tensor-parallel degree up to 8 its sizes allow) and says what they were measured
+with: :data:`MEASUREMENT`, torch's release and transformers' version. It is read only when all
+three are the running ones: another torch or transformers measures afresh, as a change of the
+measurement does once the version is bumped. torch's release is its version without the local
+build label (``2.13.0`` of ``2.13.0+cpu`` or ``2.13.0+cu128``): the measurement runs on fake CPU
+tensors, which every build of one release dispatches through the same kernels and Python
+decompositions. ``tests/test_shipped.py`` measures every entry again and fails when one differs
+(on another build too), so a change of the code that measures cannot leave them stale; ``make
+shipped`` (``python -m shardkit.planner.ship``) writes them again.
 
 Entries are JSON, not pickles: diffable, and decoded only into the classes the caller names
 (:func:`decode`).
@@ -42,8 +44,8 @@ MISSING: Any = object()
 
 
 def versions() -> dict[str, Any]:
-    """What a shipped entry is valid for: :data:`MEASUREMENT`, torch's and transformers' versions
-    (transformers' read from its metadata: not imported)."""
+    """What a shipped entry is valid for: :data:`MEASUREMENT`, torch's release (its version without
+    the build label) and transformers' version (read from its metadata: not imported)."""
     from importlib import metadata
 
     import torch
@@ -52,7 +54,7 @@ def versions() -> dict[str, Any]:
         transformers = metadata.version("transformers")
     except metadata.PackageNotFoundError:
         transformers = None
-    return {"measurement": MEASUREMENT, "torch": torch.__version__, "transformers": transformers}
+    return {"measurement": MEASUREMENT, "torch": torch.__version__.split("+")[0], "transformers": transformers}
 
 
 def path_of(name: str) -> Path:
