@@ -31,10 +31,11 @@ a training step there sees:
   Python, the module call, autograd and dispatch, amortised over the ops (the kernels on 16
   numbers cost next to nothing). The same step with the layer's parameters and input as
   replicated DTensors gives ``dtensor_overhead``, what each operator on a DTensor adds.
-- **DTensor collective overhead**: a small shard all-gathered by DTensor's ``redistribute`` and by
-  ``dist.all_gather_into_tensor`` on the same pairs of ranks, every pair at once: the difference
-  per call is ``dtensor_collective``, what each of tensor parallel's collectives adds to the link's
-  alpha-beta time (:func:`~shardkit.observe.probes.dtensor_collective_job`).
+- **DTensor collective overhead**: a tiny sequence-parallel block (torch's styles) stepped on
+  DTensors and on plain tensors by pairs of ranks, every pair at once: the difference, less
+  ``dtensor_overhead`` per DTensor operator, per collective, less the raw all-gather's time, is
+  ``dtensor_collective``, what each of tensor parallel's collectives adds to the link's alpha-beta
+  time (:func:`~shardkit.observe.probes.dtensor_collective_job`).
 - **overlap**: a loop of float32 matrix products alone, a loop of 2 MiB all-reduces alone, then
   both at once (the all-reduces issued with ``async_op=True`` before the products, waited after
   them, as FSDP and DDP issue theirs), :class:`Overlap`.
@@ -267,7 +268,7 @@ def _run(world: LocalWorld | None, world_size: int, backend: str, matmul_sizes: 
     report(done + 2, total, "DTensor operator overhead")
     dtensor = launch(probes.dtensor_overhead_job, world=world, seconds=seconds)[0][1]
     report(done + 3, total, "DTensor collective overhead")
-    dtensor_collective = launch(probes.dtensor_collective_job, world=world, seconds=seconds)[0]
+    dtensor_collective = launch(probes.dtensor_collective_job, world=world, seconds=seconds, dtensor_overhead=dtensor)[0]
     report(done + 4, total, "overlap of all-reduce and matmul")
     overlap = launch(probes.overlap_job, world=world, seconds=2 * seconds, rounds=2)[0]
     return matmul, fits, bandwidth, overhead, overlap, (dtensor, dtensor_collective)

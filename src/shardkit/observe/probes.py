@@ -250,16 +250,29 @@ def dtensor_overhead_job(ctx, seconds: float) -> tuple[int, float]:
     return counter.calls, max(0.0, times[1] - times[0]) / counter.calls
 
 
-def dtensor_collective_job(ctx, seconds: float) -> float:
-    """Seconds a collective launched by DTensor costs on top of the same collective called directly:
-    a 4 KiB-per-rank shard all-gathered by ``DTensor.full_tensor()`` (``redistribute`` from
-    ``Shard(0)`` to ``Replicate()``: its plan, the functional collective, the wrapper and its wait)
-    against ``dist.all_gather_into_tensor`` of the same bytes on the same group, every rank at once
-    in groups of two consecutive ranks (tensor parallel's groups; the whole world when it has fewer
-    than four ranks or an odd number), each the best of :data:`_BLOCKS` blocks of about
-    ``seconds``, the slowest rank's; ``Hardware.dtensor_collective``."""
+def dtensor_collective_job(ctx, seconds: float, dtensor_overhead: float) -> float:
+    """Seconds each collective tensor parallel launches through DTensor costs on top of the same
+    collective called directly (``Hardware.dtensor_collective``): a tiny sequence-parallel block
+    (a layer norm, a column-parallel and a row-parallel linear, a residual add; torch's styles,
+    sequence split on dim 1) stepped forward and backward on DTensors against the same block on
+    plain tensors of the local shapes, every rank at once in groups of two consecutive ranks
+    (tensor parallel's groups; the whole world when it has fewer than four ranks or an odd
+    number). The difference, less ``dtensor_overhead`` per operator on a DTensor, is the
+    collectives' cost (each a ``redistribute``: its plan, the functional collective, its wrapper,
+    the wait and the copies that move the gathered dim); less the raw ``all_gather_into_tensor`` of
+    the same bytes, per collective, is what DTensor adds. The tensors are tiny, so compute and
+    bandwidth are next to nothing; each time is the best of :data:`_BLOCKS` blocks of about
+    ``seconds``, the slowest rank's."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
 
     device, world = ctx.device, dist.get_world_size()
     if world >= 4 and world % 2 == 0:
@@ -267,13 +280,38 @@ def dtensor_collective_job(ctx, seconds: float) -> float:
     else:
         mesh = init_device_mesh(device.type, (world,))
     group, size = mesh.get_group(), mesh.size()
-    local = torch.ones(1024, device=device)
-    whole = torch.empty(1024 * size, device=device)
-    shard = DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
-    steps = (lambda: dist.all_gather_into_tensor(whole, local, group=group),
-             lambda: shard.redistribute(mesh, [Replicate()]).full_tensor())
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm, self.up, self.down = torch.nn.LayerNorm(8), torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.down(self.up(self.norm(x)).relu())
+
+    local = torch.randn(2, 2, 8, device=device)
+    plain, split = Block().to(device), Block().to(device)
+    parallelize_module(split, mesh, {"norm": SequenceParallel(), "up": ColwiseParallel(input_layouts=Shard(1)),
+                                     "down": RowwiseParallel(output_layouts=Shard(1), use_local_output=False)})
+    x = DTensor.from_local(local, mesh, [Shard(1)], run_check=False)
+    whole = torch.empty(size * local.numel(), device=device)
+
+    class Count(TorchDispatchMode):
+        operators = collectives = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.operators += any(isinstance(t, DTensor) for t in tree_leaves((args, kwargs)))
+            name = str(func)
+            self.collectives += "c10d" in name and "wait" not in name and "wrap" not in name
+            return func(*args, **(kwargs or {}))
+
+    steps = (lambda: plain(local).sum().backward(), lambda: split(x).to_local().sum().backward(),
+             lambda: dist.all_gather_into_tensor(whole, local.flatten(), group=group))
     for step in steps:
-        step()  # warm-up: the communicator is up, the redistribute's plan cached
+        step()  # warm-up: gradients exist, the communicator is up, sharding propagation cached
+    counter = Count()
+    with counter:
+        steps[1]()
     repeats = max(1, min(_MAX_REPEATS * 4, int(seconds / _slowest(_timed(steps[1], device), device) / _BLOCKS)))
     times = []
     for step in steps:
@@ -282,7 +320,9 @@ def dtensor_collective_job(ctx, seconds: float) -> float:
             dist.barrier()
             best = min(best, _timed(lambda step=step: [step() for _ in range(repeats)], device) / repeats)
         times.append(_slowest(best, device))
-    return max(0.0, times[1] - times[0])
+    plain_step, split_step, raw = times
+    launched = split_step - plain_step - counter.operators * dtensor_overhead
+    return max(0.0, launched / max(1, counter.collectives) - raw)
 
 
 def overlap_job(ctx, seconds: float, rounds: int) -> Overlap:
