@@ -40,8 +40,8 @@ def real(world):
 def test_a_dry_run_gives_the_bytes_and_collectives_of_a_real_four_process_run(real, name):
     ranks = (1,) if PLANS[name].pipeline else (0, 3)  # a dry run runs the first stage's ranks
     priced = name == "fsdp x tp, recompute"  # the estimate beside it once (it analyses the model: seconds)
-    dry = sk.dry_run(BUILDS.get(name, build_tiny_llama), PLANS[name], world_size=4, batch=BATCH, seq_len=SEQ, ranks=ranks,
-                     estimate=priced)
+    dry = sk.dry_run(BUILDS.get(name, build_tiny_llama), PLANS[name], world_size=4, batch=BATCH, seq_len=SEQ,
+                     ranks=ranks, estimate=priced)
     for cost in dry.ranks:
         memory, collectives = real[name][cost.rank]
         exact = {k: v for k, v in memory.items() if k != "temporaries"}
