@@ -2,7 +2,7 @@ PY      := .venv/bin/python
 PIP     := .venv/bin/pip
 STAMP   := .venv/.installed
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench clean shipped
 
 $(STAMP): pyproject.toml constraints.txt
 	python3 -m venv .venv
@@ -16,6 +16,10 @@ demo: $(STAMP)
 test: $(STAMP)
 	.venv/bin/ruff check src tests benchmarks examples
 	$(PY) -m pytest
+
+# the planner's measurements of the catalogue's models, shipped with the package (planner/shipped.py)
+shipped: $(STAMP)
+	$(PY) -m shardkit.planner.ship
 
 lint: $(STAMP)
 	.venv/bin/ruff check src tests benchmarks examples

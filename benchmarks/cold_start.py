@@ -1,9 +1,12 @@
-"""The first ``sk.autoshard`` in a fresh process: without the planner's disk store, filling it,
-and reading it (``planner/stored.py``). Each in a new interpreter; CPU seconds (what a loaded
-machine does not inflate much) and wall seconds of ``import torch`` and of the first call
-(``import shardkit`` and the planner's modules included). Baseline: the store off, same run.
+"""The first ``sk.autoshard`` in a fresh process: a fresh install (the user's disk store empty,
+the measurements shipped for catalogue models read, ``planner/shipped.py``), the same model by
+config (not shipped: measured, and the store filled), that store read, and everything measured
+(``SHARDKIT_CACHE=off``). Each in a new interpreter; CPU seconds (what a loaded machine does not
+inflate much) and wall seconds of ``import torch`` and of the first call (``import shardkit`` and
+the planner's modules included), and whether the call imported torch's compiler stack or
+transformers.
 
-    python benchmarks/cold_start.py [--model gpt-small] [--devices 8]
+    python benchmarks/cold_start.py [--model gpt-small] [--devices 8] [--seq-len 128]
 """
 
 from __future__ import annotations
@@ -25,16 +28,19 @@ import torch
 torch_cpu, torch_wall = cpu(), time.perf_counter() - wall
 wall = time.perf_counter()
 import shardkit as sk
-sk.autoshard(sys.argv[1], devices=int(sys.argv[2]), global_batch=8, seq_len=128)
+from shardkit.planner.catalogue import catalogue_config
+model = sys.argv[1] if sys.argv[4] == "name" else catalogue_config(sys.argv[1])
+sk.autoshard(model, devices=int(sys.argv[2]), global_batch=int(sys.argv[2]), seq_len=int(sys.argv[3]))
 print(json.dumps({"torch_cpu": torch_cpu, "torch_wall": torch_wall, "call_cpu": cpu() - torch_cpu,
-                  "call_wall": time.perf_counter() - wall}))
+                  "call_wall": time.perf_counter() - wall,
+                  "imported": [m for m in ("torch._dynamo", "transformers") if m in sys.modules]}))
 """
 
 
-def run(model: str, devices: int, store: str) -> dict:
+def run(model: str, devices: int, seq_len: int, store: str, given: str) -> dict:
     env = {**os.environ, "SHARDKIT_CACHE": store}
-    out = subprocess.run([sys.executable, "-c", _PROBE, model, str(devices)], env=env, capture_output=True,
-                         text=True, check=True).stdout
+    out = subprocess.run([sys.executable, "-c", _PROBE, model, str(devices), str(seq_len), given], env=env,
+                         capture_output=True, text=True, check=True).stdout
     return json.loads(out.splitlines()[-1])
 
 
@@ -42,16 +48,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="gpt-small")
     parser.add_argument("--devices", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=128)
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as folder:
-        rows = {"store off (baseline)": run(args.model, args.devices, "off"),
-                "store empty (filled)": run(args.model, args.devices, folder),
-                "store read": run(args.model, args.devices, folder)}
-    base = rows["store off (baseline)"]["call_cpu"]
-    print(f"{'':22} {'import torch cpu/wall':>22} {'first call cpu/wall':>22} {'call cpu / baseline':>20}")
+    shape = (args.model, args.devices, args.seq_len)
+    with tempfile.TemporaryDirectory() as fresh, tempfile.TemporaryDirectory() as folder:
+        rows = {"store off (measured)": run(*shape, "off", "name"),
+                "fresh install (shipped)": run(*shape, fresh, "name"),
+                "by config, store empty": run(*shape, folder, "config"),
+                "by config, store read": run(*shape, folder, "config")}
+    base = rows["store off (measured)"]["call_cpu"]
+    print(f"{'':24} {'import torch cpu/wall':>22} {'first call cpu/wall':>22} {'cpu / off':>10}  imported")
     for name, r in rows.items():
-        print(f"{name:22} {r['torch_cpu']:9.2f} / {r['torch_wall']:6.2f} s {r['call_cpu']:9.2f} / "
-              f"{r['call_wall']:6.2f} s {r['call_cpu'] / base:20.2f}")
+        print(f"{name:24} {r['torch_cpu']:9.2f} / {r['torch_wall']:6.2f} s {r['call_cpu']:9.2f} / "
+              f"{r['call_wall']:6.2f} s {r['call_cpu'] / base:10.2f}  {', '.join(r['imported']) or '-'}")
 
 
 if __name__ == "__main__":

@@ -246,6 +246,7 @@ def test_the_ep_degrees_searched_follow_what_composes():
     """With tp, pp or sp the search keeps the degrees composition_problems allows, and says why not."""
     from shardkit.planner.costs import Setting
     from shardkit.planner.expert_search import expert_degrees
+    from shardkit.planner.experts import model_experts
 
     def plan(base: Setting, ep: int) -> sk.Plan:
         return sk.Plan(mesh=sk.Mesh(**{a: base.size(a) for a in ("pp", "sp", "tp") if base.size(a) > 1}, ep=ep),
@@ -254,7 +255,7 @@ def test_the_ep_degrees_searched_follow_what_composes():
     for base in (Setting(tp=2), Setting(pp=2), Setting(sp=2), Setting()):
         refused: dict[str, str] = {}
         allowed = [ep for ep in (2, 4) if not composition_problems(plan(base, ep))]
-        assert expert_degrees(_gpt_moe(), ("dp", "ep"), 4, base, refused.setdefault) == [1, *allowed]
+        assert expert_degrees(model_experts(_gpt_moe()), ("dp", "ep"), 4, base, refused.setdefault) == [1, *allowed]
         first = next((ep for ep in (2, 4) if ep not in allowed), None)
         assert list(refused.values()) == ([composition_problems(plan(base, first))[0]] if first else [])
 

@@ -33,7 +33,7 @@ def _leaves(data: dict, prefix: str = "") -> list[str]:
 
 BASE = PRESETS["h100-80g"].to_dict()
 LEAVES = _leaves(BASE)
-NEWER = ("matmul_latency", "dtensor_overhead")  # fields files written before them lack
+NEWER = ("matmul_latency", "dtensor_overhead", "dtensor_collective")  # fields files written before them lack
 
 
 def _edited(path: str, value=None, delete: bool = False) -> dict:
@@ -114,8 +114,8 @@ def test_a_file_written_before_the_newer_fields_loads(tmp_path):
     path = tmp_path / "old.yaml"
     path.write_text(yaml.safe_dump({k: v for k, v in BASE.items() if k not in NEWER}))
     hw = Hardware.load(path)
-    assert (hw.matmul_latency, hw.dtensor_overhead) == (0.0, PRESETS["h100-80g"].dtensor_overhead) and hw.memory == \
-        BASE["memory"]
+    assert (hw.matmul_latency, hw.dtensor_overhead, hw.dtensor_collective) == (
+        0.0, PRESETS["h100-80g"].dtensor_overhead, PRESETS["h100-80g"].dtensor_collective) and hw.memory == BASE["memory"]
 
 
 @pytest.mark.parametrize("group", ["flops", "intra_node", "inter_node", "inter_node.p2p"])

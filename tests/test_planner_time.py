@@ -38,7 +38,7 @@ def test_a_tensor_parallel_rank_runs_its_split_linears_on_dtensors(gpt):
 def test_a_tensor_parallel_step_pays_dtensor_overhead_per_counted_operator(gpt, plan, sp, plan_data):
     costs = Costs.of(gpt, SEQ, 2, None, rules=GPT_RULES)
     n, s = costs.numbers, Setting.of(plan)
-    hw = dataclasses.replace(A100, dtensor_overhead=1e-5)
+    hw = dataclasses.replace(A100, dtensor_overhead=1e-5, dtensor_collective=0.0)
     without = time_of(costs, s, BATCH, dataclasses.replace(hw, dtensor_overhead=0.0))
     parts = time_of(costs, s, BATCH, hw)
     blocks = blocks_per_device(n, s)
@@ -50,6 +50,21 @@ def test_a_tensor_parallel_step_pays_dtensor_overhead_per_counted_operator(gpt, 
     assert dtensor_ops(n, s, hw, blocks) == per_pass > 0
     assert parts["dtensor"] == pytest.approx(expected) and "dtensor" not in without
     assert sum(parts.values()) - sum(without.values()) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("sequence_parallel, per_block", [(False, 2 + 4), (True, 2 * (4 + 2))])
+def test_each_tensor_parallel_collective_pays_dtensors_launch(gpt, sequence_parallel, per_block):
+    """Per block: without SP the two row-parallel outputs all-reduced forward and the four column-parallel
+    inputs' gradients backward; with SP each input gathered and each output reduce-scattered, forward and
+    backward; plus the head's gathered logits and two all-reduces."""
+    costs = Costs.of(gpt, SEQ, 2, None, rules=GPT_RULES)
+    s = Setting.of(sk.Plan(sk.Mesh(tp=2), rules=GPT_RULES, sequence_parallel=sequence_parallel))
+    assert costs.numbers.block_tp_boundaries == (4, 2)
+    hw = dataclasses.replace(A100, dtensor_collective=0.0)
+    without, parts = time_of(costs, s, BATCH, hw), time_of(costs, s, BATCH, dataclasses.replace(hw, dtensor_collective=1e-3))
+    calls = s.microbatches * (blocks_per_device(costs.numbers, s) * per_block + 3)
+    assert parts["dtensor"] - without["dtensor"] == pytest.approx(calls * 1e-3)
+    assert {k: v for k, v in parts.items() if k != "dtensor"} == {k: v for k, v in without.items() if k != "dtensor"}
 
 
 def test_plans_without_dtensors_pay_none(gpt):

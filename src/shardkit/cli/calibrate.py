@@ -102,7 +102,8 @@ def _table(calibration: Calibration):
                       f"{fit.residual:.0%}", f"{len(fit.sizes)} sizes, {format_bytes(min(fit.sizes))} to "
                                              f"{format_bytes(max(fit.sizes))}")
     table.add_row("memory bandwidth", f"{format_bytes(hw.memory_bandwidth)}/s", "", "",
-                  f"torch.add(a, b, out=c): 3 x {format_bytes(bandwidth_bytes(backend))} / time")
+                  f"layer norm, GeLU, add on {format_bytes(bandwidth_bytes(backend))}, forward+backward: "
+                  f"bytes booked / time")
     table.add_row("op overhead", format_seconds(hw.op_overhead), "", "",
                   f"Linear(4, 4) forward+backward / {calibration.ops_per_step} aten ops")
     overlap = calibration.overlap

@@ -42,8 +42,9 @@ def add_options(parser: argparse.ArgumentParser) -> None:
                        help="run one step of the chosen ranks of a --world-size world in this process on fake tensors "
                             "(no memory, no communication): exact bytes per component beside the estimate, and the "
                             "collectives")
-    group.add_argument("--ranks", type=_ranks, default=(0,), metavar="R,R",
-                       help="with --dry-run: the ranks to run (default: 0)")
+    group.add_argument("--ranks", type=_ranks, metavar="R,R",
+                       help="with --dry-run: the ranks to run, on any pipeline stage (default: 0, and with a pipeline "
+                            "the last stage's first rank too)")
     group.add_argument("--device-memory", type=_memory, metavar="BYTES",
                        help="with --dry-run: the memory of one device, as 80GiB (default: the H100's 80 GiB)")
 
@@ -57,7 +58,7 @@ def run(args: argparse.Namespace, config: TrainConfig) -> int:
     from ..training.plans import job_plan
 
     plan, world_size = job_plan(config)
-    outside = [r for r in args.ranks if r >= world_size]
+    outside = [r for r in args.ranks or () if r >= world_size]
     if outside:
         raise UsageError(f"--ranks {','.join(map(str, args.ranks))}: the world has {world_size} ranks (0 to "
                          f"{world_size - 1})")

@@ -18,9 +18,12 @@ a training step there sees:
   :func:`fit_alpha_beta`; the fit's relative residual says how well alpha-beta describes them.
   Where the largest message takes less than twice the smallest's time (a loaded machine, whose
   latency and noise hide the bandwidth), larger messages are timed, up to 256 MiB.
-- **memory bandwidth**: every process runs ``torch.add(a, b, out=c)`` on float32 tensors of
-  :func:`bandwidth_bytes` (64 MiB on the CPU, 256 MiB on a GPU) at once; bytes/s is ``3 x`` that
-  (read ``a`` and ``b``, write ``c``) over the best time, the slowest process's.
+- **memory bandwidth**: every process runs a layer norm, a GeLU and a residual add on a float32
+  tensor of :func:`bandwidth_bytes` (4 MiB on the CPU, 256 MiB on a GPU), forward and backward, at
+  once; bytes/s is the bytes the planner books for them (:class:`~shardkit.planner.counters.OpCounter`,
+  the backward at ``BACKWARD_TRAFFIC`` times the forward's) over the best time, the slowest
+  process's (:func:`~shardkit.observe.probes.bandwidth_job`: on a CPU these operators are bound by
+  their arithmetic, not by the memory's streaming bandwidth, 2-4x lower than a large add's).
 - **op overhead**: a tiny training step, ``Linear(4, 4)`` forward, ``.sum()`` and backward on a
   4 x 4 input, timed on every process at once; its seconds divided by the number of aten ops it
   calls that launch a kernel (counted as the planner counts a model's, with
@@ -28,6 +31,10 @@ a training step there sees:
   Python, the module call, autograd and dispatch, amortised over the ops (the kernels on 16
   numbers cost next to nothing). The same step with the layer's parameters and input as
   replicated DTensors gives ``dtensor_overhead``, what each operator on a DTensor adds.
+- **DTensor collective overhead**: a small shard all-gathered by DTensor's ``redistribute`` and by
+  ``dist.all_gather_into_tensor`` on the same pairs of ranks, every pair at once: the difference
+  per call is ``dtensor_collective``, what each of tensor parallel's collectives adds to the link's
+  alpha-beta time (:func:`~shardkit.observe.probes.dtensor_collective_job`).
 - **overlap**: a loop of float32 matrix products alone, a loop of 2 MiB all-reduces alone, then
   both at once (the all-reduces issued with ``async_op=True`` before the products, waited after
   them, as FSDP and DDP issue theirs), :class:`Overlap`.
@@ -81,9 +88,9 @@ MATMUL_SIZES = (64, 128, 256, 512, 1024)
 GPU_MATMUL_SIZES = (1024, 2048, 4096, 8192)
 MESSAGE_SIZES = tuple(2**k for k in range(12, 23, 2))  # 4 KiB to 4 MiB
 SECONDS_PER_SIZE = 0.12
-#: Bytes of each tensor of the memory-bandwidth add on the CPU; large enough to leave its caches
-#: (:func:`bandwidth_bytes`: 4 times that on a GPU, whose L2 cache is up to 50 MiB).
-BANDWIDTH_BYTES = 64 * 2**20
+#: Bytes of the memory-bandwidth probe's tensor on the CPU: a block's activation in the models a CPU
+#: world trains (:func:`bandwidth_bytes`: 256 MiB on a GPU, out of its L2 cache of up to 50 MiB).
+BANDWIDTH_BYTES = 4 * 2**20
 #: ``progress(done, total, what)``: called before each measurement and once at the end.
 Progress = Callable[[int, int, str], None]
 
@@ -119,9 +126,9 @@ def world_name(launcher: str, world_size: int, backend: str, device: str) -> str
 
 
 def bandwidth_bytes(backend: str) -> int:
-    """Bytes of each tensor of the memory-bandwidth add: :data:`BANDWIDTH_BYTES` on the CPU, 4 times
-    that on GPUs (NCCL), to leave their caches too."""
-    return BANDWIDTH_BYTES * (4 if backend == "nccl" else 1)
+    """Bytes of the memory-bandwidth probe's tensor: :data:`BANDWIDTH_BYTES` on the CPU, 256 MiB on
+    GPUs (NCCL), out of their caches."""
+    return BANDWIDTH_BYTES * (64 if backend == "nccl" else 1)
 
 
 # -- measuring -----------------------------------------------------------------------------------
@@ -164,7 +171,7 @@ def measure(world_size: int | None = None, *, matmul_sizes: Sequence[int] | None
     assert world_size is not None
     start = clock()
     report = progress or (lambda done, total, what: None)
-    total = len(DTYPES) + len(COLLECTIVES) + 5
+    total = len(DTYPES) + len(COLLECTIVES) + 6
     report(0, total, "joining the torchrun world" if torchrun else f"starting {world_size} processes")
     measured = dict(matmul_sizes=matmul_sizes, message_sizes=message_sizes, seconds=seconds_per_size,
                     report=report, total=total)
@@ -183,7 +190,7 @@ def _calibration(world: LocalWorld | None, launcher: str, world_size: int, per_n
     """Measure ``world`` (``None``: the torchrun world) and make its :class:`Calibration`."""
     device, memory, memory_note, backend = _devices(world, per_node)
     sizes = tuple(matmul_sizes or (GPU_MATMUL_SIZES if backend == "nccl" else MATMUL_SIZES))
-    matmul, fits, bandwidth, (ops_per_step, op_overhead), overlap, dtensor_overhead = _run(
+    matmul, fits, bandwidth, (ops_per_step, op_overhead), overlap, (dtensor_overhead, dtensor_collective) = _run(
         world, world_size, backend, sizes, message_sizes, seconds, report, total)
     notes = []
     if matmul["float16"] is None:
@@ -198,7 +205,7 @@ def _calibration(world: LocalWorld | None, launcher: str, world_size: int, per_n
                         devices_per_node=per_node, intra_node=links, inter_node=links, memory_bandwidth=bandwidth,
                         matmul_efficiency=1.0, reserved=0, op_overhead=op_overhead, overlap=overlap.fraction,
                         shared_compute=device == "cpu" and per_node > (os.cpu_count() or 1),
-                        dtensor_overhead=dtensor_overhead)
+                        dtensor_overhead=dtensor_overhead, dtensor_collective=dtensor_collective)
     report(total, total, "done")
     return Calibration(hardware, matmul, fits, ops_per_step, overlap, tuple(notes), clock() - start, backend, device)
 
@@ -230,7 +237,7 @@ def _from_rank_0(calibration: Calibration) -> Calibration:
 def _run(world: LocalWorld | None, world_size: int, backend: str, matmul_sizes: Sequence[int],
          message_sizes: Sequence[int], seconds: float, report: Progress,
          total: int) -> tuple[dict[str, tuple[int, float] | None], dict[str, Fit], float, tuple[int, float],
-                              Overlap, float]:
+                              Overlap, tuple[float, float]]:
     done = 1
     matmul: dict[str, tuple[int, float] | None] = {}
     for dtype in DTYPES:
@@ -259,9 +266,11 @@ def _run(world: LocalWorld | None, world_size: int, backend: str, matmul_sizes: 
     overhead = launch(probes.overhead_job, world=world, seconds=seconds)[0]
     report(done + 2, total, "DTensor operator overhead")
     dtensor = launch(probes.dtensor_overhead_job, world=world, seconds=seconds)[0][1]
-    report(done + 3, total, "overlap of all-reduce and matmul")
+    report(done + 3, total, "DTensor collective overhead")
+    dtensor_collective = launch(probes.dtensor_collective_job, world=world, seconds=seconds)[0]
+    report(done + 4, total, "overlap of all-reduce and matmul")
     overlap = launch(probes.overlap_job, world=world, seconds=2 * seconds, rounds=2)[0]
-    return matmul, fits, bandwidth, overhead, overlap, dtensor
+    return matmul, fits, bandwidth, overhead, overlap, (dtensor, dtensor_collective)
 
 
 def _best_matmul(per_rank: list[list[tuple[int, float]] | None]) -> tuple[int, float] | None:

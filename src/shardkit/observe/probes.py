@@ -151,18 +151,35 @@ def _timed(work: Callable[[], object], device: torch.device) -> float:
 
 
 def bandwidth_job(ctx, nbytes: int, repeats: int) -> float:
-    """Bytes/s of ``torch.add(a, b, out=c)`` on float32 tensors of ``nbytes`` each on the rank's device,
-    every rank adding at once: ``3 * nbytes`` (read a and b, write c) over the best of ``repeats`` adds,
-    the slowest rank's."""
-    device = ctx.device
-    a, b = torch.ones(nbytes // 4, device=device), torch.ones(nbytes // 4, device=device)
-    c = torch.empty(nbytes // 4, device=device)
-    torch.add(a, b, out=c)  # warm-up: every page of c is touched
+    """Bytes/s of a transformer block's memory-bound operators as the planner counts them: a layer norm,
+    a GeLU and a residual add on a float32 tensor of ``nbytes`` (1024 features), forward and backward,
+    every rank at once; the forward's bytes booked by :class:`~shardkit.planner.counters.OpCounter`
+    (each operator's inputs and outputs) times ``1 + BACKWARD_TRAFFIC`` (the planner's backward),
+    over the best of ``repeats`` steps, the slowest rank's. A large ``torch.add`` would give the
+    memory's streaming bandwidth, which a GPU's elementwise kernels reach but a CPU's do not: its
+    GeLU and norms are bound by their arithmetic, and the planner prices them by these bytes."""
+    from ..planner.step_time import BACKWARD_TRAFFIC
+
+    device, features = ctx.device, 1024
+    rows = max(1, nbytes // 4 // features)
+    x = torch.randn(rows, features, device=device, requires_grad=True)
+    weight = torch.ones(features, device=device, requires_grad=True)
+    bias = torch.zeros(features, device=device, requires_grad=True)
+    grad = torch.ones(rows, features, device=device)
+
+    def forward() -> torch.Tensor:
+        return torch.nn.functional.gelu(torch.nn.functional.layer_norm(x, (features,), weight, bias)) + x
+
+    booked: list[float] = []
+    with OpCounter(lambda traffic, *_: booked.append(traffic)):
+        forward()
+    step = lambda: forward().backward(grad)  # noqa: E731
+    step()  # warm-up: gradients exist, every page touched
     best = math.inf
     for _ in range(repeats):
         dist.barrier()
-        best = min(best, _timed(lambda: torch.add(a, b, out=c), device))
-    return 3 * nbytes / _slowest(best, device)
+        best = min(best, _timed(step, device))
+    return (1 + BACKWARD_TRAFFIC) * sum(booked) / _slowest(best, device)
 
 
 def overhead_job(ctx, seconds: float) -> tuple[int, float]:
@@ -231,6 +248,41 @@ def dtensor_overhead_job(ctx, seconds: float) -> tuple[int, float]:
     with counter:
         layer(x).sum().backward()
     return counter.calls, max(0.0, times[1] - times[0]) / counter.calls
+
+
+def dtensor_collective_job(ctx, seconds: float) -> float:
+    """Seconds a collective launched by DTensor costs on top of the same collective called directly:
+    a 4 KiB-per-rank shard all-gathered by ``DTensor.full_tensor()`` (``redistribute`` from
+    ``Shard(0)`` to ``Replicate()``: its plan, the functional collective, the wrapper and its wait)
+    against ``dist.all_gather_into_tensor`` of the same bytes on the same group, every rank at once
+    in groups of two consecutive ranks (tensor parallel's groups; the whole world when it has fewer
+    than four ranks or an odd number), each the best of :data:`_BLOCKS` blocks of about
+    ``seconds``, the slowest rank's; ``Hardware.dtensor_collective``."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    device, world = ctx.device, dist.get_world_size()
+    if world >= 4 and world % 2 == 0:
+        mesh = init_device_mesh(device.type, (world // 2, 2), mesh_dim_names=("rest", "pair"))["pair"]
+    else:
+        mesh = init_device_mesh(device.type, (world,))
+    group, size = mesh.get_group(), mesh.size()
+    local = torch.ones(1024, device=device)
+    whole = torch.empty(1024 * size, device=device)
+    shard = DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
+    steps = (lambda: dist.all_gather_into_tensor(whole, local, group=group),
+             lambda: shard.redistribute(mesh, [Replicate()]).full_tensor())
+    for step in steps:
+        step()  # warm-up: the communicator is up, the redistribute's plan cached
+    repeats = max(1, min(_MAX_REPEATS * 4, int(seconds / _slowest(_timed(steps[1], device), device) / _BLOCKS)))
+    times = []
+    for step in steps:
+        best = math.inf
+        for _ in range(_BLOCKS):
+            dist.barrier()
+            best = min(best, _timed(lambda step=step: [step() for _ in range(repeats)], device) / repeats)
+        times.append(_slowest(best, device))
+    return max(0.0, times[1] - times[0])
 
 
 def overlap_job(ctx, seconds: float, rounds: int) -> Overlap:

@@ -32,7 +32,7 @@ from ..families import Family, family_of
 from ..families.modules import is_linear, linear_dims
 from ..models.gpt import GPT, GPTConfig
 from ..plan import LayoutMap, PlanError, UsageError
-from .catalogue import catalogue_config
+from .catalogue import catalogue_config, catalogue_name
 from .expert_costs import ExpertCosts, block_experts, routing_watch
 from .measure import COMPONENTS, Measurement, Piece, Tally, block_names, first_blocks, measure
 from .model_rules import axis_plan, default_rules, fsdp_dims
@@ -170,6 +170,10 @@ class ModelAnalysis:
         return self.embedding.activations + self.layers * self.block.activations + self.head.activations
 
 
+#: The classes an analysis is made of, as the planner's stores read it back (:func:`~shardkit.planner.shipped.decode`).
+STORED_TYPES = (ModelAnalysis, PartCost, Components, ExpertCosts)
+
+
 def analyse(model: nn.Module | GPTConfig | str | Any, *, seq_len: int | None = None, tp: int = 1,
             dtype: torch.dtype | None = None, rules: LayoutMap | None = None) -> ModelAnalysis:
     """Parameters, FLOPs and saved activations per token of ``model``'s parts, for one rank of
@@ -191,22 +195,14 @@ def analyse(model: nn.Module | GPTConfig | str | Any, *, seq_len: int | None = N
     _check(seq_len, tp, dtype, rules)
     if isinstance(model, nn.Module):
         return _from_module(model, seq_len, tp, dtype, rules)
-    name = model if isinstance(model, str) else None
-    config = catalogue_config(model) if isinstance(model, str) else model
-    if not isinstance(config, GPTConfig) and not hasattr(config, "to_json_string"):
-        raise UsageError(f"analyse(model): expected an nn.Module, a transformers config, a GPTConfig or a "
-                         f"catalogue name, got {type(model).__name__}")
-    return _from_config(_Keyed(_config_key(config), (config, name)), seq_len, tp, dtype, _Keyed(_rules_key(rules), rules))
+    return _from_config(_source(model), seq_len, tp, dtype, _Keyed(_rules_key(rules), rules))
 
 
 def probe_model(model: nn.Module | GPTConfig | str | Any) -> nn.Module:
     """A model to check plans of ``model`` against on meta: the module itself, or the one
     :func:`analyse` builds from a config or catalogue name (with :data:`BLOCKS_BUILT` blocks:
     which kinds of plan a model allows does not depend on its depth)."""
-    if isinstance(model, nn.Module):
-        return model
-    config = catalogue_config(model) if isinstance(model, str) else model
-    return _built(_Keyed(_config_key(config), (config, model if isinstance(model, str) else None)))[0]
+    return model if isinstance(model, nn.Module) else _built(_source(model))[0]
 
 
 # -- arguments and caching ------------------------------------------------------------------------
@@ -237,6 +233,17 @@ def _rules_key(rules: LayoutMap | None) -> str:
     return "" if rules is None else f"{rules!r} strict={rules.strict}"
 
 
+def _source(model: GPTConfig | str | Any) -> _Keyed:
+    """A config or catalogue name keyed for the caches, ``(config's maker, name)``: a name by itself, its config
+    (fixed by ``catalogue.py`` and transformers' version, in the stores' keys) made only to build a model."""
+    if isinstance(model, str):
+        return _Keyed(f"catalogue={catalogue_name(model)}", (functools.partial(catalogue_config, model), model))
+    if not isinstance(model, GPTConfig) and not hasattr(model, "to_json_string"):
+        raise UsageError(f"analyse(model): expected an nn.Module, a transformers config, a GPTConfig or a "
+                         f"catalogue name, got {type(model).__name__}")
+    return _Keyed(_config_key(model), (lambda: model, None))
+
+
 def _config_key(config: Any) -> str:
     if isinstance(config, GPTConfig):
         return repr(config)
@@ -265,22 +272,19 @@ def _from_module(model: nn.Module, seq_len: int | None, tp: int, dtype: torch.dt
 def _from_config(source: _Keyed, seq_len: int | None, tp: int, dtype: torch.dtype | None,
                  rules: _Keyed) -> ModelAnalysis:
     """Cached in the process, and on disk between processes (:mod:`shardkit.planner.stored`)."""
-    key = f"{source.key}|name={source.value[1]}|seq_len={seq_len}|tp={tp}|dtype={dtype}|rules={rules.key}"
-    return stored("analysis", key, lambda: _measured_config(source, seq_len, tp, dtype, rules))
+    key = f"{source.key}|seq_len={seq_len}|tp={tp}|dtype={dtype}|rules={rules.key}"
+    return stored("analysis", key, lambda: _measured_config(source, seq_len, tp, dtype, rules), source.value[1],
+                  STORED_TYPES)
 
 
 def model_key(model: Any) -> str | None:
-    """What a model given by config or catalogue name is keyed by in the planner's stores (``None``
-    for an ``nn.Module``, which has no such key)."""
-    if isinstance(model, nn.Module):
-        return None
-    config = catalogue_config(model) if isinstance(model, str) else model
-    return f"{_config_key(config)}|name={model if isinstance(model, str) else None}"
+    """A config's or catalogue name's key in the planner's stores (``None`` for an ``nn.Module``: it has none)."""
+    return None if isinstance(model, nn.Module) else _source(model).key
 
 
 def _measured_config(source: _Keyed, seq_len: int | None, tp: int, dtype: torch.dtype | None,
                      rules: _Keyed) -> ModelAnalysis:
-    config, name = source.value
+    config, name = source.value[0](), source.value[1]
     model, layers = _built(source)
     label = name or (f"gpt(dim={config.dim}, layers={config.layers})" if isinstance(config, GPTConfig)
                      else getattr(config, "model_type", type(config).__name__))
@@ -290,7 +294,7 @@ def _measured_config(source: _Keyed, seq_len: int | None, tp: int, dtype: torch.
 @functools.lru_cache(maxsize=32)
 def _built(source: _Keyed) -> tuple[nn.Module, int]:
     """The model of a config with :data:`BLOCKS_BUILT` blocks, on the meta device, and its real block count."""
-    config, _ = source.value
+    config = source.value[0]()
     if isinstance(config, GPTConfig):
         with torch.device("meta"):
             return GPT(replace(config, layers=min(config.layers, BLOCKS_BUILT))), config.layers
@@ -442,4 +446,5 @@ def _family_label(model: nn.Module, family: Family) -> str:
     return model_type if isinstance(model_type, str) and model_type else family.name
 
 
-__all__ = ["model_key", "probe_model", "BLOCKS_BUILT", "Components", "ModelAnalysis", "PartCost", "analyse"]
+__all__ = ["model_key", "probe_model", "BLOCKS_BUILT", "STORED_TYPES", "Components", "ModelAnalysis", "PartCost",
+           "analyse"]

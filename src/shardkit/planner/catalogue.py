@@ -133,13 +133,18 @@ def catalogue_config(name: str) -> Any:
         ...
     shardkit.plan.errors.UsageError: unknown catalogue model 'lama3-8b' (did you mean 'llama3-8b'?); known: gpt-tiny, gpt-small, gpt2, gpt2-medium, gpt2-large, gpt2-xl, llama3-8b, llama3-70b, llama3-405b, gpt3-175b, megatron-1.7b, megatron-3.6b, megatron-7.5b, megatron-18b, megatron-39b, megatron-76b, megatron-145b, megatron-310b, megatron-530b, megatron-1t
     """
-    build = CATALOGUE.get(name) if isinstance(name, str) else None
-    if build is None:
+    return CATALOGUE[catalogue_name(name)]()
+
+
+def catalogue_name(name: Any) -> str:
+    """``name``, checked to be a catalogue model's without building its config (which imports
+    transformers); :class:`UsageError` listing every name when it is not."""
+    if not isinstance(name, str) or name not in CATALOGUE:
         close = difflib.get_close_matches(str(name), list(CATALOGUE), n=1, cutoff=0.6)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise UsageError(f"unknown catalogue model {name!r}{hint}; known: {', '.join(CATALOGUE)}")
-    return build()
+    return name
 
 
 __all__ = ["CATALOGUE", "MEGATRON_SEQ_LEN", "MEGATRON_TABLE1", "MEGATRON_VOCAB", "MegatronRow",
-           "catalogue_config"]
+           "catalogue_config", "catalogue_name"]

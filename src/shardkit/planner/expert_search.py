@@ -2,8 +2,9 @@
 own checks (:mod:`shardkit.planner.experts`), so the search follows what ``sk.validate`` allows.
 
 >>> from shardkit.models.gpt import build_tiny_gpt_moe
+>>> from shardkit.planner.experts import model_experts
 >>> refused = {}
->>> expert_degrees(build_tiny_gpt_moe(), ("dp", "ep"), 8, Setting(), refused.setdefault)
+>>> expert_degrees(model_experts(build_tiny_gpt_moe()), ("dp", "ep"), 8, Setting(), refused.setdefault)
 [1, 2, 4]
 >>> refused["ep=8"]
 "MoE layer 'layers.0.mlp.experts' has 4 experts, not divisible by ep=8; valid ep sizes: [1, 2, 4]"
@@ -15,17 +16,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
-from torch import nn
-
 from ..plan import Mesh, Plan
 from ..plan.pipeline import Pipeline
 from .costs import Setting, mesh_of
-from .experts import composition_problems, expert_problems, find_experts
+from .experts import ModelExperts, composition_problems, ep_problems
 
 
-def expert_degrees(probe: nn.Module, axes: Sequence[str], data: int, base: Setting,
+def expert_degrees(experts: ModelExperts, axes: Sequence[str], data: int, base: Setting,
                    reject: Callable[[str, str], Any]) -> list[int]:
-    """``ep`` degrees of ``data`` data ranks that ``sk.validate`` allows on ``probe`` with ``base``'s
+    """``ep`` degrees of ``data`` data ranks that ``sk.validate`` allows on the model of ``experts``
+    (:func:`~shardkit.planner.experts.model_experts`: no model needed) with ``base``'s
     ``tp``, ``pp`` and ``sp`` (1 always): the model has experts, ``E`` is divisible, the axes
     compose with ``ep``. Each other degree is refused, ``reject(family, reason)``, with the
     validator's reason (``"ep > 1"`` for a model without experts, ``"ep=3"`` for a degree ``E``
@@ -34,9 +34,9 @@ def expert_degrees(probe: nn.Module, axes: Sequence[str], data: int, base: Setti
         return [1]
     degrees = [1]
     for ep in (d for d in range(2, data + 1) if data % d == 0):
-        problems = expert_problems(Plan(Mesh(ep=ep)), probe)[1]
+        problems = ep_problems(Plan(Mesh(ep=ep)), experts)
         if problems:
-            reject("ep > 1" if not find_experts(probe) else f"ep={ep}", problems[0])
+            reject("ep > 1" if not experts.layers else f"ep={ep}", problems[0])
             continue
         setting = replace(base, ep=ep)
         refusal = ep_refusal(setting)

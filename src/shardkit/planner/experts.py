@@ -161,6 +161,28 @@ def expert_layout_problems(plan: Plan, layers: list[ExpertsLayer]) -> list[str]:
     return problems
 
 
+@dataclass(frozen=True)
+class ModelExperts:
+    """What the ``ep`` checks read of a model, whatever the plan: its class name (``model``), its
+    experts modules (:func:`find_experts`) and the modules stacking expert weights that ``ep``
+    cannot split (:func:`experts_structure_problems`). Plain data, so the planner can keep it
+    between processes without the model (:mod:`shardkit.planner.stored`)."""
+
+    model: str
+    layers: tuple[ExpertsLayer, ...]
+    structure: tuple[str, ...]
+
+
+def model_experts(model: nn.Module) -> ModelExperts:
+    """:class:`ModelExperts` of ``model``.
+
+    >>> from shardkit.models.gpt import build_tiny_gpt
+    >>> model_experts(build_tiny_gpt())
+    ModelExperts(model='GPT', layers=(), structure=())
+    """
+    return ModelExperts(type(model).__name__, tuple(find_experts(model)), tuple(experts_structure_problems(model)))
+
+
 def expert_problems(plan: Plan, model: nn.Module) -> tuple[list[ExpertsLayer], list[str]]:
     """``(experts layers, problems)`` of ``plan``'s ``ep`` axis on ``model``; nothing to check
     (and no layers returned) when the mesh has no ``ep`` of size > 1.
@@ -172,22 +194,33 @@ def expert_problems(plan: Plan, model: nn.Module) -> tuple[list[ExpertsLayer], l
     >>> expert_problems(Plan(mesh=Mesh(ep=2)), build_tiny_gpt())[1][0][:60]
     "mesh axis 'ep' (size 2) splits the experts of MoE layers, bu"
     """
+    if plan.mesh.size_of("ep") == 1:
+        return [], []
+    experts = model_experts(model)
+    return list(experts.layers), ep_problems(plan, experts, sequence_routing_problems(plan, model))
+
+
+def ep_problems(plan: Plan, experts: ModelExperts, routing: list[str] | None = None) -> list[str]:
+    """:func:`expert_problems` of a model known by its :class:`ModelExperts`; ``routing``: its
+    :func:`sequence_routing_problems` under ``plan`` (which need the model; none without
+    ``sequence_parallel``)."""
     ep = plan.mesh.size_of("ep")
     if ep == 1:
-        return [], []
-    layers = find_experts(model)
-    problems = composition_problems(plan) + experts_structure_problems(model) + expert_layout_problems(plan, layers) \
-        + sequence_routing_problems(plan, model)
+        return []
+    layers = list(experts.layers)
+    problems = composition_problems(plan) + list(experts.structure) + expert_layout_problems(plan, layers) \
+        + list(routing or [])
     if not layers and not problems:
-        problems.append(f"mesh axis 'ep' (size {ep}) splits the experts of MoE layers, but {type(model).__name__} "
+        problems.append(f"mesh axis 'ep' (size {ep}) splits the experts of MoE layers, but {experts.model} "
                         f"has none (no module with stacked {list(EXPERT_WEIGHTS)} and a forward taking "
                         f"{list(EXPERTS_FORWARD)}); remove the 'ep' axis, or use 'dp' / 'fsdp' to split the batch")
     for layer in layers:
         if layer.num_experts % ep:
             problems.append(f"MoE layer {layer.name!r} has {layer.num_experts} experts, not divisible by ep={ep}; "
                             f"valid ep sizes: {_divisors(layer.num_experts)}")
-    return layers, problems
+    return problems
 
 
-__all__ = ["EXPERTS_FORWARD", "EXPERT_WEIGHTS", "ExpertsLayer", "composition_problems", "expert_layout_problems",
-           "expert_problems", "experts_structure_problems", "find_experts", "sequence_routing_problems"]
+__all__ = ["EXPERTS_FORWARD", "EXPERT_WEIGHTS", "ExpertsLayer", "ModelExperts", "composition_problems",
+           "ep_problems", "expert_layout_problems", "expert_problems", "experts_structure_problems", "find_experts",
+           "model_experts", "sequence_routing_problems"]

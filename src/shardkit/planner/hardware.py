@@ -42,12 +42,13 @@ DTYPES = FLOATING
 #: The suffixes of hardware files.
 SUFFIXES = (".json", ".yaml", ".yml")
 _FIELDS = ("name", "memory", "flops", "devices_per_node", "intra_node", "inter_node", "matmul_efficiency",
-           "matmul_latency", "memory_bandwidth", "op_overhead", "dtensor_overhead", "overlap", "shared_compute",
-           "reserved")
+           "matmul_latency", "memory_bandwidth", "op_overhead", "dtensor_overhead", "dtensor_collective", "overlap",
+           "shared_compute", "reserved")
 #: Fields added after files were first written: a file without them reads as the value given here
 #: (a file of ``shardkit calibrate`` written before had no DTensor probe: the presets' figure).
 _DTENSOR_OVERHEAD = 1e-5  # the presets' (the comments of the presets below)
-_OPTIONAL = {"matmul_latency": 0.0, "dtensor_overhead": _DTENSOR_OVERHEAD}
+_DTENSOR_COLLECTIVE = 1e-4
+_OPTIONAL = {"matmul_latency": 0.0, "dtensor_overhead": _DTENSOR_OVERHEAD, "dtensor_collective": _DTENSOR_COLLECTIVE}
 _LINK_FIELDS = ("bandwidth", "latency")
 _NESTED = {"flops": DTYPES, "intra_node": COLLECTIVES, "inter_node": COLLECTIVES}  # mapping fields: their keys
 
@@ -70,7 +71,9 @@ class Hardware:
       asynchronous execution (a GPU's kernel launch, a CPU's Python and dispatch);
       ``dtensor_overhead``: seconds an operator on a DTensor costs on top of it (DTensor's
       Python dispatch: unwrapping, sharding propagation, wrapping), paid by every operator on
-      a DTensor, views included;
+      a DTensor, views included; ``dtensor_collective``: seconds a collective DTensor launches
+      (a ``redistribute``: its plan, the functional collective, its wrapper and wait) costs on top of
+      the same collective called directly, paid by each of tensor parallel's collectives;
     - ``overlap``: the fraction in [0, 1] of communication time that can run while computing
       (about 1.0 on GPUs, whose NCCL runs on streams of its own; measured on gloo);
     - ``shared_compute``: whether the devices are processes sharing fewer cores (a local CPU
@@ -79,10 +82,10 @@ class Hardware:
     - ``devices_per_node``; ``intra_node`` and ``inter_node``: one :class:`Link` per collective
       in :data:`COLLECTIVES`.
 
-    ``op_overhead``, ``dtensor_overhead``, ``matmul_latency``, ``overlap`` and ``shared_compute`` default to an
-    ideal device's 0.0, 0.0, 0.0, 1.0 and false in Python (files require every field but ``matmul_latency`` and
-    ``dtensor_overhead``, which files written before them lack: :data:`_OPTIONAL`); ``memory_bandwidth`` has no
-    default, as devices differ by 100x.
+    ``op_overhead``, ``dtensor_overhead``, ``dtensor_collective``, ``matmul_latency``, ``overlap`` and
+    ``shared_compute`` default to an ideal device's 0.0, 0.0, 0.0, 0.0, 1.0 and false in Python (files require
+    every field but ``matmul_latency``, ``dtensor_overhead`` and ``dtensor_collective``, which files written before
+    them lack: :data:`_OPTIONAL`); ``memory_bandwidth`` has no default, as devices differ by 100x.
 
     >>> a100 = Hardware.preset("a100-80g")
     >>> a100.usable_memory / 2**30, a100.memory_bandwidth / 1e9, a100.op_overhead, a100.overlap
@@ -102,6 +105,7 @@ class Hardware:
     overlap: float = 1.0
     matmul_latency: float = 0.0
     dtensor_overhead: float = 0.0
+    dtensor_collective: float = 0.0
     shared_compute: bool = False
 
     def __post_init__(self) -> None:
@@ -163,6 +167,7 @@ class Hardware:
             "memory_bandwidth": self.memory_bandwidth,
             "op_overhead": self.op_overhead,
             "dtensor_overhead": self.dtensor_overhead,
+            "dtensor_collective": self.dtensor_collective,
             "overlap": self.overlap,
             "shared_compute": self.shared_compute,
             "reserved": self.reserved,
@@ -256,6 +261,7 @@ def _scalar_problems(values: Mapping[str, Any]) -> list[str]:
         "memory_bandwidth": lambda v: positive_number(v, "memory_bandwidth"),
         "op_overhead": lambda v: number(v, "op_overhead", 0.0),
         "dtensor_overhead": lambda v: number(v, "dtensor_overhead", 0.0),
+        "dtensor_collective": lambda v: number(v, "dtensor_collective", 0.0),
         "matmul_latency": lambda v: number(v, "matmul_latency", 0.0),
         "overlap": lambda v: number(v, "overlap", 0.0) or (
             None if v <= 1 else f"field 'overlap' must be a fraction in [0, 1], got {v!r}"),
@@ -406,7 +412,7 @@ def _preset(name: str, memory_mib: int, fp32: float, half: float, hbm: float, nv
                     intra_node=_links(nvlink, _INTRA_LATENCY), inter_node=_links(network, _INTER_LATENCY),
                     memory_bandwidth=hbm, matmul_efficiency=matmul_efficiency, reserved=1024 * _MIB,
                     op_overhead=_GPU_OP_OVERHEAD, overlap=1.0, matmul_latency=_GPU_MATMUL_LATENCY,
-                    dtensor_overhead=_DTENSOR_OVERHEAD)
+                    dtensor_overhead=_DTENSOR_OVERHEAD, dtensor_collective=_DTENSOR_COLLECTIVE)
 
 
 #: Datasheet machines by name (sources and choices in the comments above and docs/hardware.md).

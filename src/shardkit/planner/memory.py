@@ -207,10 +207,13 @@ def step_phases(n: Numbers, s: Setting, tokens: float, first: bool, last: bool, 
     return phases
 
 
-def memory_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer: str = "adamw") -> dict[str, int]:
+def memory_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer: str = "adamw",
+              position: tuple[bool, bool] | None = None) -> dict[str, int]:
     """Bytes on the most loaded device by component (:data:`MEMORY_KEYS`), and ``total``: the
     state, the step's peak (the largest phase of :func:`step_phases`, each of ``gathered``,
     ``activations`` and ``temporaries`` reported at its own peak), ``buffers`` and ``overhead``.
+    ``position``: ``(first, last)``, a pipeline device holding the first stage, the last, or both,
+    instead of the most loaded one (``sk.dry_run`` sets each rank beside its own).
 
     >>> from shardkit.planner.costs import Costs, Setting
     >>> from shardkit.planner.hardware import hardware
@@ -229,7 +232,8 @@ def memory_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer
     states = OPTIMIZER_STATES[optimizer]
     best: dict[str, int] | None = None
     # the first device holds the embedding and the most micro-batches; the last holds the head
-    for first, last in ((True, False), (False, True)) if s.pp > 1 else ((True, True),):
+    positions = ((True, False), (False, True)) if s.pp > 1 else ((True, True),)
+    for first, last in positions if position is None else (position,):
         copy = n.head_borrowed if last and not first else ()  # a tied embedding's copy on the last stage
         head = n.head_params + sum(size * rest for size, rest in copy)
         params = blocks * n.block_params_at(s.ep) + (n.embedding_params if first else 0) + (head if last else 0)

@@ -13,6 +13,10 @@ and one line per problem.
 from __future__ import annotations
 
 import math
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,11 +58,33 @@ class ModelFacts:
     experts: tuple[ExpertsLayer, ...] = ()
 
 
+#: While :func:`shared_traces` is open, the traces :func:`trace_model` made of the family's example, per model.
+_SHARED: ContextVar[weakref.WeakKeyDictionary[nn.Module, Dataflow] | None] = ContextVar("shared_traces", default=None)
+
+
+@contextmanager
+def shared_traces(traces: weakref.WeakKeyDictionary[nn.Module, Dataflow]) -> Iterator[None]:
+    """While open, :func:`trace_model` of a model with the family's example input is read from and
+    kept in ``traces``: for a caller validating many plans of one model that nothing changes in
+    between (the planner's probe model), which every validation otherwise traces again."""
+    token = _SHARED.set(traces)
+    try:
+        yield
+    finally:
+        _SHARED.reset(token)
+
+
 def trace_model(model: nn.Module, example_inputs: tuple | None = None) -> Dataflow:
     """The dataflow trace :func:`analyse_model` reads: one forward and backward of ``example_inputs``
     (or the family's example) on meta, the outputs of the linear layers watched."""
+    shared = _SHARED.get() if example_inputs is None else None
+    if shared is not None and model in shared:
+        return shared[model]
     inputs = example_inputs or family_of(model).example_inputs(model)
-    return trace(model, inputs, {name for name, module in model.named_modules() if is_linear(module)})
+    flow = trace(model, inputs, {name for name, module in model.named_modules() if is_linear(module)})
+    if shared is not None:
+        shared[model] = flow
+    return flow
 
 
 def analyse_model(plan: Plan, model: nn.Module, layouts: dict[str, ParamLayout],

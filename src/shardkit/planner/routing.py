@@ -20,6 +20,7 @@ other is refused by name under a split batch. Bias-balanced routers
 
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 import sys
@@ -73,9 +74,11 @@ def _candidates(model: nn.Module) -> list[tuple[ModuleType, str]]:
     return list(found.values())
 
 
+@functools.lru_cache(maxsize=64)
 def computes_load_balancing(function: Any) -> bool:
     """Whether ``function(gate_logits, num_experts, top_k, attention_mask)`` is transformers'
-    load-balancing loss: equal to ours on random logits of two layers, with and without a mask."""
+    load-balancing loss: equal to ours on random logits of two layers, with and without a mask
+    (asked once per function: each validation of a model asks it again)."""
     generator = torch.Generator().manual_seed(0)
     logits = tuple(torch.randn(6, 4, generator=generator) for _ in range(2))
     mask = torch.tensor([[1, 1, 0], [1, 0, 1]])

@@ -16,7 +16,10 @@ from torch import nn
 from ..plan import Plan, PlanError, PlanWarning
 from .analysis import model_key, probe_model
 from .costs import Setting
+from .dataflow import Dataflow
 from .expert_search import expert_degrees
+from .experts import ExpertsLayer, ModelExperts, model_experts
+from .model_checks import shared_traces
 from .stored import stored
 
 #: What sk.validate said of each probe plan, per module (a model's kinds of plan do not change while it lives).
@@ -34,6 +37,8 @@ class ModelChecks:
     def __init__(self, model: Any):
         self.model = model
         self.key = model_key(model)  # None for a module: what validate says of it is kept in the process only
+        self.name = model if isinstance(model, str) else None  # a catalogue name: shipped answers may hold it
+        self._traces: weakref.WeakKeyDictionary[nn.Module, Dataflow] = weakref.WeakKeyDictionary()
 
     @functools.cached_property
     def probe(self) -> nn.Module:
@@ -44,7 +49,7 @@ class ModelChecks:
         """Why ``sk.validate`` refuses ``plan`` on the model (``None``: it accepts it)."""
         key = plan.to_json(indent=None)
         if self.key is not None:
-            return stored("refusal", f"{self.key}|{key}", lambda: self._validated(plan))
+            return stored("refusal", f"{self.key}|{key}", lambda: self._validated(plan), self.name)
         known = _REFUSALS.setdefault(self.probe, {})
         if key not in known:
             known[key] = self._validated(plan)
@@ -52,19 +57,23 @@ class ModelChecks:
 
     def expert_degrees(self, axes: tuple[str, ...], data: int, base: Setting) -> tuple[list[int], list[tuple[str, str]]]:
         """:func:`~shardkit.planner.expert_search.expert_degrees` of the model and the families it refused."""
-        def degrees() -> tuple[list[int], list[tuple[str, str]]]:
-            refused: list[tuple[str, str]] = []
-            return expert_degrees(self.probe, axes, data, base, lambda *r: refused.append(r)), refused
+        if "ep" not in axes:
+            return [1], []  # no ep searched: nothing of the model needed
+        refused: list[tuple[str, str]] = []
+        return expert_degrees(self.experts, axes, data, base, lambda *r: refused.append(r)), refused
 
-        if self.key is None or "ep" not in axes:
-            return degrees()
-        return stored("expert-degrees", f"{self.key}|axes={axes}|data={data}|{base}", degrees)
+    @functools.cached_property
+    def experts(self) -> ModelExperts:
+        """What the ``ep`` checks read of the model, whatever the degrees (stored for a config)."""
+        if self.key is None:
+            return model_experts(self.probe)
+        return stored("experts", self.key, lambda: model_experts(self.probe), self.name, (ModelExperts, ExpertsLayer))
 
     def _validated(self, plan: Plan) -> str | None:
         from .validate import validate
 
         try:
-            with warnings.catch_warnings():
+            with warnings.catch_warnings(), shared_traces(self._traces):  # one meta forward for every plan
                 warnings.simplefilter("ignore", PlanWarning)
                 validate(plan, self.probe)
             return None

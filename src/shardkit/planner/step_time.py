@@ -18,7 +18,9 @@ are consecutive and fit in one, else across nodes:
   SP's residual stream too; backward twice the forward's, full recompute the forward again), and
   the optimizer's :data:`OPTIMIZER_OPS` on each DTensor parameter (every parameter under FSDP,
   which keeps them sharded as DTensors, or with a data axis beside ``tp``; else the split
-  modules', and under SP the norms');
+  modules', and under SP the norms'); and ``dtensor_collective`` per collective of ``tp`` (each
+  launched by DTensor's ``redistribute``, whose plan, functional collective and wait cost more than
+  the collective's alpha-beta time: on a CPU world more than the collective itself);
 - ``optimizer``: the step reads each parameter, gradient and optimizer state and writes the
   parameter and the states, over ``memory_bandwidth``, plus its :data:`OPTIMIZER_OPS` calls per
   parameter x ``op_overhead``;
@@ -32,7 +34,8 @@ are consecutive and fit in one, else across nodes:
   projections: 4 and 2); under Megatron SP an all-gather forward and a reduce-scatter backward
   for each input, the reverse for each output; full recompute runs the forward's again; plus the
   head's gathered logits, not overlapped;
-- ``dp`` / ``fsdp``: gradient all-reduce in DDP's 25 MiB buckets, or per FSDP unit an all-gather
+- ``dp`` / ``fsdp``: gradient all-reduce over every data rank (``dp``, ``sp`` and ``ep``: context
+  parallel's ranks see different tokens) in DDP's 25 MiB buckets, or per FSDP unit an all-gather
   forward, another backward (with resharding) and a reduce-scatter (HSDP adds an all-reduce of
   the shard); ``overlap`` of it runs while the backward computes (DDP: the last micro-batch's
   backward only, the one that makes the gradients), except the last bucket / the first unit's gather;
@@ -131,10 +134,15 @@ def time_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer: 
         inputs, outputs = n.block_tp_boundaries
         again = s.recompute == "full"  # the forward's collectives run again
         if s.sequence_parallel:  # inputs gathered forward, their gradients reduce-scattered; outputs the reverse
-            per_block = (2 + again) * (inputs + outputs) * gather
+            calls = (2 + again) * (inputs + outputs)
+            per_block = calls * gather
         else:  # outputs all-reduced forward, the inputs' gradients backward
-            per_block = ((1 + again) * outputs + inputs) * all_reduce
+            calls = (1 + again) * outputs + inputs
+            per_block = calls * all_reduce
         parts["tp"] = m * (blocks * per_block + head + 2 * all_reduce)
+        # each of them launched by DTensor's redistribute, which costs more than the collective itself
+        if hw.dtensor_collective:
+            parts["dtensor"] = parts.get("dtensor", 0.0) + m * (blocks * calls + 3) * hw.dtensor_collective
     # data parallel: gradients (DDP, in buckets) or parameters and gradients (FSDP, per unit), behind compute
     reduce = s.reduce_dtype.itemsize if s.reduce_dtype is not None else itemsize
     if s.fsdp > 1:
@@ -153,13 +161,13 @@ def time_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer: 
             comm += _collective("all_reduce", stored * reduce, s.dp, _link(hw, shape, ("dp",), "all_reduce"),
                                 calls=units)
         parts["fsdp"] = _exposed(comm, compute, hw) + gather / units  # the first unit's gather waits
-    elif s.dp * s.ep > 1:  # DDP (or replicate) over every data rank; the experts over dp only
+    elif s.dp * s.sp * s.ep > 1:  # DDP (or replicate) over every data rank (sp's too); the experts but over ep
         size = dense * reduce
         buckets = max(1, math.ceil(size / DDP_BUCKET_BYTES))
-        comm = _collective("all_reduce", size, s.dp * s.ep, _link(hw, shape, ("dp", "ep"), "all_reduce"),
+        comm = _collective("all_reduce", size, s.dp * s.sp * s.ep, _link(hw, shape, ("dp", "sp", "ep"), "all_reduce"),
                            calls=buckets)
-        if experts and s.dp > 1:
-            comm += _collective("all_reduce", experts * reduce, s.dp, _link(hw, shape, ("dp",), "all_reduce"),
+        if experts and s.dp * s.sp > 1:
+            comm += _collective("all_reduce", experts * reduce, s.dp * s.sp, _link(hw, shape, ("dp", "sp"), "all_reduce"),
                                 calls=max(1, math.ceil(experts * reduce / DDP_BUCKET_BYTES)))
         # only the last micro-batch's backward produces the gradients to reduce: the buckets but the last hide
         # behind it, not behind the whole step's compute (accumulation steps skip the reduction)

@@ -11,6 +11,11 @@ torch's and transformers' versions, and a digest of shardkit's own source, so a 
 measurement code or library never reads an old answer. Only models given by config or
 catalogue name are stored (a module has no signature that says its code did not change).
 
+An entry the store does not hold is read, for a catalogue model, from the measurements shipped
+with shardkit (:mod:`shardkit.planner.shipped`, valid for one measurement version and one torch
+and transformers), before it is measured: a fresh install's first search measures nothing for
+them. ``SHARDKIT_CACHE=off`` reads neither: everything is measured.
+
 Why not torch's or Python's own caches: they live in one process; this is the planner's inputs,
 which nothing in torch keeps. A store that cannot be read or written is ignored: the value is
 computed as if there were none.
@@ -22,9 +27,12 @@ import functools
 import hashlib
 import os
 import pickle
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
+
+from .shipped import MISSING, shipped_value
 
 T = TypeVar("T")
 #: The environment variable naming the store's folder (``off``: no store).
@@ -69,12 +77,39 @@ def code_version() -> str:
     return digest.hexdigest()[:24]
 
 
-def stored(kind: str, key: str, compute: Callable[[], T]) -> T:
-    """``compute()``'s value for ``key``, read from the store when it holds it, else computed and stored.
+#: While :func:`recording` is open: every catalogue model's value computed, ``{name: {kind: {key: value}}}``.
+_RECORD: dict[str, dict[str, dict[str, Any]]] | None = None
+
+
+@contextmanager
+def recording() -> Iterator[dict[str, dict[str, dict[str, Any]]]]:
+    """While open, every value asked of a catalogue model is measured once (no store, no shipped
+    entry read or written) and recorded in the dict yielded, ``{name: {kind: {key: value}}}``: what
+    :mod:`shardkit.planner.ship` writes and its test compares."""
+    global _RECORD
+    previous, _RECORD = _RECORD, {}
+    try:
+        yield _RECORD
+    finally:
+        _RECORD = previous
+
+
+def stored(kind: str, key: str, compute: Callable[[], T], catalogue: str | None = None,
+           types: Iterable[type] = ()) -> T:
+    """``compute()``'s value for ``key``, read from the store when it holds it, else, for the
+    catalogue model named ``catalogue``, from the shipped entries (decoded into ``types``), else
+    computed and stored.
 
     ``kind`` names what is stored (``"analysis"``, ``"refusal"``); ``key`` must say everything the
     value depends on beyond shardkit's code and torch's and transformers' versions.
     """
+    if _RECORD is not None:
+        if catalogue is None:
+            return compute()
+        recorded = _RECORD.setdefault(catalogue, {}).setdefault(kind, {})
+        if key not in recorded:
+            recorded[key] = compute()
+        return recorded[key]
     folder = store_folder()
     if folder is None:
         return compute()
@@ -85,6 +120,10 @@ def stored(kind: str, key: str, compute: Callable[[], T]) -> T:
             return pickle.load(f)
     except Exception:  # noqa: BLE001  (absent, partly written or unreadable: computed again)
         pass
+    if catalogue is not None:
+        value = shipped_value(catalogue, kind, key, types)
+        if value is not MISSING:
+            return value
     value = compute()
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -97,4 +136,4 @@ def stored(kind: str, key: str, compute: Callable[[], T]) -> T:
     return value
 
 
-__all__ = ["CACHE_ENV", "code_version", "store_folder", "stored"]
+__all__ = ["CACHE_ENV", "code_version", "recording", "store_folder", "stored"]

@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..plan import Plan, PlanWarning, UsageError
+from ..plan import Plan, PlanWarning, UsageError, param_shapes
 from ..planner.initialisation import uninitialised
-from ..planner.validate import validate
+from ..planner.validate import ValidationReport, validate
 from .accumulation import gradient_sync_deferred, micro_batches
 from .batch_stats import refuse_micro_batches
 from .context import Context, current_context
@@ -117,7 +117,21 @@ def shard(model: nn.Module, plan: Plan, ctx: Context | None = None, *, example_i
         if ctx.rank != 0:  # unused rules are said once, not once per process
             warnings.simplefilter("ignore", PlanWarning)
         report = validate(plan, model, ctx.world_size, example_inputs=example_inputs)
-    assert report.facts is not None
+    return shard_validated(model, plan, ctx, report, example_inputs=example_inputs, seed=seed, weights=weights)
+
+
+def shard_validated(model: nn.Module, plan: Plan, ctx: Context, report: ValidationReport, *,
+                    example_inputs: tuple | None = None, seed: int = 0,
+                    weights: str | Path | WeightSource | None = None) -> nn.Module:
+    """:func:`shard` once ``sk.validate`` has checked ``plan`` (resolved on ``ctx``'s world) on a model
+    built as ``model`` was: ``report`` is its report, whose layouts and facts are applied by name.
+    ``sk.dry_run`` validates once and shards a fresh copy of the model per rank with it.
+    A report of another plan or of other parameters is refused."""
+    shapes = {name: lay.shape for name, lay in report.layouts.params.items()}
+    if report.mesh != plan.mesh or report.facts is None or shapes != param_shapes(model):
+        raise UsageError(f"shard_validated: the report is sk.validate's of {report.mesh!r} on "
+                         f"{len(shapes)} parameters, not of this plan ({plan.mesh!r}) on this model's "
+                         f"{len(param_shapes(model))}: validate this plan on this model")
     source = None if weights is None else open_weights(weights, model)
     if source is None and any(p.device.type == "meta" for p in model.parameters()):
         missing = uninitialised(model)
@@ -156,4 +170,4 @@ def full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-__all__ = ["ShardedModule", "full_grads", "full_state_dict", "mean_over_world", "shard"]
+__all__ = ["ShardedModule", "full_grads", "full_state_dict", "mean_over_world", "shard", "shard_validated"]

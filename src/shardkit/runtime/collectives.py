@@ -12,6 +12,7 @@ slice, of ``reduce_scatter`` an all-gather, of ``broadcast`` the identity at the
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -33,17 +34,19 @@ def _op(op: str) -> Any:
     return getattr(dist.ReduceOp, REDUCE_OPS[op])
 
 
-#: (process group, collective) pairs whose first call checked the members' shapes and dtypes (every member
-#: calls the same collectives on a group in the same order, so all of them skip the same later checks).
-_CHECKED: set[tuple[Any, str]] = set()
+#: The collectives whose first call on a process group checked the members' shapes and dtypes (every member
+#: calls the same collectives on a group in the same order, so all of them skip the same later checks). Weak:
+#: a group destroyed when no job uses it any more (meshes.py) goes with its connections.
+_CHECKED: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDictionary()
 
 
 def _wants_check(check: bool | None, process_group: Any, what: str) -> bool:
     """``check=None``: only on the first call of ``what`` on ``process_group``; ``True``: always; ``False``: never."""
     if check is not None:
         return check
-    first = (process_group, what) not in _CHECKED
-    _CHECKED.add((process_group, what))
+    checked = _CHECKED.setdefault(process_group, set())
+    first = what not in checked
+    checked.add(what)
     return first
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -95,34 +96,98 @@ def _forget_groups() -> None:
     _redistribute._planner_cache.clear()
 
 
+class StageSent(Exception):
+    """Raised in a fake world once the stage :attr:`StageMetas.stop_after` has sent its outputs'
+    shapes forward: the caller needed that and nothing after it."""
+
+
+@dataclass
+class StageMetas:
+    """What the pipeline stages of a dry run send forward, by sending stage: ``sent`` holds torch's
+    ``_StageForwardMeta`` (each output's shape, stride, dtype, ``requires_grad``) of every stage
+    run in this process so far; a stage whose input comes from another rank receives the entry
+    of the stage before it. With ``stop_after``, the run stops (:class:`StageSent`) once that
+    stage has sent its entry."""
+
+    sent: dict[int, Any] = field(default_factory=dict)
+    stop_after: int | None = None
+
+
 @contextmanager
-def _no_pipeline_neighbours() -> Iterator[None]:
+def _pipeline_neighbours(metas: StageMetas) -> Iterator[None]:
     """torch's pipeline stages learn their neighbours' shapes on the first step, by P2P objects (and a
     vote on whether shapes change, by P2P tensors); in a fake world nothing arrives. While entered, a
-    stage sends nothing and receives what a real neighbour would send for the first stage: the
-    gradients' shapes of its own outputs, and the vote "static" (the dry run's shapes never change).
-    A later stage would need its input shapes from the stage before it, which only that stage knows:
-    refused by name. Replaced only inside :func:`fake_world` (torch has no hook for it)."""
+    stage sends nothing, and receives what a real neighbour would send: from the stage before it,
+    that stage's outputs' shapes (``metas.sent``, recorded when its rank ran in an earlier fake world
+    of this process: ``sk.dry_run`` runs the earlier stages' ranks first); from the stage after it,
+    the gradients' shapes of its own outputs; and, in the vote, its own rank's result (every
+    stage votes alike: shardkit gives torch no shapes, so each stage infers them). Replaced only
+    inside :func:`fake_world` (torch has no hook for it)."""
     from torch.distributed.pipelining import stage
-    from torch.distributed.pipelining._utils import _StageBackwardMeta
+    from torch.distributed.pipelining._utils import _StageBackwardMeta, _StageForwardMeta
 
     def recv_meta(self: Any, src_stage: int) -> Any:
-        if src_stage < self.stage_index:
-            raise UsageError(f"a dry run runs ranks of the first pipeline stage; this rank holds stage "
-                             f"{self.stage_index}, whose input shapes only stage {src_stage}'s rank knows: choose "
-                             f"ranks on stage 0")
-        return _StageBackwardMeta(backward_metas=self._stage_meta.outputs)
+        if src_stage > self.stage_index:
+            return _StageBackwardMeta(backward_metas=self._stage_meta.outputs)
+        if src_stage not in metas.sent:
+            raise UsageError(f"pipeline stage {self.stage_index} receives its input from stage {src_stage}, whose "
+                             f"outputs' shapes this fake world was not given: run stage {src_stage}'s rank first "
+                             f"(sk.dry_run does)")
+        return metas.sent[src_stage]
+
+    def send_meta(self: Any, meta: Any, dst_stage: int) -> None:
+        if isinstance(meta, _StageForwardMeta):
+            metas.sent[self.stage_index] = meta
+            if self.stage_index == metas.stop_after:
+                raise StageSent
 
     def backward_result(self: Any, received_result: torch.Tensor | None = None) -> torch.Tensor:
-        return received_result if received_result is not None else torch.ones(1, dtype=torch.int32)
+        assert received_result is not None  # torch passes the rank's own product of votes
+        return received_result
 
     base = stage.PipelineStage
     saved = base._recv_meta, base._send_meta, base._warmup_backward_result
-    base._recv_meta, base._send_meta, base._warmup_backward_result = recv_meta, lambda *a: None, backward_result
+    base._recv_meta, base._send_meta, base._warmup_backward_result = recv_meta, send_meta, backward_result
     try:
         yield
     finally:
         base._recv_meta, base._send_meta, base._warmup_backward_result = saved
+
+
+@contextmanager
+def _ddp_answered() -> Iterator[None]:
+    """DDP (``Plan(zero=1)`` and plain ``dp``: torch's composable ``replicate``) all-reduces each
+    gradient bucket with its built-in hook, which hands the reducer the collective's future; the
+    fake group's future holds nothing, and the reducer asserts on it (``comm.cpp``: "expected the
+    hook result is either a Tensor or a TensorList found None"). While entered, every DDP made
+    registers :func:`_all_reduce_bucket` instead, the built-in hook's work (divide by the group's
+    size, all-reduce the bucket in place) answered with the bucket itself (torch has no hook for
+    it: DDP keeps its reducer's hook in C++)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    init = DistributedDataParallel.__init__
+
+    def answered(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        # DDP checks a hook's annotations as objects; this module's are strings (``from __future__``)
+        self.register_comm_hook(self.process_group, lambda group, bucket: _all_reduce_bucket(group, bucket))
+
+    DistributedDataParallel.__init__ = answered
+    try:
+        yield
+    finally:
+        DistributedDataParallel.__init__ = init
+
+
+def _all_reduce_bucket(group: Any, bucket: Any) -> torch.futures.Future:
+    """DDP's built-in all-reduce of one gradient bucket (the mean over ``group``), its future
+    holding the bucket (:func:`_ddp_answered`)."""
+    buffer = bucket.buffer()
+    buffer.div_(group.size())
+    dist.all_reduce(buffer, group=group)
+    future: torch.futures.Future = torch.futures.Future()
+    future.set_result(buffer)
+    return future
 
 
 @contextmanager
@@ -146,9 +211,11 @@ def _sharding_apart() -> Iterator[None]:
 
 
 @contextmanager
-def fake_world(rank: int, world_size: int, plan: Plan | None = None) -> Iterator[Context]:
+def fake_world(rank: int, world_size: int, plan: Plan | None = None,
+               stages: StageMetas | None = None) -> Iterator[Context]:
     """Rank ``rank`` of a ``world_size``-process world on torch's fake process group, its plan's
     meshes made, under :class:`DryRunMode`; yields the rank's :class:`Context` (CPU device).
+    ``stages``: what pipeline stages send forward, given and recorded (:class:`StageMetas`).
 
     This process must not be in a world already (``sk.launch``'s jobs are).
     """
@@ -166,11 +233,11 @@ def fake_world(rank: int, world_size: int, plan: Plan | None = None) -> Iterator
         ctx = Context(rank, world_size, 0, torch.device("cpu"), plan)
         if plan is not None:  # DeviceMesh computes coordinates on real tensors: made before fake mode
             meshes.meshes_for(plan.resolved(world_size), "cpu")
-        with DryRunMode(), _no_pipeline_neighbours(), _sharding_apart():
+        with DryRunMode(), _pipeline_neighbours(stages or StageMetas()), _ddp_answered(), _sharding_apart():
             yield ctx
     finally:
         _forget_groups()
         dist.destroy_process_group()
 
 
-__all__ = ["DryRunMode", "fake_world"]
+__all__ = ["DryRunMode", "StageMetas", "StageSent", "fake_world"]

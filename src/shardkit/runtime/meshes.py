@@ -19,16 +19,19 @@ once per process and cached here; callers ask by axis name:
 - :func:`process_group`: a group for an arbitrary list of ranks (replica groups).
 
 Every group gets the world's timeout (devices.py's :func:`group_timeout`: the job's plus a margin).
-The groups of :func:`process_group` a job did not use are freed when it ends
-(:func:`release_unused`); the plans' DeviceMeshes are kept for the process's life, as torch's
-DTensor caches assume (see there).
+At the end of a job, the meshes and groups no job asked for since the last release and that
+nothing holds any more are destroyed on every rank (:func:`release_unused`; why this is safe with
+torch's DTensor caches: docs/devices.md, "Process groups over a world's life").
 
 Axis roles themselves are stated once, in :mod:`shardkit.plan.mesh`.
 """
 
 from __future__ import annotations
 
+import gc
+import sys
 import warnings
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -107,8 +110,14 @@ class Meshes:
 
     def groups(self) -> list[Any]:
         """Every process group of this plan's meshes (the world's included, where a dim spans it)."""
+        return [g for m in self._device_meshes() for g in m.get_all_groups()]
+
+    def _device_meshes(self) -> list[Any]:
+        """Every DeviceMesh made here: the plan's, the root, the data meshes and the flattened dims
+        torch keeps in a root's ``_flatten_mapping`` (each once)."""
         meshes = [self.device_mesh, self.root, *(d.mesh for d in self._data.values() if d is not None)]
-        return [g for m in meshes for g in m.get_all_groups()]
+        meshes += [f for m in (self.device_mesh, self.root) for f in m._flatten_mapping.values()]
+        return list({id(m): m for m in meshes}.values())
 
     def axis(self, name: str):
         """The 1-D mesh of axis ``name`` on :attr:`root`; :class:`PlanError` naming the valid axes otherwise."""
@@ -180,7 +189,7 @@ def _set_timeout(*meshes: Any) -> None:
 
 
 _MESHES: dict[tuple, Meshes] = {}
-_USED: set[tuple] = set()  # the keys of _GROUPS the running job asked for
+_USED: set[tuple] = set()  # the keys of _MESHES and _GROUPS asked for since the last release
 
 
 def meshes_for(plan: Plan, device_type: str) -> Meshes:
@@ -189,6 +198,7 @@ def meshes_for(plan: Plan, device_type: str) -> Meshes:
     key = (device_type, mesh.names, mesh.shape, plan.replicas, needs_unit_data_dim(plan))
     if key not in _MESHES:
         _MESHES[key] = Meshes(plan, device_type)
+    _USED.add(key)
     return _MESHES[key]
 
 
@@ -209,25 +219,117 @@ def use_timeout(job_timeout: float | None) -> None:
         _set_pg_timeout(timeout, group)
 
 
-def release_unused() -> None:
-    """At the end of a job (every rank, in the same order): destroy the groups of :func:`process_group`
-    the job did not ask for. Never the world's group (nor one named as it), nor a DeviceMesh's: torch's
-    DTensor caches (sharding propagation, redistribution plans) key on a mesh's layout, not on its
-    groups, so a mesh destroyed and made again with the same layout would be served the destroyed
-    groups' names (seen in tests/test_sequence_parallel.py); the plans' meshes live as long as the process."""
-    gone = [k for k in _GROUPS if k not in _USED]
+def release_unused(device: torch.device) -> None:
+    """At the end of a job, on every rank at the same point (a collective over the world): destroy the
+    process groups of the meshes and replica groups no job asked for since the last release and that
+    nothing holds any more (``device``: this rank's, for the one all-reduce that agrees on them).
+
+    A plan's meshes are held while anything refers to one of them: a model's DTensors or FSDP / DDP
+    state, a pipeline, a mesh a job kept (``ctx.mesh``), or a sharding decision torch cached on
+    another thread. torch's DTensor caches are emptied first (:func:`_forget_dtensor_caches`), so
+    that a mesh freed here is referred to by no cache: the next job with the same plan makes new
+    meshes and gets decisions on them (see docs/devices.md). Every rank destroys the same groups, in
+    the order they were made; never the world's group (nor one named as it)."""
+    used = set(_USED)
     _USED.clear()
-    if not gone or not dist.is_initialized():
+    if not dist.is_initialized() or not (_MESHES or _GROUPS):  # the same on every rank: made collectively
         return
+    mesh_keys, group_keys = list(_MESHES), list(_GROUPS)
+    unused = [key for key in mesh_keys if key not in used]
+    if unused:
+        _forget_dtensor_caches(device)
+        if any(map(_held, unused)):  # perhaps by a dead model's cycles (a module and its FSDP state)
+            gc.collect()
+    local = [key in used or _held(key) for key in mesh_keys] + [key in used for key in group_keys]
+    keep = torch.tensor(local, dtype=torch.int32, device=device)
+    dist.all_reduce(keep, op=dist.ReduceOp.MAX)  # kept where any rank holds it
+    kept_meshes = keep[:len(mesh_keys)].tolist()
+    kept_groups = keep[len(mesh_keys):].tolist()
+    released = [_MESHES.pop(key) for key, k in zip(mesh_keys, kept_meshes) if not k]
+    gone = [g for meshes in released for g in meshes.groups()]
+    for mesh in (mesh for meshes in released for mesh in meshes._device_meshes()):
+        mesh._flatten_mapping.clear()  # a root and its flattened dims refer to each other: go now, not at a collection
+    del released
     # a rank outside a group holds a marker (torch's NON_GROUP_MEMBER), no group
-    dropped = [g for g in (_GROUPS.pop(key) for key in gone) if isinstance(g, dist.ProcessGroup)]
+    gone += [g for key, k in zip(group_keys, kept_groups) if not k
+             for g in [_GROUPS.pop(key)] if isinstance(g, dist.ProcessGroup)]
+    if not gone:
+        return
     kept = [g for m in _MESHES.values() for g in m.groups()] + [g for g in _GROUPS.values()
                                                                  if isinstance(g, dist.ProcessGroup)]
     kept.append(dist.group.WORLD)
     kept_names = {g.group_name for g in kept}
-    for group in dropped:  # in the order made
+    made = {g: i for i, g in enumerate(dist.distributed_c10d._world.pg_map)}  # the order they were made
+    for group in sorted({id(g): g for g in gone}.values(), key=made.__getitem__):
         if group.group_name not in kept_names and not any(group is g for g in kept):
             dist.destroy_process_group(group)
+
+
+def _links(obj: Any) -> list[Any]:
+    """The objects of one plan's meshes that ``obj`` (a :class:`Meshes`, :class:`DataMesh` or
+    DeviceMesh of it) refers to."""
+    if isinstance(obj, Meshes):
+        return [obj.device_mesh, obj.root, *(d for d in obj._data.values() if d is not None)]
+    if isinstance(obj, DataMesh):
+        return [obj.mesh]
+    return [m for m in (obj._root_mesh, *obj._flatten_mapping.values()) if m is not None]
+
+
+def _held(key: tuple) -> bool:
+    """Whether anything but the registry and the plan's meshes themselves refers to the :class:`Meshes`
+    of ``key``, one of its :class:`DataMesh` or one of its DeviceMeshes: a reference count above the
+    links among them (a DTensor refers to its mesh, a mesh sliced from a root to the root, FSDP's state
+    to its mesh; Python or C++, so a sharding decision cached on another thread counts too)."""
+    objects = [_MESHES[key]]
+    objects += [d for d in objects[0]._data.values() if d is not None] + objects[0]._device_meshes()
+    internal = Counter(id(ref) for obj in objects for ref in _links(obj))
+    internal[id(objects[0])] += 1  # the registry's
+    counts = _reference_counts(objects)
+    here = _reference_counts([object()])[0]  # a list's only element: the references counting makes
+    return any(count - here > internal[id(obj)] for obj, count in zip(objects, counts))
+
+
+def _reference_counts(objects: list[Any]) -> list[int]:
+    return [sys.getrefcount(obj) for obj in objects]
+
+
+class _ForgetFastPath(torch.autograd.Function):
+    """The identity, whose backward empties the DTensor dispatch fast path's cache of the thread
+    running it: on an accelerator, autograd's thread for the device (where the DTensor operators of
+    every backward run), on the CPU the caller's."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        torch._C._clear_DTensor_sharding_propagator_cache()
+        return grad
+
+
+def _forget_dtensor_caches(device: torch.device) -> None:
+    """Empty torch's DTensor caches (torch 2.13; private, read in its source), each of which keeps the
+    meshes of its entries alive and, keyed on a mesh's layout, would serve a mesh made again with
+    the same layout the entries of the old one: sharding propagation (``LocalLRUCache``, one per
+    thread: replaced, which empties every thread's; the C++ fast path's, one per thread too: emptied
+    on this thread and on autograd's thread for ``device``), tensor metadata, redistribution plans
+    and planners, and the mesh topology of cost estimates. Nothing to do before DTensor is imported."""
+    if "torch.distributed.tensor" not in sys.modules:
+        return
+    from torch.distributed.tensor import DTensor, _redistribute
+    from torch.distributed.tensor._collective_utils import MeshTopoInfo
+    from torch.distributed.tensor._sharding_prop import LocalLRUCache
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator.propagate_op_sharding = LocalLRUCache(propagator.propagate_op_sharding_non_cached)
+    propagator._propagate_tensor_meta_cached.cache_clear()
+    _redistribute._gen_transform_infos.cache_clear()
+    _redistribute._planner_cache.clear()
+    MeshTopoInfo.build_from_mesh.cache_clear()
+    torch._C._clear_DTensor_sharding_propagator_cache()
+    with torch.enable_grad():
+        _ForgetFastPath.apply(torch.zeros((), device=device, requires_grad=True)).backward()
 
 
 def process_group(ranks: tuple[int, ...]) -> Any:

@@ -6,9 +6,9 @@ rank sends to the next and receives from the previous) have to be posted in one 
 batch of the other rank, waits for it, and around a ring that wait closes a cycle that hangs
 as soon as a message outgrows NCCL's buffers. So the rule is: a message's send and its receive
 are in the *same* batch on both sides (:func:`exchange`), and ``tests/test_p2p_pairing.py``
-records every batch of ring attention, a pipeline step and generation on gloo and checks that
-no batch waits on a later one, and refuses a bare ``isend``/``irecv``/``send``/``recv`` in the
-package. Messages between one pair of ranks match in the order they are given.
+records every batch of every user (ring attention, halos, pipelines under torch's schedules,
+generation, serving, export, calibration's probe) on gloo and checks that no batch waits on a
+later one, and refuses a bare ``isend``/``irecv``/``send``/``recv`` in the package. Messages between one pair of ranks match in the order they are given.
 
 The pipeline's forward-only path (:meth:`PipelinedModule.through_stages`: evaluation and
 generation) sends each stage's output to the next stage's rank, with a shape that changes

@@ -95,7 +95,7 @@ def run_in_torchrun(fn: Callable[..., Any], plan: Plan | None, args: tuple, kwar
         value = dumps(run_job(ctx, fn, args, kwargs))  # plain, finished tensors on the CPU
         gathered: list[Any] = [None] * world_size
         dist.all_gather_object(gathered, value)
-    release_unused()  # the groups this job did not use (meshes.py)
+    release_unused(device)  # the meshes and groups no longer used (meshes.py)
     return [loads(data) for data in gathered]
 
 

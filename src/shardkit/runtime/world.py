@@ -157,7 +157,7 @@ def _worker(rank: int, world_size: int, port: int, backend: str, threads: int, p
             fn, args, kwargs, plan = pickle.loads(payload)
             ctx = Context(rank, world_size, rank, device, plan)
             results.put((job_id, rank, True, dumps(run_job(ctx, fn, args, kwargs))))
-            release_unused()  # the groups this job did not use (meshes.py)
+            release_unused(device)  # the meshes and groups no longer used (meshes.py)
         except BaseException:  # report everything, including KeyboardInterrupt, then keep serving
             results.put((job_id, rank, False, traceback.format_exc()))
     dist.barrier()  # leave together: see _close_joined_world

@@ -16,10 +16,10 @@ from typing import Any
 
 from torch import nn
 
-from ..observe.step_cost import Collective, StepCost
+from ..observe.step_cost import Collective
 from ..plan import Plan, UsageError
 from ..plan.text import format_bytes
-from ..runtime.context import Context
+from .measured_step import default_loss, measure_step, sharded_for_step
 
 #: The dry run's components beside the estimate's (``sk.estimate``'s memory keys they are compared with).
 COMPARED: dict[str, tuple[str, ...]] = {
@@ -37,12 +37,22 @@ FILL_ORDER = ("parameters", "gradients", "optimizer", "other", "gathered", "acti
 @dataclass(frozen=True)
 class RankCost:
     """What one step costs rank ``rank``: ``memory`` by component (and ``peak``), ``collectives``,
-    and the CPU ``seconds`` its dry run took (shard and step)."""
+    the CPU ``seconds`` its dry run took (shard and step, and with a pipeline the earlier stages'
+    ranks run for the shapes it receives), the pipeline ``stages`` it runs (``()`` without one),
+    and ``estimate``: ``sk.estimate``'s memory of a device in its place (the first stage's, the
+    last's; ``None`` where not estimated, or for a rank holding neither)."""
 
     rank: int
     memory: dict[str, int]
     collectives: list[Collective]
     seconds: float
+    stages: tuple[int, ...] = ()
+    estimate: dict[str, int] | None = None
+
+    @property
+    def name(self) -> str:
+        """``rank 5``, with a pipeline ``rank 5 (stage 1)``."""
+        return f"rank {self.rank}" + (f" (stage {','.join(map(str, self.stages))})" if self.stages else "")
 
     def overflow(self, device_memory: int) -> str | None:
         """``None`` if the peak fits ``device_memory``; else which component overflows it: the one
@@ -62,7 +72,8 @@ class RankCost:
 @dataclass(frozen=True)
 class DryRun:
     """A dry run's ranks (:class:`RankCost`) and ``sk.estimate``'s prediction for the same plan
-    (``estimate``: its memory by component, or ``None`` where the estimate cannot price the model)."""
+    (``estimate``: its memory by component on the most loaded device, or ``None`` where not
+    estimated; each rank also has the estimate of a device in its place)."""
 
     plan: Plan
     world_size: int
@@ -74,11 +85,11 @@ class DryRun:
 
     def ratios(self, rank: int | None = None) -> dict[str, float]:
         """Estimate / dry run per compared component (:data:`COMPARED`) of ``rank`` (default: the
-        first), where the dry run measured bytes."""
-        if self.estimate is None:
-            return {}
+        first), against the estimate of a device in its place, where the dry run measured bytes."""
         cost = self.ranks[0] if rank is None else next(r for r in self.ranks if r.rank == rank)
-        return {part: sum(self.estimate[k] for k in keys) / cost.memory[part]
+        if cost.estimate is None:
+            return {}
+        return {part: sum(cost.estimate[k] for k in keys) / cost.memory[part]
                 for part, keys in COMPARED.items() if cost.memory[part]}
 
     def overflows(self) -> list[str]:
@@ -88,40 +99,45 @@ class DryRun:
         return [line for r in self.ranks if (line := r.overflow(self.device_memory)) is not None]
 
     def summary(self) -> str:
-        """Memory by component per rank beside the estimate, the collectives, overflows; plain text."""
+        """Memory by component per rank beside the estimate of a device in its place, the
+        collectives, overflows; plain text."""
         parts = list(COMPARED) + ["other", "peak"]
-        head = f"{'component':<12}" + "".join(f"{'rank ' + str(r.rank):>14}" for r in self.ranks)
-        head += f"{'estimate':>14}{'est/dry':>9}" if self.estimate is not None else ""
+        head = f"{'component':<12}"
+        for r in self.ranks:
+            head += f"{r.name:>22}" + (f"{'estimate':>12}{'est/dry':>9}" if r.estimate is not None else "")
         lines = [f"dry run: {self.plan.mesh} of {self.world_size} devices, batch {self.batch} x {self.seq_len}",
                  head]
-        ratios = self.ratios()
         for part in parts:
-            row = f"{part:<12}" + "".join(f"{format_bytes(r.memory[part], digits=2):>14}" for r in self.ranks)
-            if self.estimate is not None:  # the peak beside the estimate's total less its allocator overhead
+            row = f"{part:<12}"
+            for r in self.ranks:
+                row += f"{format_bytes(r.memory[part], digits=2):>22}"
+                if r.estimate is None:
+                    continue
+                # the peak beside the estimate's total less its allocator overhead
                 keys = COMPARED.get(part, ("total",) if part == "peak" else ())
-                est = sum(self.estimate[k] for k in keys) - (self.estimate["overhead"] if part == "peak" else 0)
-                if part == "peak" and self.ranks[0].memory["peak"]:
-                    ratios[part] = est / self.ranks[0].memory["peak"]
-                ratio = f"{ratios[part]:.3f}" if part in ratios else ""
-                row += f"{format_bytes(est, digits=2) if keys else '':>14}{ratio:>9}"
+                est = sum(r.estimate[k] for k in keys) - (r.estimate["overhead"] if part == "peak" else 0)
+                ratio = f"{est / r.memory[part]:.3f}" if keys and r.memory[part] else ""
+                row += f"{format_bytes(est, digits=2) if keys else '':>12}{ratio:>9}"
             lines.append(row)
         for r in self.ranks:
-            lines.append(f"rank {r.rank} collectives ({r.seconds:.1f} s on CPU):")
+            lines.append(f"{r.name} collectives ({r.seconds:.1f} s on CPU):")
             lines += [f"  {c.kind:<32} over {'x'.join(c.axes) or '-':<10} {c.calls:>5} calls "
                       f"{format_bytes(c.bytes, digits=2):>12}" for c in r.collectives]
         return "\n".join(lines + self.overflows())
 
 
 def dry_run(build: Callable[..., nn.Module] | Any, plan: Plan, *, world_size: int, batch: int, seq_len: int,
-            ranks: Sequence[int] = (0,), loss_fn: Callable | None = None, optimizer: str = "adamw",
+            ranks: Sequence[int] | None = None, loss_fn: Callable | None = None, optimizer: str = "adamw",
             device_memory: int | None = None, hardware: Any = "h100-80g", estimate: bool = True) -> DryRun:
     """One training step of ranks ``ranks`` of a ``world_size``-process world under ``plan``, on fake
     tensors and torch's fake process group: exact bytes per component and collectives per rank,
     beside ``sk.estimate``'s memory for the same plan (``estimate=False`` skips it).
 
     ``build``: the model's builder (called on the meta device) or a transformers config; ``batch``:
-    the global batch in sequences of ``seq_len`` tokens; ``device_memory``: bytes per device, to
-    say which component overflows (default: ``hardware``'s memory).
+    the global batch in sequences of ``seq_len`` tokens; ``ranks``: any ranks of the world, on any
+    pipeline stage (default: :func:`default_ranks`, rank 0 and with a pipeline the last stage's
+    too); ``device_memory``: bytes per device, to say which component overflows (default:
+    ``hardware``'s memory).
 
     >>> import shardkit as sk
     >>> from shardkit.models.hf import build_tiny_llama
@@ -136,26 +152,155 @@ def dry_run(build: Callable[..., nn.Module] | Any, plan: Plan, *, world_size: in
     from ..planner.hardware import hardware as as_hardware
     from ..planner.meta import meta_model
     from ..planner.validate import validate
+    from ..runtime.fake_world import StageMetas
 
     builder = _builder(build)
     plan = _checked(plan, world_size, batch, seq_len, ranks)
+    ranks = default_ranks(plan) if ranks is None else tuple(ranks)
     hw = as_hardware(hardware)
-    # every check before any rank runs, and outside fake tensors: a pipeline's stages are proven on a
-    # real miniature of the model (the proof is kept, and sk.shard's own validation finds it)
-    whole = meta_model(builder)  # checked and priced; each rank shards a fresh one
-    validate(plan, whole, world_size)
+    # every check before any rank runs, and outside fake tensors, once: each rank shards a fresh meta
+    # model with this report (a pipeline's stages are proven here, on a real miniature of the model)
+    whole = meta_model(builder)  # checked and priced
+    report = validate(plan, whole, world_size)
+    run = _Ranks(builder, plan, report, world_size, batch, seq_len, loss_fn or default_loss(), optimizer)
     costs = []
     for rank in ranks:
         start = time.process_time()
-        memory, collectives = _one_rank(meta_model(builder), plan, rank, world_size, batch, seq_len,
-                                        loss_fn, optimizer)
-        costs.append(RankCost(rank, memory, collectives, time.process_time() - start))
+        stages = run.receive(rank) if plan.pipeline is not None else StageMetas()
+        memory, collectives = run.measure(rank, stages)
+        costs.append(RankCost(rank, memory, collectives, time.process_time() - start, run.stages(rank)))
     predicted = None
     if estimate:
         predicted = dict(sk_estimate(whole, plan, batch_size=batch, seq_len=seq_len, hardware=hw,
                                      optimizer=optimizer, world_size=world_size).memory)
+        costs = [replace(cost, estimate=_estimate_in_place(whole, plan, cost.stages, batch, seq_len, hw, optimizer))
+                 for cost in costs]
     return DryRun(plan, world_size, batch, seq_len, costs, predicted,
                   hw.memory if device_memory is None else device_memory)
+
+
+def default_ranks(plan: Plan) -> tuple[int, ...]:
+    """The ranks a dry run runs unless told: rank 0 and, with a pipeline, the first rank of the
+    pipeline device holding the last stage (the head, the logits and their gradients), each at
+    coordinate 0 on every other axis, where FSDP2's uneven shards are largest. The first stage
+    holds the embedding and the most micro-batches in flight; a middle stage holds fewer and
+    neither, so these two bound every component unless the stages' layers differ."""
+    if plan.pipeline is None:
+        return (0,)
+    from ..planner.stages import stage_ranks
+
+    owners = stage_ranks(plan.pipeline.num_stages(plan.mesh), plan.mesh.size_of("pp"), plan.pipeline.schedule)
+    zero = dict.fromkeys(plan.mesh.names, 0)
+    return tuple(sorted({_rank_at(plan.mesh, {**zero, "pp": owners[0]}),
+                         _rank_at(plan.mesh, {**zero, "pp": owners[-1]})}))
+
+
+def _rank_at(mesh: Any, coordinates: dict[str, int]) -> int:
+    """The rank at ``coordinates`` (row-major, last axis fastest: :meth:`Mesh.coordinates` inverted)."""
+    rank = 0
+    for name in mesh.names:
+        rank = rank * mesh.size_of(name) + coordinates[name]
+    return rank
+
+
+class _Ranks:
+    """The ranks of one dry run, each in a fake world of its own: one measured
+    (:meth:`measure`), or, with a pipeline, the earlier stages' ranks run up to the moment they
+    send their outputs' shapes (:meth:`receive`), which a later stage's rank receives."""
+
+    def __init__(self, builder: Callable[[], nn.Module], plan: Plan, report: Any, world_size: int, batch: int,
+                 seq_len: int, loss_fn: Callable, optimizer: str) -> None:
+        self.builder, self.plan, self.report, self.world_size = builder, plan, report, world_size
+        self.batch, self.seq_len, self.loss_fn, self.optimizer = batch, seq_len, loss_fn, optimizer
+        #: per coordinates on the axes other than ``pp``: what each stage sends forward
+        self.sent: dict[tuple[int, ...], Any] = {}
+
+    def stages(self, rank: int) -> tuple[int, ...]:
+        """The pipeline stages ``rank`` runs (``()`` without a pipeline)."""
+        if self.plan.pipeline is None:
+            return ()
+        pp = self.plan.mesh.coordinates(rank)["pp"]
+        return tuple(s for s, owner in enumerate(self._owners()) if owner == pp)
+
+    def _owners(self) -> tuple[int, ...]:
+        from ..planner.stages import stage_ranks
+
+        pipeline, mesh = self.plan.pipeline, self.plan.mesh
+        assert pipeline is not None
+        return stage_ranks(pipeline.num_stages(mesh), mesh.size_of("pp"), pipeline.schedule)
+
+    def measure(self, rank: int, stages: Any) -> tuple[dict[str, int], list[Collective]]:
+        from ..planner.meta import meta_model
+        from ..runtime.fake_world import fake_world
+
+        model = meta_model(self.builder)  # built outside fake tensors
+        with fake_world(rank, self.world_size, self.plan, stages) as ctx:
+            return measure_step(ctx, model, self.plan, self.batch, self.seq_len, self.loss_fn, self.optimizer,
+                                report=self.report)
+
+    def receive(self, rank: int) -> Any:
+        """What ``rank``'s stages receive from the stages before them on other ranks (torch's
+        ``_StageForwardMeta``: each output's shape, stride, dtype): each such stage's rank (the
+        same coordinates on the other axes) is run in a fake world of its own, sharded as a real
+        run shards it, through its first step's shape inference up to that stage's send (one
+        micro-batch's forward through its stages); earlier stages first, each once per dry run."""
+        from ..runtime.fake_world import StageMetas
+
+        coordinates = self.plan.mesh.coordinates(rank)
+        key = tuple(v for axis, v in coordinates.items() if axis != "pp")
+        metas = self.sent.setdefault(key, StageMetas())
+        owners = self._owners()
+
+        def ensure(stage: int) -> None:  # stage's outputs recorded in metas
+            if stage in metas.sent:
+                return
+            owner = owners[stage]
+            for s in range(1, stage + 1):  # what the owner's stages up to this one receive from other ranks
+                if owners[s] == owner and owners[s - 1] != owner:
+                    ensure(s - 1)
+            self._run_until_sent(_rank_at(self.plan.mesh, {**coordinates, "pp": owner}), stage, metas)
+
+        for s in self.stages(rank):
+            if s > 0 and owners[s - 1] != coordinates["pp"]:
+                ensure(s - 1)
+        return metas
+
+    def _run_until_sent(self, rank: int, stage: int, metas: Any) -> None:
+        from ..planner.meta import meta_model
+        from ..runtime.fake_world import StageSent, fake_world
+
+        model = meta_model(self.builder)  # built outside fake tensors
+        metas.stop_after = stage
+        try:
+            with fake_world(rank, self.world_size, self.plan, metas) as ctx:
+                model, _, inputs, targets = sharded_for_step(ctx, model, self.plan, self.batch, self.seq_len, self.optimizer,
+                                                     self.report)
+                try:
+                    model.step(inputs, targets, self.loss_fn)
+                except StageSent:
+                    return
+        finally:
+            metas.stop_after = None
+        raise AssertionError(f"rank {rank} ran a step without sending stage {stage}'s outputs' shapes")
+
+
+def _estimate_in_place(whole: nn.Module, plan: Plan, stages: tuple[int, ...], batch: int, seq_len: int, hw: Any,
+                       optimizer: str) -> dict[str, int] | None:
+    """``sk.estimate``'s memory of a device holding ``stages`` (all of the model without a pipeline):
+    the first stage's device, the last's, or both; ``None`` for a device holding neither (the
+    estimate prices the first and the last)."""
+    from ..planner.costs import Costs, Setting
+    from ..planner.memory import memory_of
+
+    setting = Setting.of(plan)
+    if plan.pipeline is None:
+        position = (True, True)
+    else:
+        position = (0 in stages, plan.pipeline.num_stages(plan.mesh) - 1 in stages)
+        if not any(position):
+            return None
+    costs = Costs.of(whole, seq_len, setting.tp, None, rules=plan.rules)
+    return memory_of(costs, setting, batch, hw, optimizer, position=position)
 
 
 def _builder(build: Any) -> Callable[[], nn.Module]:
@@ -169,22 +314,17 @@ def _builder(build: Any) -> Callable[[], nn.Module]:
                      f"{type(build).__name__}")
 
 
-def _checked(plan: Any, world_size: Any, batch: Any, seq_len: Any, ranks: Sequence[int]) -> Plan:
+def _checked(plan: Any, world_size: Any, batch: Any, seq_len: Any, ranks: Sequence[int] | None) -> Plan:
     if not isinstance(plan, Plan):
         raise UsageError(f"dry_run(plan=...) must be a shardkit Plan, got {type(plan).__name__}")
     wrong = [f"{name}={value!r}" for name, value in (("world_size", world_size), ("batch", batch),
                                                       ("seq_len", seq_len)) if type(value) is not int or value < 1]
     if wrong:
         raise UsageError(f"dry_run({', '.join(wrong)}): give whole numbers >= 1")
-    outside = [r for r in ranks if type(r) is not int or not 0 <= r < world_size]
-    if not ranks or outside:
+    outside = [] if ranks is None else [r for r in ranks if type(r) is not int or not 0 <= r < world_size]
+    if ranks is not None and (not ranks or outside):
         raise UsageError(f"dry_run(ranks={list(ranks)!r}): give one or more ranks from 0 to {world_size - 1}")
     plan = plan.resolved(world_size)
-    later = [r for r in ranks if plan.pipeline is not None and plan.mesh.coordinates(r).get("pp", 0)]
-    if later:
-        raise UsageError(f"dry_run(ranks={list(ranks)!r}): rank(s) {later} hold later pipeline stages, whose input "
-                         f"shapes only the stage before knows; a dry run runs ranks of the first stage (pp "
-                         f"coordinate 0), e.g. {[r for r in range(world_size) if not plan.mesh.coordinates(r)['pp']][:4]}")
     problems = plan.problems() + plan.batch_problems(batch, seq_len)
     if problems:
         from ..plan import PlanError
@@ -193,129 +333,4 @@ def _checked(plan: Any, world_size: Any, batch: Any, seq_len: Any, ranks: Sequen
     return plan
 
 
-def _one_rank(model: nn.Module, plan: Plan, rank: int, world_size: int, batch: int, seq_len: int,
-              loss_fn: Callable | None, optimizer: str) -> tuple[dict[str, int], list[Collective]]:
-    from ..runtime.fake_world import fake_world
-
-    with fake_world(rank, world_size, plan) as ctx:
-        return measure_step(ctx, model, plan, batch, seq_len, loss_fn, optimizer)
-
-
-def measure_step(ctx: Context, model: nn.Module, plan: Plan, batch: int, seq_len: int,
-                 loss_fn: Callable | None = None, optimizer: str = "adamw",
-                 first_step: bool = False) -> tuple[dict[str, int], list[Collective]]:
-    """Shard ``model`` (on meta) by ``plan`` in ``ctx``'s world, and run one training step of a global
-    batch of ``batch`` random sequences of ``seq_len`` tokens under :class:`StepCost`: the rank's
-    bytes by component and its collectives in a step that finds the optimizer state made, as every
-    step but the first does. What the first step leaves is made without running it
-    (:func:`_steady_state`), or with ``first_step=True`` by running it (forward, backward and
-    optimizer step), as a real run does. The dry run calls it in its fake world; a real world's
-    job can call it too, and gets the same numbers (``tests/test_dry_run.py``)."""
-    import torch
-
-    from ..families import token_sizes
-    from ..models.hf import hf_loss
-    from ..runtime.apply import shard
-    from .step import make_optimizer
-
-    vocab = token_sizes(model)[0] or 2
-    ctx = replace(ctx, plan=plan)  # the batch splits over this plan's data ranks
-    sharded = shard(model, plan, ctx)
-    opt = make_optimizer(sharded, optimizer, 1e-4)
-    generator = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, vocab, (batch, seq_len + 1), generator=generator)
-    inputs, targets = ctx.shard_batch(tokens[:, :-1], tokens[:, 1:])
-    if first_step:
-        sharded.step(inputs, targets, loss_fn or hf_loss)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    else:
-        _steady_state(sharded, opt, plan, inputs, targets, loss_fn or hf_loss)
-    with StepCost(sharded, opt, plan.mesh) as cost:
-        sharded.step(inputs, targets, loss_fn or hf_loss)
-        opt.step()
-    return cost.memory(), cost.collectives()
-
-
-def _steady_state(model: nn.Module, opt: Any, plan: Plan, inputs: Any, targets: Any, loss_fn: Callable) -> None:
-    """What the first step leaves for the next, without running it: with a pipeline, torch's stages
-    initialised (:func:`_initialise_stages`), and the optimizer's state (:func:`_optimizer_state`)."""
-    if plan.pipeline is not None:
-        _initialise_stages(model, inputs, targets, loss_fn)
-    _optimizer_state(opt)
-
-
-class _StagesReady(Exception):
-    """Raised by :func:`_initialise_stages` to leave a step once torch's stages are initialised."""
-
-
-def _initialise_stages(model: nn.Module, inputs: Any, targets: Any, loss_fn: Callable) -> None:
-    """torch's pipeline stages as their first step leaves them: on that step, before any
-    micro-batch, the schedule infers the stages' shapes (with ``autograd.grad``, which the memory
-    tracker's module hooks refuse) and makes their receive buffers. The step runs up to there
-    and stops: the micro-batches, which would cost as much as the measured step, do not run
-    (every rank of a real world stops at the same point, so the shape exchange stays paired)."""
-    schedule = model._sk_runtime.schedule
-    # torch 2.13: single-stage schedules initialise in _initialize_stage, the others in _initialize_stages
-    name = "_initialize_stage" if hasattr(schedule, "_initialize_stage") else "_initialize_stages"
-    initialise = getattr(schedule, name)
-
-    def then_stop(*args: Any, **kwargs: Any) -> None:
-        initialise(*args, **kwargs)
-        raise _StagesReady
-
-    setattr(schedule, name, then_stop)
-    try:
-        model.step(inputs, targets, loss_fn)
-    except _StagesReady:
-        pass
-    finally:
-        delattr(schedule, name)
-
-
-def _optimizer_state(opt: Any) -> None:
-    """The optimizer's state as its first step makes it, made by that step on plain tensors: each
-    DTensor parameter's local shard stands in for it (with a zero gradient), and the state made
-    for the shard is put back under the parameter as a DTensor laid out like it. The tensors
-    (shapes, dtypes, strides, bytes) are those a step on the DTensors makes, which costs
-    DTensor's dispatch on each of the optimizer's ops (a dozen per parameter with AdamW): most of
-    a dry run's time. torch's optimizers keep their step counts (``"step"``) as plain tensors."""
-    import torch
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-    from torch.distributed.tensor import DTensor
-
-    inner = opt.optim if isinstance(opt, ZeroRedundancyOptimizer) else opt  # it steps the rank's part
-    held = [group["params"] for group in inner.param_groups]
-    with torch.no_grad():
-        stand_ins = {p: _stand_in(p) for params in held for p in params}
-    for group, params in zip(inner.param_groups, held, strict=True):
-        group["params"] = [stand_ins[p] for p in params]
-    try:
-        inner.step()
-    finally:
-        for group, params in zip(inner.param_groups, held, strict=True):
-            group["params"] = params
-    for p, local in stand_ins.items():
-        if local not in inner.state:  # SGD without momentum keeps none
-            continue
-        state = inner.state.pop(local)
-        if isinstance(p, DTensor):
-            state = {key: DTensor.from_local(value, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(),
-                                             run_check=False)
-                     if key != "step" and isinstance(value, torch.Tensor) and value.shape == local.shape else value
-                     for key, value in state.items()}
-        inner.state[p] = state
-    opt.zero_grad(set_to_none=True)
-
-
-def _stand_in(p: Any) -> Any:
-    """A leaf on ``p``'s local shard (``p`` itself when it is a plain tensor), with a zero gradient."""
-    import torch
-    from torch.distributed.tensor import DTensor
-
-    local = p.to_local().detach().requires_grad_(p.requires_grad) if isinstance(p, DTensor) else p
-    local.grad = torch.zeros_like(local)
-    return local
-
-
-__all__ = ["COMPARED", "DryRun", "FILL_ORDER", "RankCost", "dry_run", "measure_step"]
+__all__ = ["COMPARED", "DryRun", "FILL_ORDER", "RankCost", "default_ranks", "dry_run"]
