@@ -138,9 +138,9 @@ def _gloo_reduce_scatter_inputs(func: Any, args: tuple) -> list[tuple[tuple[int,
     first sees that copy there, at the chunk (``aten.split``), and would count it live until the
     call is freed, beside the input. NCCL, and the dry run's fake process group, write the output
     directly, with no copy; so a real gloo world's step measures what a GPU's would, the copy is
-    left untracked (:meth:`_ComponentPeaks._gloo_buffer`). It was the only difference between a
-    4-process gloo run and the dry run where a rank's peak falls on the root's reduce-scatter of
-    its float32 gradients (bfloat16 compute, ``tests/test_dry_run.py``)."""
+    left untracked (:meth:`_ComponentPeaks._gloo_buffer`). Counted, it raises a real gloo run's
+    peak above the dry run's where the peak falls on a reduce-scatter: the root's float32
+    gradients under bfloat16 compute (``tests/test_dry_run.py``, docs/dry-run.md)."""
     import torch.distributed as dist
 
     kind = _OPS.get(getattr(func, "namespace", ""), {}).get(getattr(func, "_opname", ""))
