@@ -266,7 +266,8 @@ def test_calibrate_writes_a_loadable_file_of_measured_figures(calibrated):
     assert 0 <= hw.overlap == times.fraction <= 1
     assert calibration.seconds < 60  # about 13 s; a sweep that no longer stops in time fails
     for row in ("matmul float32", "gloo all_reduce", "gloo all_gather", "gloo p2p", "fit residual", "memory",
-                "memory bandwidth", "op overhead", f"{calibration.ops_per_step} aten ops", f"{hw.overlap:.0%}"):
+                "memory bandwidth", "op overhead", f"{calibration.ops_per_step} aten ops", f"{hw.overlap:.0%}",
+                "DTensor op overhead", "DTensor collective"):
         assert row in stdout
     assert f"wrote {out}" in stdout
 

@@ -106,6 +106,11 @@ def _table(calibration: Calibration):
                   f"bytes booked / time")
     table.add_row("op overhead", format_seconds(hw.op_overhead), "", "",
                   f"Linear(4, 4) forward+backward / {calibration.ops_per_step} aten ops")
+    table.add_row("DTensor op overhead", format_seconds(hw.dtensor_overhead), "", "",
+                  "the same step on replicated DTensors, less the plain step, per DTensor operator")
+    table.add_row("DTensor collective", format_seconds(hw.dtensor_collective), "", "",
+                  "a tiny sequence-parallel block on DTensors against plain tensors, per collective, "
+                  "less its dispatch and the raw all-gather")
     overlap = calibration.overlap
     table.add_row("overlap", f"{hw.overlap:.0%}", "", "",
                   f"matmuls {format_seconds(overlap.compute)}, all-reduces {format_seconds(overlap.communication)}, "
