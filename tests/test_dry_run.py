@@ -51,13 +51,15 @@ def test_a_dry_run_gives_the_bytes_and_collectives_of_a_real_four_process_run(re
                      ranks=RANKS[name], estimate=priced)
     for cost in dry.ranks:
         memory, collectives = real[name][cost.rank]
-        exact = {k: v for k, v in memory.items() if k not in ("temporaries", "peak")}
+        exact = {k: v for k, v in memory.items() if k not in ("temporaries", "peak", "activations")}
         assert {k: cost.memory[k] for k in exact} == exact, (cost.rank, cost.memory, memory)
         # the backward's temporaries may differ by a small tensor between fake and real kernels, and a real
         # world's may hold a collective's buffers longer: a gloo worker thread that still holds a finished
         # call frees them when it lets go of it, at most one call per worker thread (docs/dry-run.md); the
-        # peak with them (seen on the last stage's rank, 40 KiB once in several runs)
+        # peak and the activations with them (seen on a loaded machine: the peak 40 KiB above once on the
+        # last stage's rank, the activations a 64 KiB all-gather buffer above in 2 of 48 rank-runs)
         late = 2 * max(c.bytes // c.calls for c in collectives)
+        assert 0 <= memory["activations"] - cost.memory["activations"] <= late, (cost.rank, cost.memory, memory)
         fake, real_ = cost.memory["temporaries"], memory["temporaries"]
         assert -0.01 * fake <= real_ - fake <= 0.01 * fake + late, (cost.rank, cost.memory, memory, late)
         assert 0 <= memory["peak"] - cost.memory["peak"] <= late, (cost.rank, cost.memory, memory, late)
