@@ -282,6 +282,7 @@ def _held(key: tuple) -> bool:
     to its mesh; Python or C++, so a sharding decision cached on another thread counts too)."""
     objects = [_MESHES[key]]
     objects += [d for d in objects[0]._data.values() if d is not None] + objects[0]._device_meshes()
+    objects = list({id(obj): obj for obj in objects}.values())  # each once (the Meshes stays first)
     internal = Counter(id(ref) for obj in objects for ref in _links(obj))
     internal[id(objects[0])] += 1  # the registry's
     counts = _reference_counts(objects)
