@@ -221,8 +221,8 @@ def use_timeout(job_timeout: float | None) -> None:
 
 def release_unused(device: torch.device) -> None:
     """At the end of a job, on every rank at the same point (a collective over the world): destroy the
-    process groups of the meshes and replica groups no job asked for since the last release and that
-    nothing holds any more (``device``: this rank's, for the one all-reduce that agrees on them).
+    replica groups no job asked for since the last release, and the groups of the meshes no job asked
+    for that nothing holds any more (``device``: this rank's, for the one all-reduce that agrees on them).
 
     A plan's meshes are held while anything refers to one of them: a model's DTensors or FSDP / DDP
     state, a pipeline, a mesh a job kept (``ctx.mesh``), or a sharding decision torch cached on
