@@ -16,7 +16,9 @@ from shardkit.models.gpt import GPT_RULES, build_tiny_gpt, gpt_loss
 
 pytestmark = pytest.mark.world
 
-TP = sk.Plan(mesh=sk.Mesh(dp=2, tp=2), rules=GPT_RULES)
+# groups of its own (pp's, tp's) and no data axis: shardkit reduces its Partial gradients itself
+PP_TP = sk.Plan(mesh=sk.Mesh(pp=2, tp=2), rules=GPT_RULES, pipeline=sk.Pipeline(microbatches=2))
+DP_TP = sk.Plan(mesh=sk.Mesh(dp=2, tp=2))  # groups of its own: dp's and tp's
 OTHERS = [  # every kind of mesh: a data axis, a sharded one, HSDP, flattened data dims, a pipeline
     sk.Plan(mesh=sk.Mesh(dp=4)),
     sk.Plan(mesh=sk.Mesh(dp=2, fsdp=2)),
@@ -130,16 +132,16 @@ def test_many_plans_free_their_groups_and_a_plan_made_again_trains_as_a_fresh_on
     w.run(_nothing)  # what earlier tests left is freed when it ends
     alone = w.run(_nothing)[0]
     assert alone == 1  # the world's group only
-    fresh, _ = w.run(_train, 2, True, plan=TP)[0]  # its model kept
+    fresh, _ = w.run(_train, 2, True, plan=PP_TP)[0]  # its model kept
     cycles = [[w.run(_use_meshes, plan=plan)[0] for plan in OTHERS] for _ in range(2)]
     # each job sees the world's group, its own, the job before's and the kept model's: the same in both
-    # cycles (they would pile up otherwise), and the kept model's meshes stay alive in every job
+    # cycles (they would pile up otherwise), and the kept model's mesh stays alive in every job
     assert cycles[1][1:] == cycles[0][1:], cycles
-    assert [alive for _, alive in cycles[1]] == [2] * len(OTHERS), cycles  # TP's and the job before's
-    kept_loss = w.run(_step_kept, plan=TP)[0]  # the kept model still trains: nothing it uses was freed
+    assert [alive for _, alive in cycles[1]] == [2] * len(OTHERS), cycles  # PP_TP's and the job before's
+    kept_loss = w.run(_step_kept, plan=PP_TP)[0]  # the kept model still trains: nothing it uses was freed
     w.run(_nothing)
-    assert w.run(_nothing)[0] == alone  # nothing holds TP's meshes any more: freed
-    again, alive = w.run(_train, 3, False, plan=TP)[0]
+    assert w.run(_nothing)[0] == alone  # nothing holds PP_TP's meshes any more: freed
+    again, alive = w.run(_train, 3, False, plan=PP_TP)[0]
     assert alive == 0  # no mesh of an earlier job survives, in torch's caches either
     assert again == [*fresh, kept_loss]  # made again, the plan trains exactly as the first time
 
@@ -151,8 +153,8 @@ def test_a_mesh_another_threads_dtensor_cache_refers_to_is_kept_until_the_thread
     w = world(4)
     w.run(_nothing)  # what earlier tests left is freed when it ends
     alone = w.run(_nothing)[0]
-    made = w.run(_cache_on_a_thread, plan=TP)[0]
+    made = w.run(_cache_on_a_thread, plan=DP_TP)[0]
     assert made > alone
-    w.run(_nothing)  # TP unused since: released, but kept for the thread's cache
+    w.run(_nothing)  # unused since: released, but kept for the thread's cache
     assert w.run(_end_thread)[0] == made  # still alive
     assert w.run(_nothing)[0] == alone  # the thread and its cache gone: freed

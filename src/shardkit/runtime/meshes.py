@@ -221,8 +221,8 @@ def use_timeout(job_timeout: float | None) -> None:
 
 def release_unused(device: torch.device) -> None:
     """At the end of a job, on every rank at the same point (a collective over the world): destroy the
-    process groups of the meshes and replica groups no job asked for since the last release and that
-    nothing holds any more (``device``: this rank's, for the one all-reduce that agrees on them).
+    replica groups no job asked for since the last release, and the groups of the meshes no job asked
+    for that nothing holds any more (``device``: this rank's, for the one all-reduce that agrees on them).
 
     A plan's meshes are held while anything refers to one of them: a model's DTensors or FSDP / DDP
     state, a pipeline, a mesh a job kept (``ctx.mesh``), or a sharding decision torch cached on
@@ -282,6 +282,7 @@ def _held(key: tuple) -> bool:
     to its mesh; Python or C++, so a sharding decision cached on another thread counts too)."""
     objects = [_MESHES[key]]
     objects += [d for d in objects[0]._data.values() if d is not None] + objects[0]._device_meshes()
+    objects = list({id(obj): obj for obj in objects}.values())  # each once (the Meshes stays first)
     internal = Counter(id(ref) for obj in objects for ref in _links(obj))
     internal[id(objects[0])] += 1  # the registry's
     counts = _reference_counts(objects)

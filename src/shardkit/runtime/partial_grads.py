@@ -22,6 +22,7 @@ False
 
 from __future__ import annotations
 
+import weakref
 from collections import defaultdict
 
 import torch
@@ -37,8 +38,12 @@ class PartialGradients:
         self.params = params
         self.deferred = False
         self._queued = False
+        # A parameter's hooks are held in C++, out of the garbage collector's sight: a hook holding this
+        # reducer (which holds the parameters) would make a cycle never collected, keeping the model, and
+        # so its meshes, alive after it is gone. The module holds the reducer; the hooks reach it weakly.
+        on_grad = weakref.WeakMethod(self._on_grad)
         for p in params:
-            p.register_post_accumulate_grad_hook(self._on_grad)
+            p.register_post_accumulate_grad_hook(lambda param: _call_if_alive(on_grad, param))
 
     def _on_grad(self, param: torch.Tensor) -> None:
         if self.deferred or self._queued:
@@ -49,6 +54,12 @@ class PartialGradients:
     def _end_of_backward(self) -> None:
         self._queued = False
         reduce_partial_grads(self.params)
+
+
+def _call_if_alive(method: weakref.WeakMethod, param: torch.Tensor) -> None:
+    bound = method()
+    if bound is not None:
+        bound(param)
 
 
 def _summed_dims(grad: torch.Tensor) -> tuple[int, ...]:
