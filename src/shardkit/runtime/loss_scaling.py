@@ -49,6 +49,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import DTensor
 
 from ..plan import Plan, UsageError
@@ -133,7 +134,8 @@ class LossScaler:
         next ``step()`` changes nothing. Returns whether the optimizer may step (no overflow anywhere)."""
         if self._overflow is None:
             raise UsageError("LossScaler.update before unscale_: the gradients are still multiplied by the scale")
-        overflow = bool(self._overflow.item())
+        # a dry run's fake tensors hold no values: it measures a step that steps, as nearly every step does
+        overflow = False if is_fake(self._overflow) else bool(self._overflow.item())
         self._overflow = None
         if overflow:
             self.skipped += 1
