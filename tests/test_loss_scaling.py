@@ -15,7 +15,7 @@ from model_zoo import build_gpt4, tokens
 
 import shardkit as sk
 from shardkit.models.gpt import GPT_RULES, gpt_loss
-from shardkit.plan import FSDPOptions, Mesh, Plan, PlanError
+from shardkit.plan import FSDPOptions, Mesh, Pipeline, Plan, PlanError
 from shardkit.plan.loss_scale import (
     ScaleRule,
     ScaleState,
@@ -134,6 +134,8 @@ def test_plain_gradients_unscaled_and_an_overflow_skipped():
 CASES = {
     "fsdp=2, 2 micro-batches, clipped": Plan(Mesh(fsdp=2), fsdp=FP16),
     "tp=2, clipped": Plan(Mesh(tp=2), rules=GPT_RULES, fsdp=FP16),
+    "pp=2, 2 micro-batches of the schedule, clipped": Plan(Mesh(pp=2), fsdp=FP16, pipeline=Pipeline(
+        split_points=["layers.2"], schedule="1f1b", microbatches=2)),
 }
 
 
@@ -179,7 +181,7 @@ def _sharded(ctx, cases: list, max_norm: float) -> list:
         inputs, targets = ctx.shard_batch(*tokens(8))
         model = sk.shard(build_gpt4(), plan, ctx)
         optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-        micro = 2 if "micro" in name else 1
+        micro = 2 if "micro-batches," in name else 1
         for _ in range(STEPS):
             model.step(inputs, targets, tiny_loss, accumulate=micro)
             sk.clip_grad_norm_(model, max_norm)
@@ -342,3 +344,12 @@ def test_training_loop_reads_the_host_only_when_asked_and_resumes_the_scale(worl
     resumed = world(2).run(_train_counting, prepare(again), plan=job.plan)
     assert resumed[0][0] == losses[3:], "a resumed run trains steps 4-5 as the whole run did"
     assert scale("ck2/step-00000005") == scale("ck/step-00000005"), "the scale and its good steps, resumed"
+
+
+def test_dry_run_of_a_float16_plan_measures_a_scaled_step():
+    """sk.dry_run's fake tensors hold no overflow flag to read: the scaled step it measures is one that steps."""
+    from shardkit.models.hf import build_tiny_llama
+
+    plan = Plan(Mesh(fsdp=2), fsdp=FSDPOptions(param_dtype="float16", reduce_dtype="float32"))
+    dry = sk.dry_run(build_tiny_llama, plan, world_size=2, batch=2, seq_len=16, ranks=(0,), estimate=False)
+    assert dry.ranks[0].memory["peak"] > 0
