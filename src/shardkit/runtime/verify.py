@@ -35,13 +35,10 @@ from torch import nn
 from ..families import family_of
 from ..plan import Plan, PlanError, UsageError
 from ..plan.dtypes import torch_dtype
-from ..planner.tensor_parallel import aliases
 from .context import Context
 from .dropout_off import DropoutOff
 from .loss_scaling import LossScaler
-from .materialize import materialize
-from .optimizer import optimizer as optimizer_for
-from .precision import Precision, mixed_precision_backward
+from .precision import Precision
 from .results import finished
 from .verify_inputs import (
     batch_pair,
@@ -54,6 +51,7 @@ from .verify_inputs import (
     checked_tolerances,
     world_size_of,
 )
+from .verify_reference import OPTIMIZERS, SingleProcess, make_optimizer
 from .world import LocalWorld, launch
 
 #: fp32 tolerances. Sharded reductions run in another order, so results differ in the last
@@ -83,7 +81,6 @@ def mixed_precision_tolerances(dtype: torch.dtype) -> dict[str, float]:
 
 #: :func:`mixed_precision_tolerances` of bf16: loss 3.1%, gradients 1e-5 + 7.8% of max|grad|.
 MIXED_PRECISION_TOLERANCES = mixed_precision_tolerances(torch.bfloat16)
-_OPTIMIZERS = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
 
 
 @dataclass(frozen=True)
@@ -135,11 +132,6 @@ class VerifyResult:
         return "\n".join([head, *rows, *[f"  note: {n}" for n in self.notes], *[f"  ! {p}" for p in self.problems]])
 
 
-def _make_optimizer(name: str, model: nn.Module, lr: float) -> torch.optim.Optimizer:
-    """The optimizer as training builds it (``sk.optimizer``: ZeRO-1's partitioned one under ``Plan(zero=1)``)."""
-    return optimizer_for(model, _OPTIMIZERS[name], lr=lr)
-
-
 def _tolerances(plan: Plan, overrides: Any) -> dict[str, float]:
     """The tolerance table for ``plan`` (mixed precision or not), with the caller's ``overrides`` checked."""
     return {**_plan_tolerances(plan), **checked_tolerances(overrides, TOLERANCES)}
@@ -153,73 +145,13 @@ def _plan_tolerances(plan: Plan) -> dict[str, float]:
     return mixed_precision_tolerances(max(dtypes, key=lambda d: torch.finfo(d).eps))
 
 
-# -- the two sides ---------------------------------------------------------------------------------
-class _SingleProcess:
-    """The single-device side: the model, batch, loss and optimizer in this process, in the plan's precision."""
-
-    def __init__(self, build_model: Callable[[], nn.Module], batch: tuple[torch.Tensor, torch.Tensor],
-                 loss_fn: Callable, optimizer: str, lr: float, precision: Precision, scaler: LossScaler | None):
-        self.model = build_model()
-        if any(p.device.type == "meta" for p in self.model.parameters()):
-            materialize(self.model, seed=0)  # as sk.shard does: the same weights whatever the plan
-        self.params = dict(self.model.named_parameters())
-        self.aliases = aliases(self.model)
-        self.batch, self.loss_fn, self.lr, self.precision = batch, loss_fn, lr, precision
-        self.optimizer = _make_optimizer(optimizer, self.model, lr)
-        self.dropouts = 0  # dropout calls switched off in the last backward
-        self.scaler = scaler
-        self.scale: float | None = None  # the loss scale of the last scaled backward, and whether it overflowed
-        self.skipped = False
-
-    def backward(self, precision: Precision | None = None) -> tuple[float, dict[str, torch.Tensor]]:
-        """(loss, gradients) at the current weights, in ``precision`` (default: the plan's, under the plan's loss
-        scale as the sharded ``model.step`` runs it: the scale then moves as the sharded run's does), dropout off."""
-        self.optimizer.zero_grad()
-        scaler = self.scaler if precision is None else None
-        loss_fn = self.loss_fn if scaler is None else scaler.scaled(self.loss_fn)
-        with DropoutOff() as off:
-            loss = mixed_precision_backward(self.model, *self.batch, loss_fn, precision or self.precision)
-        self.dropouts = off.calls
-        if scaler is not None:
-            self.scale = scaler.state.scale
-            loss = loss / self.scale
-            scaler.unscale_(self.model)
-            self.skipped = not scaler.update(self.model)
-        return loss.item(), {n: torch.zeros_like(p) if p.grad is None else p.grad.clone()
-                             for n, p in self.params.items()}
-
-    def load(self, weights: dict[str, torch.Tensor]) -> None:
-        with torch.no_grad():
-            for name, value in weights.items():
-                self.params[name].copy_(value)
-
-    def buffers(self) -> dict[str, torch.Tensor]:
-        return {n: b.detach().clone() for n, b in self.model.named_buffers()}
-
-    def load_buffers(self, buffers: dict[str, torch.Tensor]) -> None:
-        own = dict(self.model.named_buffers())
-        with torch.no_grad():
-            for name, value in buffers.items():
-                if name in own and own[name].shape == value.shape:
-                    own[name].copy_(value)
-
-    def update(self, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """One optimizer step from the current weights with ``grads`` (none after an overflow the scale skipped);
-        returns the new weights."""
-        if self.skipped:
-            return {n: p.detach().clone() for n, p in self.params.items()}
-        for name, p in self.params.items():  # a frozen parameter has no gradient (AdamW would decay it)
-            p.grad = grads[name].to(p.dtype).clone() if name in grads and p.requires_grad else None
-        self.optimizer.step()
-        return {n: p.detach().clone() for n, p in self.params.items()}
-
-
+# -- the sharded side -----------------------------------------------------------------------------------
 def _sharded_job(ctx: Context, build_model, batch, loss_fn, steps, optimizer, lr,
                  example_inputs: tuple | None = None) -> list[dict]:
     from .apply import full_grads, full_state_dict, shard
 
     model = shard(build_model(), ctx.plan, ctx, example_inputs=example_inputs)
-    opt = _make_optimizer(optimizer, model, lr)
+    opt = make_optimizer(optimizer, model, lr)
     inputs, targets = ctx.shard_batch(*batch)
     scaler = model.loss_scaler  # float16: model.step scales, unscales and skips an overflow on every rank
     records = []
@@ -296,7 +228,7 @@ def _max_diff(expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor], n
     return worst, where, within, compared
 
 
-def _compare_step(step: int, reference: _SingleProcess, first: tuple[float, dict[str, torch.Tensor]],
+def _compare_step(step: int, reference: SingleProcess, first: tuple[float, dict[str, torch.Tensor]],
                   per_rank: list[list[dict]], names: dict[str, str], tol: dict[str, float]) -> tuple[StepDiff, list[str]]:
     """One step: the sharded loss and gradients against ``first`` (the reference's at the same weights), then the
     sharded optimizer's weights against the reference's optimizer step with the sharded gradients."""
@@ -320,7 +252,7 @@ def _compare_step(step: int, reference: _SingleProcess, first: tuple[float, dict
     return StepDiff(step, loss, g, w, worst_grad, worst_weight, b, worst_buffer), problems + buffer_problems
 
 
-def _scale_problems(step: int, reference: _SingleProcess, per_rank: list[list[dict]]) -> list[str]:
+def _scale_problems(step: int, reference: SingleProcess, per_rank: list[list[dict]]) -> list[str]:
     """Each rank's loss scale and skip decision at ``step`` against one process's under the same scaler."""
     if reference.scaler is None:
         return []
@@ -356,7 +288,7 @@ def _compare_buffers(step: int, expected: dict[str, torch.Tensor], per_rank: lis
     return worst, where, problems
 
 
-def _compare(reference: _SingleProcess, first: tuple[float, dict[str, torch.Tensor]], per_rank: list[list[dict]],
+def _compare(reference: SingleProcess, first: tuple[float, dict[str, torch.Tensor]], per_rank: list[list[dict]],
              steps: int, tol: dict[str, float]) -> VerifyResult:
     """Every step of the sharded run, replayed by ``reference`` from the sharded weights (``first``: step 0's loss
     and gradients, computed before the world ran)."""
@@ -430,7 +362,7 @@ def verify(build_model: Callable[[], nn.Module], plan: Plan, batch: tuple[Any, A
     if not isinstance(plan, Plan):
         raise UsageError(f"verify(plan=...): plan must be a shardkit Plan, got {type(plan).__name__}")
     check_steps(steps)
-    check_optimizer(optimizer, tuple(_OPTIMIZERS))
+    check_optimizer(optimizer, tuple(OPTIMIZERS))
     check_lr(lr)
     tol = _tolerances(plan, tolerances)
     inputs, targets = batch_pair(batch)
@@ -449,8 +381,9 @@ def verify(build_model: Callable[[], nn.Module], plan: Plan, batch: tuple[Any, A
         raise PlanError(problems)
     # The single process runs step 0 before any process starts, so a wrong loss_fn is reported here.
     scaling = plan.loss_scaling
-    reference = _SingleProcess(build_model, (inputs, targets), checked_loss(loss_fn), optimizer, lr,
-                               Precision.of(plan.fsdp), None if scaling is None else LossScaler(scaling, torch.device("cpu"), alone=True))
+    scaler = None if scaling is None else LossScaler(scaling, torch.device("cpu"), alone=True)
+    reference = SingleProcess(build_model, (inputs, targets), checked_loss(loss_fn), optimizer, lr,
+                              Precision.of(plan.fsdp), scaler)
     start = reference.buffers()
     float32_grads = reference.backward(Precision())[1] if plan.fsdp.mixed_precision else None
     reference.load_buffers(start)  # that forward updated running statistics: step 0 starts from the same ones
