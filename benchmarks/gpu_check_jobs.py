@@ -10,7 +10,6 @@ they pickle into the world's processes.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -153,13 +152,38 @@ def bf16_verify(env: Env) -> str:
     return _verify(env, _gpt(env), plan)
 
 
+#: The float16 row's loss is multiplied by this: without a scale nearly every float16 gradient underflows to zero.
+FP16_SMALL = 2.0**-20
+
+
+def small_gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """``gpt_loss`` times :data:`FP16_SMALL` (in float32): a loss whose float16 gradients need the scale."""
+    return gpt_loss(logits.float(), targets) * FP16_SMALL
+
+
 def fp16_scaled_verify(env: Env) -> str:
-    """float16 compute with a loss scale (the ``fp16`` feature: ``Plan(loss_scale=...)``)."""
-    if "loss_scale" not in {f.name for f in dataclasses.fields(sk.Plan)}:
-        raise Failed("feature missing: Plan(loss_scale=...) for float16 (branch fp16 not merged)")
+    """float16 compute under ``Plan(loss_scale="dynamic")`` on a loss whose float16 gradients underflow without a
+    scale: ``model.step`` on the device scales and unscales, one CPU process under the same scaler agrees (each step's
+    scale and skip, gradients, weights), and the gradients are float16's rounding away from float32 ones, not
+    zeros (an unscaled run's gap would be the whole float32 gradient)."""
     plan = sk.Plan(sk.Mesh(fsdp=1), fsdp=sk.FSDPOptions(param_dtype="float16", reduce_dtype="float32"),
                    loss_scale="dynamic")
-    return _verify(env, _gpt(env), plan) + f", loss scale {plan.loss_scaling}"
+    samples = math.lcm(env.sizes.batch, plan.mesh.data_size)
+    batch = tokens(env.sizes.gpt["vocab"], samples, env.sizes.seq)
+    result = sk.verify(_gpt(env), plan, batch, loss_fn=small_gpt_loss, steps=3, optimizer="sgd",
+                       lr=0.01 / FP16_SMALL, world=env.worlds(plan.mesh.size))
+    if not result.ok:
+        raise Failed(" | ".join(str(result).splitlines()[:4]))
+    if len(result.loss_scales) != 3:
+        raise Failed(f"no loss scale ran: loss_scales {result.loss_scales}")
+    float32 = _gpt(env)()
+    small_gpt_loss(float32(batch[0]), batch[1]).backward()
+    largest = max(p.grad.abs().max().item() for p in float32.parameters() if p.grad is not None)
+    gap = result.float32_gap
+    if gap is None or not gap < 0.1 * largest:
+        raise Failed(f"float16 gradients {gap} away from float32 ones (largest {largest:.1e}): they underflowed")
+    return (f"3 steps, loss scales {', '.join(f'{s:g}' for s in result.loss_scales)}, skipped {result.skipped or 'none'}"
+            f", gap from float32 {gap:.1e} of largest grad {largest:.1e}")
 
 
 def _subprocess(env: Env, args: list[str], cwd: Path, extra: dict[str, str] | None = None,

@@ -1,13 +1,13 @@
 """float16 loss scaling (Plan(loss_scale=...)): the rules as data, the refusal of float16 without a scale,
-scaled sharded training against one process where unscaled float16 gradients underflow, an overflow on one
-rank skipped on every rank, the scale kept through a checkpoint, and the training loop's host reads.
+scaled sharded training in a user's own loop (``model.step`` + its optimizer) against one process where unscaled
+float16 gradients underflow, an overflow on one rank skipped on every rank, ``sk.verify`` scaled as training is,
+the scale kept through a checkpoint, and the training loop's host reads.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import replace
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,7 +15,7 @@ from model_zoo import build_gpt4, tokens
 
 import shardkit as sk
 from shardkit.models.gpt import GPT_RULES, gpt_loss
-from shardkit.plan import FSDPOptions, Mesh, Plan, PlanError
+from shardkit.plan import FSDPOptions, Mesh, Pipeline, Plan, PlanError
 from shardkit.plan.loss_scale import (
     ScaleRule,
     ScaleState,
@@ -114,12 +114,19 @@ def test_plain_gradients_unscaled_and_an_overflow_skipped():
     with pytest.raises(sk.UsageError, match="unscale_ was called twice"):
         scaler.unscale_(model)
     before = model.weight.detach().clone()
-    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-    assert scaler.step(optimizer) is True and not torch.equal(model.weight, before)
-    model.weight.grad[0, 0] = math.nan  # an overflow: no step, the scale halves
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1.0, weight_decay=0.5)
+    assert scaler.update(model) is True and scaler.last_skipped is False
+    optimizer.step()
+    assert not torch.equal(model.weight, before)
+    model.weight.grad[0, 0] = math.nan  # an overflow: every gradient None, so the optimizer's step changes nothing
     scaler.unscale_(model)
-    before = model.weight.detach().clone()
-    assert scaler.step(optimizer) is False and torch.equal(model.weight, before)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    moments = [s["exp_avg"].clone() for s in optimizer.state.values()]
+    assert scaler.update(model) is False and scaler.last_skipped is True
+    assert all(p.grad is None for p in model.parameters())
+    optimizer.step()  # no weight decay, no moment moved either
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    assert all(torch.equal(s["exp_avg"], m) for s, m in zip(optimizer.state.values(), moments))
     assert (scaler.state_dict(), scaler.skipped) == ({"scale": 32768.0, "good_steps": 0}, 1)
 
 
@@ -127,6 +134,8 @@ def test_plain_gradients_unscaled_and_an_overflow_skipped():
 CASES = {
     "fsdp=2, 2 micro-batches, clipped": Plan(Mesh(fsdp=2), fsdp=FP16),
     "tp=2, clipped": Plan(Mesh(tp=2), rules=GPT_RULES, fsdp=FP16),
+    "pp=2, 2 micro-batches of the schedule, clipped": Plan(Mesh(pp=2), fsdp=FP16, pipeline=Pipeline(
+        split_points=["layers.2"], schedule="1f1b", microbatches=2)),
 }
 
 
@@ -157,36 +166,51 @@ def _error(weights: dict, reference: dict, start: dict, name: str) -> float:
 
 
 def _sharded(ctx, cases: list, max_norm: float) -> list:
-    """Each case: STEPS scaled steps through the training step; then one step whose gradients rank 1 poisons
-    with an inf before the unscale. Returns the weights after the scaled steps, whether the poisoned step
-    stepped, the weights after it, the scale before and after it, and the unscaled gradients' sum."""
+    """Each case in a user's own loop, nothing but ``sk.shard``, ``model.step``, ``sk.clip_grad_norm_`` and a torch
+    optimizer: STEPS steps (the plan's float16 scale applied by ``model.step``); then a step whose gradients rank 1
+    poisons with an inf before they are unscaled, followed by the optimizer's step as usual; then a step left
+    without ``zero_grad`` and another after it (refused). Returns the weights after the STEPS steps, whether the
+    poisoned step was skipped, the gradients it left, the weights after it, the scale before and after it, and
+    the refusal."""
     from shardkit.runtime.apply import full_state_dict
-    from shardkit.training.step import train_step
 
     out = []
-    batch = SimpleNamespace(inputs=tokens(8)[0], targets=tokens(8)[1])
     for name in cases:
         plan = CASES[name]
         ctx = replace(ctx, plan=plan)
+        inputs, targets = ctx.shard_batch(*tokens(8))
         model = sk.shard(build_gpt4(), plan, ctx)
         optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-        scaler = LossScaler.of(model, ctx.device)
-        micro = 2 if "micro" in name else 1
+        micro = 2 if "micro-batches," in name else 1
         for _ in range(STEPS):
-            train_step(model, ctx, batch, tiny_loss, optimizer, micro_steps=micro, max_norm=max_norm, scaler=scaler)
+            model.step(inputs, targets, tiny_loss, accumulate=micro)
+            sk.clip_grad_norm_(model, max_norm)
+            optimizer.step()
             optimizer.zero_grad()
         trained = full_state_dict(model)
-        unscaled = model.step(*ctx.shard_batch(batch.inputs, batch.targets), tiny_loss)  # no scale: underflows
-        underflow = sum(float(_local(p.grad).abs().sum()) for p in model.parameters())
-        optimizer.zero_grad()
-        del unscaled
+        scaler = model.loss_scaler
         before = scaler.state.scale
-        model.step(*ctx.shard_batch(batch.inputs, batch.targets), scaler.scaled(tiny_loss))
         if ctx.rank == 1:
-            _local(next(model.parameters()).grad).view(-1)[0] = math.inf
-        scaler.unscale_(model)
-        stepped = scaler.step(optimizer)
-        out.append((trained, stepped, full_state_dict(model), before, scaler.state.scale, underflow))
+            unscale = scaler.unscale_
+
+            def poisoned(module, unscale=unscale):
+                _local(next(module.parameters()).grad).view(-1)[0] = math.inf
+                return unscale(module)
+
+            scaler.unscale_ = poisoned
+        model.step(inputs, targets, tiny_loss)
+        scaler.__dict__.pop("unscale_", None)
+        skipped, left = scaler.last_skipped, [n for n, p in model.named_parameters() if p.grad is not None]
+        optimizer.step()  # the loop steps as usual: nothing moves
+        after, scale = full_state_dict(model), scaler.state.scale
+        model.step(inputs, targets, tiny_loss)
+        optimizer.step()  # no zero_grad: the next step would add scaled gradients to unscaled ones
+        try:
+            model.step(inputs, targets, tiny_loss)
+            refused = None
+        except sk.UsageError as error:
+            refused = str(error)
+        out.append((trained, skipped, left, after, before, scale, refused))
     return out
 
 
@@ -195,7 +219,7 @@ def _local(grad: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.world
-def test_scaled_float16_training_matches_one_process_and_overflow_skips_every_rank(world):
+def test_scaled_float16_user_loop_matches_one_process_and_overflow_skips_every_rank(world):
     reference, norm = _reference(scale=2.0**16)
     max_norm = norm / 2  # clipping happens, on the unscaled gradients (a scaled norm is 65536 times larger)
     reference, _ = _reference(scale=2.0**16, max_norm=max_norm)
@@ -207,14 +231,42 @@ def test_scaled_float16_training_matches_one_process_and_overflow_skips_every_ra
     tolerance = {n: max(0.02, 2 * _error(reference, exact, start, n)) for n in start}
     found = world(2).run(_sharded, list(CASES), max_norm)
     for i, name in enumerate(CASES):
-        for rank, (trained, stepped, after, before, scale, underflow) in enumerate(r[i] for r in found):
-            assert underflow == 0.0, f"{name}: the unscaled float16 gradients did not underflow"
+        for rank, (trained, skipped, left, after, before, scale, refused) in enumerate(r[i] for r in found):
             for n in trained:
                 error = _error(trained, reference, start, n)
                 assert error <= tolerance[n], f"{name}, rank {rank}: {n}'s update is {error:.1%} off one process's"
-            assert stepped is False, f"{name}: rank {rank} stepped although rank 1's gradients overflowed"
-            assert all(torch.equal(after[n], trained[n]) for n in trained)
+            assert skipped is True and left == [], f"{name}: rank {rank} kept gradients although rank 1's overflowed"
+            assert all(torch.equal(after[n], trained[n]) for n in trained), f"{name}: rank {rank}'s weights moved"
             assert (before, scale) == (2.0**16, 2.0**15), f"{name}: rank {rank}'s scale {before} -> {scale}"
+            assert refused is not None and "still holds the gradient of the previous step" in refused \
+                and "optimizer.zero_grad()" in refused and "accumulate=k" in refused, f"{name}: {refused}"
+
+
+def _overflowing_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return gpt_loss(logits.float(), targets)
+
+
+@pytest.mark.world
+def test_verify_scales_float16_as_training_does(world):
+    """sk.verify runs float16 under the plan's scale on both sides: the gradients no longer underflow (they are
+    float16's rounding away from float32's), and a step that overflows is skipped by both sides alike."""
+    shared = world(2)
+    result = sk.verify(build_gpt4, Plan(Mesh(fsdp=2), fsdp=FP16), tokens(8), loss_fn=tiny_loss, steps=2,
+                       optimizer="sgd", lr=LR, world=shared)
+    assert result.ok, str(result)
+    assert (result.loss_scales, result.skipped) == ([2.0**16, 2.0**16], [])
+    float32 = build_gpt4()
+    mixed_precision_backward(float32, *tokens(8), tiny_loss, Precision())
+    largest = max(p.grad.abs().max().item() for p in float32.parameters())
+    assert result.float32_gap < 0.1 * largest, "float16 gradients underflowed: the loss was not scaled"
+    assert "loss scale per step: 65536, 65536" in str(result)
+    # a fixed scale of 1e9 overflows float16 at every step: both sides skip, and verify says nothing was compared
+    skipping = sk.verify(build_gpt4, Plan(Mesh(fsdp=2), fsdp=FP16, loss_scale=1e9), tokens(8),
+                         loss_fn=_overflowing_loss, steps=2, world=shared)
+    assert skipping.skipped == [0, 1] and skipping.loss_scales == [1e9, 1e9], str(skipping)
+    assert skipping.problems == ["every step overflowed at its loss scale (1e+09, 1e+09), so no gradient was "
+                                 "compared: take more steps (a dynamic scale halves after each overflow) or write "
+                                 "a smaller fixed Plan(loss_scale=...)"], str(skipping)
 
 
 # -- the training loop: host reads, and the scale through a checkpoint ------------------------------------------
@@ -292,3 +344,12 @@ def test_training_loop_reads_the_host_only_when_asked_and_resumes_the_scale(worl
     resumed = world(2).run(_train_counting, prepare(again), plan=job.plan)
     assert resumed[0][0] == losses[3:], "a resumed run trains steps 4-5 as the whole run did"
     assert scale("ck2/step-00000005") == scale("ck/step-00000005"), "the scale and its good steps, resumed"
+
+
+def test_dry_run_of_a_float16_plan_measures_a_scaled_step():
+    """sk.dry_run's fake tensors hold no overflow flag to read: the scaled step it measures is one that steps."""
+    from shardkit.models.hf import build_tiny_llama
+
+    plan = Plan(Mesh(fsdp=2), fsdp=FSDPOptions(param_dtype="float16", reduce_dtype="float32"))
+    dry = sk.dry_run(build_tiny_llama, plan, world_size=2, batch=2, seq_len=16, ranks=(0,), estimate=False)
+    assert dry.ranks[0].memory["peak"] > 0

@@ -8,7 +8,8 @@ The order follows torchtitan's parallelize procedures, top to bottom:
 2. pipelines cut this rank's stage(s) first (:mod:`shardkit.runtime.pipeline`), which then
    parallelize the stage;
 3. tensor, context and data parallelism (:mod:`shardkit.runtime.parallelize`);
-4. the module's class gains ``step()`` and ``plan``.
+4. the module's class gains ``step()`` and ``plan``, and the plan's loss scale (float16:
+   :mod:`shardkit.runtime.loss_scaling`, applied by ``step()``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from ..planner.validate import ValidationReport, validate
 from .accumulation import gradient_sync_deferred, micro_batches
 from .batch_stats import refuse_micro_batches
 from .context import Context, current_context
+from .loss_scaling import LossScaler
 from .materialize import WeightSource, open_weights
 from .parallelize import parallelize, with_mixin
 from .pieces import full_parameter
@@ -40,10 +42,16 @@ class ShardedModule:
     """
 
     _sk_plan: Plan
+    _sk_loss_scaler: LossScaler | None
 
     @property
     def plan(self) -> Plan:
         return self._sk_plan
+
+    @property
+    def loss_scaler(self) -> LossScaler | None:
+        """The plan's loss scale (float16), which :meth:`step` applies; ``None`` when the plan scales nothing."""
+        return self._sk_loss_scaler
 
     def step(self, inputs: Any, targets: Any, loss_fn, accumulate: int = 1) -> torch.Tensor:
         """Forward and backward on this rank's batch; returns the loss averaged over all ranks.
@@ -52,7 +60,17 @@ class ShardedModule:
         another, each loss scaled by ``1/k``; data-parallel gradients are reduced only in the
         last backward (:mod:`shardkit.runtime.accumulation`). Gradients and loss equal one step
         on the whole batch (for a ``loss_fn`` that averages over the batch).
+
+        Under a loss scale (float16) the loss is scaled and the gradients unscaled here; after an
+        overflow on any rank every rank's gradients are ``None``, so the ``optimizer.step()`` that
+        follows changes nothing (:mod:`shardkit.runtime.loss_scaling`; ``model.loss_scaler.last_skipped``).
         """
+        scaler = self._sk_loss_scaler
+        if scaler is None:
+            return self._step(inputs, targets, loss_fn, accumulate)
+        return scaler.step_model(self, loss_fn, lambda scaled: self._step(inputs, targets, scaled, accumulate))
+
+    def _step(self, inputs: Any, targets: Any, loss_fn, accumulate: int) -> torch.Tensor:
         refuse_micro_batches(self, accumulate)
         *first, last = micro_batches(inputs, targets, accumulate)
         losses = []
@@ -147,6 +165,7 @@ def shard_validated(model: nn.Module, plan: Plan, ctx: Context, report: Validati
     sharded = with_mixin(parallelize(model, plan, ctx, report.layouts.params, report.facts, seed, source),
                          ShardedModule, "Sharded")
     sharded._sk_plan = plan
+    sharded._sk_loss_scaler = LossScaler.of(plan, ctx.device)
     return sharded
 
 

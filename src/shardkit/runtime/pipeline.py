@@ -38,6 +38,7 @@ from ..planner.pipeline_proof import decode_problems
 from ..planner.stages import StageAssignment, assign_stages
 from .batch_stats import refuse_micro_batches
 from .context import Context
+from .loss_scaling import LossScaler
 from .materialize import WeightSource
 from .parallelize import parallelize, with_mixin
 from .pipeline_runtime import PipelineRuntime
@@ -52,6 +53,7 @@ class PipelinedModule:
     """
 
     _sk_runtime: PipelineRuntime
+    _sk_loss_scaler: LossScaler | None
 
     @property
     def plan(self) -> Plan:
@@ -122,9 +124,21 @@ class PipelinedModule:
         backward of the mean loss would. ``accumulate=k``: the batch runs through the schedule
         as ``k`` equal parts, one after another (each split into the pipeline's microbatches),
         with data-parallel gradients reduced once, in the last backward: the same gradients.
+
+        Under a loss scale (float16) each micro-batch's loss is scaled on the last stage and the
+        gradients unscaled here, an overflow on any rank skipped on every rank, as for any sharded
+        model (:mod:`shardkit.runtime.loss_scaling`).
         """
         refuse_micro_batches(self, self._sk_runtime.microbatches * accumulate)
-        return self._sk_runtime.step(inputs, targets, loss_fn, accumulate)
+        scaler = self._sk_loss_scaler
+        if scaler is None:
+            return self._sk_runtime.step(inputs, targets, loss_fn, accumulate)
+        return scaler.step_model(self, loss_fn, lambda scaled: self._sk_runtime.step(inputs, targets, scaled, accumulate))
+
+    @property
+    def loss_scaler(self) -> LossScaler | None:
+        """The plan's loss scale (float16), which :meth:`step` applies; ``None`` when the plan scales nothing."""
+        return self._sk_loss_scaler
 
 
 def build_pipeline(model: nn.Module, plan: Plan, ctx: Context, layouts: dict[str, ParamLayout],
@@ -154,6 +168,7 @@ def build_pipeline(model: nn.Module, plan: Plan, ctx: Context, layouts: dict[str
     prune(model, keep, assignment)
     model = with_mixin(model, PipelinedModule, "Pipelined")
     model._sk_runtime = runtime
+    model._sk_loss_scaler = LossScaler.of(plan, ctx.device)
     held = {n for n, _ in model.named_parameters()}
     layouts = dict(layouts)
     for tie in assignment.ties:  # a tied parameter's copy in a later stage is laid out as its first name

@@ -14,6 +14,12 @@ must equal one process's on every rank), each step recomputed from the sharded r
 as from its weights. Dropout is off on both sides (:class:`~shardkit.runtime.dropout_off.DropoutOff`):
 a sharded run cannot draw one process's random masks, so with dropout the two would differ by
 the randomness, not by the sharding; the result says so in ``notes``.
+
+Under a loss scale (float16, ``Plan(loss_scale=...)``) the sharded run steps as training does
+(``model.step`` scales the loss, unscales the gradients, skips an overflowing step on every rank);
+the single process runs the same :class:`~shardkit.runtime.loss_scaling.LossScaler` on its own
+gradients, so each step's scale and skip decision are compared as well as its unscaled gradients;
+a skipped step must leave the weights as they were.
 """
 
 from __future__ import annotations
@@ -29,12 +35,10 @@ from torch import nn
 from ..families import family_of
 from ..plan import Plan, PlanError, UsageError
 from ..plan.dtypes import torch_dtype
-from ..planner.tensor_parallel import aliases
 from .context import Context
 from .dropout_off import DropoutOff
-from .materialize import materialize
-from .optimizer import optimizer as optimizer_for
-from .precision import Precision, mixed_precision_backward
+from .loss_scaling import LossScaler
+from .precision import Precision
 from .results import finished
 from .verify_inputs import (
     batch_pair,
@@ -47,6 +51,7 @@ from .verify_inputs import (
     checked_tolerances,
     world_size_of,
 )
+from .verify_reference import OPTIMIZERS, SingleProcess, make_optimizer
 from .world import LocalWorld, launch
 
 #: fp32 tolerances. Sharded reductions run in another order, so results differ in the last
@@ -76,7 +81,6 @@ def mixed_precision_tolerances(dtype: torch.dtype) -> dict[str, float]:
 
 #: :func:`mixed_precision_tolerances` of bf16: loss 3.1%, gradients 1e-5 + 7.8% of max|grad|.
 MIXED_PRECISION_TOLERANCES = mixed_precision_tolerances(torch.bfloat16)
-_OPTIMIZERS = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
 
 
 @dataclass(frozen=True)
@@ -100,7 +104,9 @@ class VerifyResult:
     ``losses`` are the single process's; ``float32_gap`` (mixed precision only) is the largest
     difference of the sharded run's first gradients from float32 ones: what the policy costs,
     and the proof that it was applied. ``notes``: how the comparison was made where it differs
-    from training (dropout switched off on both sides).
+    from training (dropout switched off on both sides). ``loss_scales`` (a loss scale, float16):
+    the scale each step ran at, the same on both sides; ``skipped``: the steps both skipped
+    (their gradients overflowed at that scale).
     """
 
     ok: bool
@@ -110,20 +116,20 @@ class VerifyResult:
     problems: list[str] = field(default_factory=list)
     float32_gap: float | None = None
     notes: list[str] = field(default_factory=list)
+    loss_scales: list[float] = field(default_factory=list)
+    skipped: list[int] = field(default_factory=list)
 
     def __str__(self) -> str:
         head = f"verify {'OK' if self.ok else 'FAILED'} (tolerances: {self.tolerances})"
         rows = [f"  step {s.step}: loss {s.loss:.2e}  grad {s.grad:.2e} ({s.worst_grad})  "
                 f"weight {s.weight:.2e} ({s.worst_weight})"
                 + (f"  buffer {s.buffer:.2e} ({s.worst_buffer})" if s.worst_buffer != "-" else "") for s in self.steps]
+        if self.loss_scales:
+            rows.append(f"  loss scale per step: {', '.join(f'{s:g}' for s in self.loss_scales)}; skipped "
+                        f"(overflow): {self.skipped or 'none'}")
         if self.float32_gap is not None:
             rows.append(f"  mixed precision: first gradients differ from float32 by up to {self.float32_gap:.2e}")
         return "\n".join([head, *rows, *[f"  note: {n}" for n in self.notes], *[f"  ! {p}" for p in self.problems]])
-
-
-def _make_optimizer(name: str, model: nn.Module, lr: float) -> torch.optim.Optimizer:
-    """The optimizer as training builds it (``sk.optimizer``: ZeRO-1's partitioned one under ``Plan(zero=1)``)."""
-    return optimizer_for(model, _OPTIMIZERS[name], lr=lr)
 
 
 def _tolerances(plan: Plan, overrides: Any) -> dict[str, float]:
@@ -139,69 +145,26 @@ def _plan_tolerances(plan: Plan) -> dict[str, float]:
     return mixed_precision_tolerances(max(dtypes, key=lambda d: torch.finfo(d).eps))
 
 
-# -- the two sides ---------------------------------------------------------------------------------
-class _SingleProcess:
-    """The single-device side: the model, batch, loss and optimizer in this process, in the plan's precision."""
-
-    def __init__(self, build_model: Callable[[], nn.Module], batch: tuple[torch.Tensor, torch.Tensor],
-                 loss_fn: Callable, optimizer: str, lr: float, precision: Precision):
-        self.model = build_model()
-        if any(p.device.type == "meta" for p in self.model.parameters()):
-            materialize(self.model, seed=0)  # as sk.shard does: the same weights whatever the plan
-        self.params = dict(self.model.named_parameters())
-        self.aliases = aliases(self.model)
-        self.batch, self.loss_fn, self.lr, self.precision = batch, loss_fn, lr, precision
-        self.optimizer = _make_optimizer(optimizer, self.model, lr)
-        self.dropouts = 0  # dropout calls switched off in the last backward
-
-    def backward(self, precision: Precision | None = None) -> tuple[float, dict[str, torch.Tensor]]:
-        """(loss, gradients) at the current weights, in ``precision`` (default: the plan's), dropout off."""
-        self.optimizer.zero_grad()
-        with DropoutOff() as off:
-            loss = mixed_precision_backward(self.model, *self.batch, self.loss_fn, precision or self.precision)
-        self.dropouts = off.calls
-        return loss.item(), {n: torch.zeros_like(p) if p.grad is None else p.grad.clone()
-                             for n, p in self.params.items()}
-
-    def load(self, weights: dict[str, torch.Tensor]) -> None:
-        with torch.no_grad():
-            for name, value in weights.items():
-                self.params[name].copy_(value)
-
-    def buffers(self) -> dict[str, torch.Tensor]:
-        return {n: b.detach().clone() for n, b in self.model.named_buffers()}
-
-    def load_buffers(self, buffers: dict[str, torch.Tensor]) -> None:
-        own = dict(self.model.named_buffers())
-        with torch.no_grad():
-            for name, value in buffers.items():
-                if name in own and own[name].shape == value.shape:
-                    own[name].copy_(value)
-
-    def update(self, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """One optimizer step from the current weights with ``grads``; returns the new weights."""
-        for name, p in self.params.items():  # a frozen parameter has no gradient (AdamW would decay it)
-            p.grad = grads[name].to(p.dtype).clone() if name in grads and p.requires_grad else None
-        self.optimizer.step()
-        return {n: p.detach().clone() for n, p in self.params.items()}
-
-
+# -- the sharded side -----------------------------------------------------------------------------------
 def _sharded_job(ctx: Context, build_model, batch, loss_fn, steps, optimizer, lr,
                  example_inputs: tuple | None = None) -> list[dict]:
     from .apply import full_grads, full_state_dict, shard
 
     model = shard(build_model(), ctx.plan, ctx, example_inputs=example_inputs)
-    opt = _make_optimizer(optimizer, model, lr)
+    opt = make_optimizer(optimizer, model, lr)
     inputs, targets = ctx.shard_batch(*batch)
+    scaler = model.loss_scaler  # float16: model.step scales, unscales and skips an overflow on every rank
     records = []
     for _ in range(steps):
         opt.zero_grad()
+        scale = None if scaler is None else scaler.state.scale
         with DropoutOff():
             loss = model.step(inputs, targets, loss_fn)
         grads = full_grads(model)
         opt.step()
         buffers = {n: finished(b).clone() for n, b in model.named_buffers()}
-        records.append({"loss": loss.item(), "grads": grads, "weights": full_state_dict(model), "buffers": buffers})
+        records.append({"loss": loss.item(), "grads": grads, "weights": full_state_dict(model), "buffers": buffers,
+                        "scale": scale, "skipped": scaler is not None and scaler.last_skipped})
     return records
 
 
@@ -265,7 +228,7 @@ def _max_diff(expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor], n
     return worst, where, within, compared
 
 
-def _compare_step(step: int, reference: _SingleProcess, first: tuple[float, dict[str, torch.Tensor]],
+def _compare_step(step: int, reference: SingleProcess, first: tuple[float, dict[str, torch.Tensor]],
                   per_rank: list[list[dict]], names: dict[str, str], tol: dict[str, float]) -> tuple[StepDiff, list[str]]:
     """One step: the sharded loss and gradients against ``first`` (the reference's at the same weights), then the
     sharded optimizer's weights against the reference's optimizer step with the sharded gradients."""
@@ -274,15 +237,30 @@ def _compare_step(step: int, reference: _SingleProcess, first: tuple[float, dict
     expected = reference.update(_by_reference(grads, names))
     loss = max((abs(r[step]["loss"] - ref_loss) for r in per_rank if step < len(r)), default=math.nan)
     loss_ok = loss <= tol["loss"] + tol["loss_rel"] * abs(ref_loss)
-    g, worst_grad, grad_ok, compared = _max_diff(ref_grads, grads, names, tol["grad"], tol["grad_rel"])
+    if reference.skipped:  # both skipped (else a scale problem below): no gradients, the weights unchanged
+        g, worst_grad, grad_ok, compared = 0.0, "- (step skipped)", True, 1
+    else:
+        g, worst_grad, grad_ok, compared = _max_diff(ref_grads, grads, names, tol["grad"], tol["grad_rel"])
     w, worst_weight, weight_ok, _ = _max_diff(expected, weights, names, tol["weight"] * reference.lr)
     bad = [what for what, good in (("loss", loss_ok), (f"gradient of {worst_grad}", grad_ok),
                                    (f"weight {worst_weight}", weight_ok)) if not good]
     problems = [f"step {step}: {', '.join(bad)} out of tolerance"] if bad else []
+    problems += _scale_problems(step, reference, per_rank)
     if not compared:
         problems.append(f"step {step}: no parameter was compared (the sharded run reported none that the model has)")
     b, worst_buffer, buffer_problems = _compare_buffers(step, reference.buffers(), per_rank, tol)
     return StepDiff(step, loss, g, w, worst_grad, worst_weight, b, worst_buffer), problems + buffer_problems
+
+
+def _scale_problems(step: int, reference: SingleProcess, per_rank: list[list[dict]]) -> list[str]:
+    """Each rank's loss scale and skip decision at ``step`` against one process's under the same scaler."""
+    if reference.scaler is None:
+        return []
+    return [f"step {step}: rank {rank} ran at loss scale {r[step]['scale']} and "
+            f"{'skipped' if r[step]['skipped'] else 'stepped'}, one process at {reference.scale:g} and "
+            f"{'skipped' if reference.skipped else 'stepped'} (the gradients overflowed on one side only)"
+            for rank, r in enumerate(per_rank)
+            if step < len(r) and (r[step]["scale"] != reference.scale or r[step]["skipped"] != reference.skipped)]
 
 
 def _compare_buffers(step: int, expected: dict[str, torch.Tensor], per_rank: list[list[dict]],
@@ -310,7 +288,7 @@ def _compare_buffers(step: int, expected: dict[str, torch.Tensor], per_rank: lis
     return worst, where, problems
 
 
-def _compare(reference: _SingleProcess, first: tuple[float, dict[str, torch.Tensor]], per_rank: list[list[dict]],
+def _compare(reference: SingleProcess, first: tuple[float, dict[str, torch.Tensor]], per_rank: list[list[dict]],
              steps: int, tol: dict[str, float]) -> VerifyResult:
     """Every step of the sharded run, replayed by ``reference`` from the sharded weights (``first``: step 0's loss
     and gradients, computed before the world ran)."""
@@ -318,7 +296,7 @@ def _compare(reference: _SingleProcess, first: tuple[float, dict[str, torch.Tens
                 for rank, records in enumerate(per_rank) if len(records or []) != steps]
     names, name_problems = _match_names(per_rank, reference.aliases)
     problems += name_problems
-    diffs, losses = [], []
+    diffs, losses, scales, skipped = [], [], [], []
     for step in range(steps):
         if step:
             reference.load(_by_reference(_gather(per_rank, step - 1, "weights"), names))
@@ -328,15 +306,27 @@ def _compare(reference: _SingleProcess, first: tuple[float, dict[str, torch.Tens
         diffs.append(diff)
         losses.append(first[0])
         problems += step_problems
-    return VerifyResult(not problems, diffs, tol, losses, problems)
+        if reference.scale is not None:
+            scales.append(reference.scale)
+            skipped += [step] if reference.skipped else []
+    if skipped and len(skipped) == steps:
+        problems.append(f"every step overflowed at its loss scale ({', '.join(f'{s:g}' for s in scales)}), so no "
+                        f"gradient was compared: take more steps (a dynamic scale halves after each overflow) or "
+                        f"write a smaller fixed Plan(loss_scale=...)")
+    return VerifyResult(not problems, diffs, tol, losses, problems, loss_scales=scales, skipped=skipped)
 
 
 def _check_precision_applied(result: VerifyResult, plan: Plan, float32_grads: dict[str, torch.Tensor],
                              per_rank: list[list[dict]], aliases: dict[str, str]) -> VerifyResult:
-    """``result`` with ``float32_gap``, and a problem if the sharded first gradients are float32 ones (within the
-    fp32 tolerances): the plan's mixed precision was not applied."""
+    """``result`` with ``float32_gap``, and a problem if the sharded first gradients (of the first step a loss scale
+    did not skip) are float32 ones (within the fp32 relative tolerance): the plan's mixed precision was not applied."""
     names, _ = _match_names(per_rank, aliases)
-    gap, _, as_float32, _ = _max_diff(float32_grads, _gather(per_rank, 0, "grads"), names, TOLERANCES["grad"],
+    # the first step not skipped by the loss scale: the steps skipped before it left the weights as they started
+    taken = next((s for s in range(len(result.steps)) if s not in result.skipped), None)
+    if taken is None:
+        return result
+    # relative only: float16 gradients of a small loss (the ones a loss scale saves) sit far below any absolute bound
+    gap, _, as_float32, _ = _max_diff(float32_grads, _gather(per_rank, taken, "grads"), names, 0.0,
                                       TOLERANCES["grad_rel"])
     problems = [f"the plan asks for mixed precision (param_dtype={plan.fsdp.param_dtype!r}, reduce_dtype="
                 f"{plan.fsdp.reduce_dtype!r}) but the sharded run's gradients equal float32 ones: the policy was not "
@@ -357,7 +347,9 @@ def verify(build_model: Callable[[], nn.Module], plan: Plan, batch: tuple[Any, A
     Tolerances: fp32 :data:`TOLERANCES` (loss 1e-5; gradients 1e-5 + 1e-4 x max|grad| per
     parameter; weights 0.01 x lr); with mixed precision :func:`mixed_precision_tolerances`
     (bf16: loss 3.1%; gradients 1e-5 + 7.8% x max|grad|; weights 0.01 x lr), and a check that
-    the policy was applied. ``tolerances={"grad": ...}`` overrides any of them. Every rank's buffers
+    the policy was applied (float16: loss 0.4%; gradients 1e-5 + 1% x max|grad|). Under a loss scale
+    (float16) both sides scale as ``model.step`` does, each step's scale and skip compared
+    (``result.loss_scales``, ``result.skipped``). ``tolerances={"grad": ...}`` overrides any of them. Every rank's buffers
     are compared after each step within the gradients' bounds, each named where it differs.
     Dropout is off on both sides (a sharded run cannot draw one process's masks); ``result.notes``
     says so when the model has any.
@@ -370,7 +362,7 @@ def verify(build_model: Callable[[], nn.Module], plan: Plan, batch: tuple[Any, A
     if not isinstance(plan, Plan):
         raise UsageError(f"verify(plan=...): plan must be a shardkit Plan, got {type(plan).__name__}")
     check_steps(steps)
-    check_optimizer(optimizer, tuple(_OPTIMIZERS))
+    check_optimizer(optimizer, tuple(OPTIMIZERS))
     check_lr(lr)
     tol = _tolerances(plan, tolerances)
     inputs, targets = batch_pair(batch)
@@ -388,8 +380,10 @@ def verify(build_model: Callable[[], nn.Module], plan: Plan, batch: tuple[Any, A
     if problems:
         raise PlanError(problems)
     # The single process runs step 0 before any process starts, so a wrong loss_fn is reported here.
-    reference = _SingleProcess(build_model, (inputs, targets), checked_loss(loss_fn), optimizer, lr,
-                               Precision.of(plan.fsdp))
+    scaling = plan.loss_scaling
+    scaler = None if scaling is None else LossScaler(scaling, torch.device("cpu"), alone=True)
+    reference = SingleProcess(build_model, (inputs, targets), checked_loss(loss_fn), optimizer, lr,
+                              Precision.of(plan.fsdp), scaler)
     start = reference.buffers()
     float32_grads = reference.backward(Precision())[1] if plan.fsdp.mixed_precision else None
     reference.load_buffers(start)  # that forward updated running statistics: step 0 starts from the same ones

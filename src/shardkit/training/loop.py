@@ -20,7 +20,6 @@ from ..checkpoint.store import load, save
 from ..observe.report import RankStats
 from ..runtime.context import Context
 from ..runtime.devices import StepTimer, clock
-from ..runtime.loss_scaling import LossScaler
 from .checks import CheckedJob
 from .model import model_builder, model_from_flag
 from .step import HostReads, RunLog, evaluate, lr_schedule, make_optimizer, train_step
@@ -47,7 +46,7 @@ def train_rank(ctx: Context, job: CheckedJob) -> tuple[RankStats, list]:
                                weight_decay=config.weight_decay,
                                momentum=config.momentum)  # ZeRO-1's partitioned optimizer under Plan(zero=1)
     _finish_setup(model)
-    scaler = LossScaler.of(model, ctx.device)  # float16: the plan's loss scale
+    scaler = model.loss_scaler  # float16: the plan's loss scale, which model.step applies
     first, position = 0, None
     reads, times = HostReads(), []
     tokens_per_step = config.batch_size * job.seq_len
@@ -82,7 +81,7 @@ def train_rank(ctx: Context, job: CheckedJob) -> tuple[RankStats, list]:
             # sees every op in Python, which slows the steps it counts.
             with comm if step == last or logged else nullcontext():
                 loss, norm = train_step(model, ctx, batch, entry.loss_fn, optimizer, micro_steps=config.grad_accum,
-                                        max_norm=config.clip_grad_norm, measure_norm=logged, scaler=scaler)
+                                        max_norm=config.clip_grad_norm, measure_norm=logged)
             lr = optimizer.param_groups[0]["lr"]
             if schedule is not None:
                 schedule.step()

@@ -2,7 +2,8 @@
 gradient accumulation, loss scaling, gradient-norm clipping, evaluation on held-out data, and the run's log.
 
 Accumulation and clipping are shardkit's own, pipeline-aware (``model.step(..., accumulate=k)``,
-``sk.clip_grad_norm_``); loss scaling (float16) is :mod:`shardkit.runtime.loss_scaling`'s, across every rank.
+``sk.clip_grad_norm_``); loss scaling (float16) is the sharded model's own ``model.step``
+(:mod:`shardkit.runtime.loss_scaling`, across every rank): the step reads ``model.loss_scaler``.
 
 The step keeps its numbers on the device: the loss and the gradient norm are read to the host only where
 someone asked for them (a log, an evaluation, a save, the end of the run), and then together in one read
@@ -23,7 +24,6 @@ from ..io.batch_stream import Batch
 from ..observe.metrics import MetricsWriter
 from ..runtime.clipping import clip_grad_norm_, grad_norm
 from ..runtime.context import Context
-from ..runtime.loss_scaling import LossScaler
 from ..runtime.optimizer import optimizer as sk_optimizer
 
 #: Losses held on the device at most, between two reads to the host (then read in one, to bound the memory).
@@ -81,24 +81,20 @@ def clip_grad_norm(model: nn.Module, max_norm: float | None) -> torch.Tensor:
 
 
 def train_step(model: nn.Module, ctx: Context, batch: Batch, loss_fn: Callable, optimizer: torch.optim.Optimizer,
-               *, micro_steps: int = 1, max_norm: float | None = None, measure_norm: bool = False,
-               scaler: LossScaler | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One optimizer step on a global batch: forward and backward in ``micro_steps`` parts, with ``scaler`` the
-    loss scaled and the gradients unscaled (overflow found over the whole world), then clipped to ``max_norm``
-    (or only measured with ``measure_norm``), then the optimizer step (skipped on every rank after an overflow).
+               *, micro_steps: int = 1, max_norm: float | None = None,
+               measure_norm: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One optimizer step on a global batch: forward and backward in ``micro_steps`` parts (under the plan's loss
+    scale, float16, the loss scaled and the gradients unscaled by ``model.step``, overflow found over the whole
+    world), then clipped to ``max_norm`` (or only measured with ``measure_norm``), then the optimizer step. A step
+    that overflowed on some rank is skipped on every rank, neither clipped nor measured (its norm ``None``).
     Returns the loss and the norm (``None`` when neither clipped nor measured) as device scalars: nothing is
-    read to the host but, with ``scaler``, the overflow flag."""
-    if scaler is None:
-        loss = accumulate(model, ctx, batch, loss_fn, micro_steps)
-    else:
-        scale = scaler.state.scale
-        loss = accumulate(model, ctx, batch, scaler.scaled(loss_fn), micro_steps) / scale
-        scaler.unscale_(model)  # before clipping: the norm is the true gradients'
+    read to the host but, under a loss scale, the overflow flag."""
+    loss = accumulate(model, ctx, batch, loss_fn, micro_steps)
+    scaler = model.loss_scaler
+    if scaler is not None and scaler.last_skipped:
+        return loss, None  # every gradient is None on every rank: nothing to clip or step
     norm = clip_grad_norm(model, max_norm) if max_norm is not None or measure_norm else None
-    if scaler is None:
-        optimizer.step()
-    else:
-        scaler.step(optimizer)
+    optimizer.step()
     return loss, norm
 
 
