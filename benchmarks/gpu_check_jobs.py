@@ -207,21 +207,26 @@ STEP_LOG = "GPU_CHECK_STEP_LOG"
 
 
 class WitnessedStepTimer(StepTimer):
-    """``devices.StepTimer`` as the training loop uses it, inside an independent :class:`_DeviceClock`
-    (CUDA events on a GPU): each step's (reported, witnessed) seconds go to ``$GPU_CHECK_STEP_LOG``.
-    The reported seconds are StepTimer's own, what ``shardkit train`` logs and prints."""
+    """``devices.StepTimer`` as the training loop uses it (marked at each step's end, read at the steps
+    whose numbers are shown), inside an independent :class:`_DeviceClock` (CUDA events on a GPU, waited
+    for at the step's end): each step's (reported, witnessed) seconds go to ``$GPU_CHECK_STEP_LOG`` when
+    the loop reads it. The reported seconds are StepTimer's own, what ``shardkit train`` logs and prints."""
 
     def start(self) -> WitnessedStepTimer:
         self._witness = _DeviceClock(self.device)
         self._witness.start()
         return super().start()
 
-    def stop(self) -> float:
-        seconds = super().stop()
-        witnessed = self._witness.stop()
+    def mark(self) -> WitnessedStepTimer:
+        super().mark()
+        self._witnessed = self._witness.stop()
+        return self
+
+    def seconds(self) -> float:
+        seconds = super().seconds()
         rank = dist.get_rank() if dist.is_initialized() else 0
         with open(os.environ[STEP_LOG], "a") as log:
-            log.write(json.dumps({"rank": rank, "reported": seconds, "witnessed": witnessed}) + "\n")
+            log.write(json.dumps({"rank": rank, "reported": seconds, "witnessed": self._witnessed}) + "\n")
         return seconds
 
 
