@@ -199,3 +199,16 @@ def test_shardkit_train_dry_run_runs_the_jobs_optimizer_and_accumulation(capsys,
     assert params > 0 and sgd["optimizer"] == 0 and abs(momentum["optimizer"] - params) < 16
     assert 2 * params - 16 < adamw["optimizer"] < 2 * params + 1024
     assert accumulated["optimizer"] == 0 and accumulated["activations"] < sgd["activations"]
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    (dict(optimizer="lion"), r"dry_run\(optimizer='lion'\) is unknown; valid: \['adam', 'adamw', 'sgd', 'sgd-momentum'\]"),
+    (dict(grad_accum=0), r"dry_run\(grad_accum=0\): give whole numbers >= 1"),
+    (dict(grad_accum=3), r"dry_run\(batch=8\) does not split into grad_accum=3 micro-steps over 2 data ranks"),
+    (dict(grad_accum=2, plan=sk.Plan(sk.Mesh(pp=2), pipeline=sk.Pipeline(microbatches=2))),
+     r"dry_run\(grad_accum=2\): a pipeline accumulates over its micro-batches"),
+])
+def test_a_dry_runs_optimizer_and_accumulation_are_checked_before_any_rank_runs(kwargs, message):
+    plan = kwargs.pop("plan", sk.Plan(sk.Mesh(fsdp=2)))
+    with pytest.raises((sk.UsageError, sk.PlanError), match=message):
+        sk.dry_run(build_tiny_llama, plan, world_size=2, batch=8, seq_len=SEQ, **kwargs)
