@@ -71,7 +71,7 @@ def checks() -> list[Check]:
     strategies = ["dp", "fsdp", "tp", "tp+sp", "sp", "ep", "hsdp", "fsdp x tp", "pp x fsdp x tp", "pp 1f1b",
                   "pp gpipe", "pp interleaved", "pp zbv", "zero=1", "recompute"]
     multi = [*((f"verify {s}", partial(jobs.verify_strategy, name=s), 60) for s in strategies),
-             ("sp=2 accumulator", jobs.sp_accumulator, 120), ("profile vs events", jobs.profile_events, 90),
+             ("sp=2 ring bf16 vs sdpa", jobs.ring_sp2_output, 90), ("sp=2 accumulator", jobs.sp_accumulator, 120), ("profile vs events", jobs.profile_events, 90),
              ("generate tp", jobs.generate_tp, 60), ("generate pp", jobs.generate_pp, 60),
              ("serve tp", jobs.serve_tp, 60), ("checkpoint fsdp", jobs.checkpoint_multi, 60),
              ("dry run vs cuda peak", jobs.dry_run_memory, 60), ("hung rank", jobs.hung_rank, 60),

@@ -231,21 +231,26 @@ STEP_LOG = "GPU_CHECK_STEP_LOG"
 
 
 class WitnessedStepTimer(StepTimer):
-    """``devices.StepTimer`` as the training loop uses it, inside an independent :class:`_DeviceClock`
-    (CUDA events on a GPU): each step's (reported, witnessed) seconds go to ``$GPU_CHECK_STEP_LOG``.
-    The reported seconds are StepTimer's own, what ``shardkit train`` logs and prints."""
+    """``devices.StepTimer`` as the training loop uses it (marked at each step's end, read at the steps
+    whose numbers are shown), inside an independent :class:`_DeviceClock` (CUDA events on a GPU, waited
+    for at the step's end): each step's (reported, witnessed) seconds go to ``$GPU_CHECK_STEP_LOG`` when
+    the loop reads it. The reported seconds are StepTimer's own, what ``shardkit train`` logs and prints."""
 
     def start(self) -> WitnessedStepTimer:
         self._witness = _DeviceClock(self.device)
         self._witness.start()
         return super().start()
 
-    def stop(self) -> float:
-        seconds = super().stop()
-        witnessed = self._witness.stop()
+    def mark(self) -> WitnessedStepTimer:
+        super().mark()
+        self._witnessed = self._witness.stop()
+        return self
+
+    def seconds(self) -> float:
+        seconds = super().seconds()
         rank = dist.get_rank() if dist.is_initialized() else 0
         with open(os.environ[STEP_LOG], "a") as log:
-            log.write(json.dumps({"rank": rank, "reported": seconds, "witnessed": witnessed}) + "\n")
+            log.write(json.dumps({"rank": rank, "reported": seconds, "witnessed": self._witnessed}) + "\n")
         return seconds
 
 
@@ -372,12 +377,15 @@ def _forward_backward(attention: Callable, q, k, v) -> tuple[torch.Tensor, list[
     return out.detach(), [q.grad, k.grad, v.grad]
 
 
-def _ring_job(ctx, lengths: tuple[int, ...], heads: int, head_dim: int, dtype_name: str) -> list[dict]:
-    """Ring attention over every rank of the world on each length, against SDPA on the whole sequence:
-    output and gradient errors (both against float32 SDPA) and each one's peak device memory."""
+def _ring_job(ctx, lengths: tuple[int, ...], heads: int, head_dim: int, dtype_name: str,
+              over_sp: bool = False) -> list[dict]:
+    """Ring attention over every rank of the world (``over_sp``: of the mesh's ``sp`` group) on each length,
+    against SDPA on the whole sequence: output and gradient errors (both against float32 SDPA) and each
+    one's peak device memory."""
     from shardkit.context_parallel import gather_sequence, ring_attention, shard_sequence
 
-    dtype, group, size = getattr(torch, dtype_name), dist.group.WORLD, ctx.world_size
+    dtype, group = getattr(torch, dtype_name), ctx.mesh["sp"].get_group() if over_sp else dist.group.WORLD
+    size = dist.get_world_size(group)
     found = []
     for length in lengths:
         q, k, v = _qkv(1, heads, length, head_dim, ctx.device, dtype)
@@ -385,7 +393,7 @@ def _ring_job(ctx, lengths: tuple[int, ...], heads: int, head_dim: int, dtype_na
                                                *(t.float() for t in (q, k, v)))
         (sdpa, sdpa_grads), sdpa_bytes = _peak_bytes(ctx.device, lambda q=q, k=k, v=v: _forward_backward(
             partial(F.scaled_dot_product_attention, is_causal=True), q, k, v))
-        local = [shard_sequence(t, ctx.rank, size, dim=2) for t in (q, k, v)]
+        local = [shard_sequence(t, dist.get_rank(group), size, dim=2) for t in (q, k, v)]
         (ring, ring_grads), ring_bytes = _peak_bytes(ctx.device, lambda local=local: _forward_backward(
             partial(ring_attention, group=group), *local))
         ring = gather_sequence(ring, group, dim=2)
@@ -426,6 +434,22 @@ def ring_output(env: Env) -> str:
                      f"{r['ring_grad_err']:.1e} (SDPA {r['sdpa_grad_err']:.1e})" for r in rows)
     if not all(_within_sdpa(r) for r in rows):
         raise Failed(f"bfloat16 ring attention further from float32 attention than SDPA: {text}")
+    return text
+
+
+def ring_sp2_output(env: Env) -> str:
+    """Ring attention in bfloat16 over an ``sp=2`` group (two ring blocks per rank, the diagonal one causal,
+    merged by their log-sum-exp; the flash kernel on CUDA) is as close to float32 attention on the whole
+    sequence as bfloat16 SDPA is, output and gradients: the row ``one: ring vs sdpa output`` runs one
+    block, with no merge across blocks; ``sp=2 accumulator`` runs float32 (the memory-efficient kernel)."""
+    _even(env)
+    s = env.sizes
+    rows = env.worlds(env.world).run(_ring_job, s.ring_lengths, s.ring_heads, s.ring_head_dim, "bfloat16", True,
+                                     plan=sk.Plan(sk.Mesh(dp=env.world // 2, sp=2)), timeout=env.limit_s)[0]
+    text = ", ".join(f"{r['length']} tokens over 2 ranks: err {r['ring_err']:.1e} (SDPA {r['sdpa_err']:.1e}), "
+                     f"grad {r['ring_grad_err']:.1e} (SDPA {r['sdpa_grad_err']:.1e})" for r in rows)
+    if not all(_within_sdpa(r) for r in rows):
+        raise Failed(f"bfloat16 sp=2 ring attention further from float32 attention than SDPA: {text}")
     return text
 
 

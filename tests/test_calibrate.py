@@ -142,13 +142,49 @@ def test_the_name_and_cache_key_say_the_launcher_backend_and_device_kind(monkeyp
     assert devices.device_kind(torch.device("cuda", 1)) == "nvidia-h100-80gb-hbm3"
     assert devices.device_kind(torch.device("cpu")) == "cpu"
     # the local world's file is keyed by the backend devices.py chooses and that backend's device
-    monkeypatch.setattr(calibrate_module, "choose_backend", lambda ranks: "nccl")
-    monkeypatch.setattr(calibrate_module, "device_kind", lambda device: f"{device.type}-kind")
+    monkeypatch.setattr(calibrate_module, "choose_backend", lambda ranks: "gloo")
     seen = []
     monkeypatch.setattr(calibrate_module, "calibrate", lambda world_size, **kwargs: seen.append(world_size) or
                         Hardware.preset("a100-80g"))
     calibrate_module.cached(2, Path("/nonexistent"), say=seen.append, recalibrate=True)
-    assert "local-2-nccl-cuda-kind.yaml" in seen[0] and seen[1] == 2
+    assert "local-2-gloo-cpu.yaml" in seen[0] and seen[1] == 2
+
+
+def test_the_cache_key_of_a_local_nccl_world_names_its_gpus_without_touching_cuda(monkeypatch, tmp_path):
+    """``--plan auto``'s kept hardware under NCCL: the GPUs' kind is asked of the world's ranks, and the
+    same world measures when no file is kept; this process starts no CUDA (no context on cuda:0)."""
+    def no_cuda(*args, **kwargs):
+        raise AssertionError("CUDA touched in the parent process")
+
+    for name in ("get_device_name", "get_device_properties", "init", "_lazy_init", "current_device", "set_device"):
+        monkeypatch.setattr(torch.cuda, name, no_cuda)
+
+    class World:
+        size, backend = 2, "nccl"
+
+        def __init__(self, size: int, backend: str) -> None:
+            assert (size, backend) == (2, "nccl")
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+    asked = []
+    monkeypatch.setattr(calibrate_module, "choose_backend", lambda ranks: "nccl")
+    monkeypatch.setattr(calibrate_module, "LocalWorld", World)
+    monkeypatch.setattr(calibrate_module, "launch", lambda job, world, ranks_on_host: asked.append(job) or
+                        [("nvidia-h200", 140 * 2**30, "memory: the total of each GPU")] * 2)
+    measured = []
+    monkeypatch.setattr(calibrate_module, "calibrate", lambda world_size, **kwargs: measured.append(kwargs) or
+                        Hardware.preset("h100-80g"))
+    kept = Hardware.preset("a100-80g")
+    kept.save(tmp_path / "local-2-nccl-nvidia-h200.yaml")
+    assert calibrate_module.cached(2, tmp_path, say=print).name == kept.name and not measured
+    assert asked == [probes.device_job]
+    calibrate_module.cached(2, tmp_path, say=print, recalibrate=True)
+    assert isinstance(measured[0]["world"], World)  # measured in the world that named the GPUs
 
 
 def test_per_process_throughput_is_the_slowest_rank_at_the_best_size():

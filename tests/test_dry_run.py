@@ -172,3 +172,43 @@ def test_a_dry_run_materialises_the_model_into_fake_tensors():
         sharded = sk.shard(model, plan, ctx)
         locals_ = [p.to_local() for p in sharded.parameters()]
     assert locals_ and all(isinstance(t, FakeTensor) for t in locals_)
+
+
+def _dry_run_rows(capsys, *flags: str) -> dict[str, int]:
+    """``shardkit train --dry-run`` of gpt-tiny on two FSDP ranks with ``flags``: rank 0's bytes by component."""
+    from shardkit.cli import main
+    from shardkit.plan.text import parse_bytes
+
+    assert main(["train", "--dry-run", "--model", "gpt-tiny", "--mesh", "fsdp=2", "--world-size", "2",
+                 "--batch-size", "4", "--seq-len", "16", *flags]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:] if line[:1].isalpha()]
+    return {row[0]: 0 if row[1] == "0" else parse_bytes("".join(row[1:3]))  # sizes to 10 bytes (two decimals)
+            for row in rows if row[0] in ("optimizer", "activations", "parameters")}
+
+
+def test_shardkit_train_dry_run_runs_the_jobs_optimizer_and_accumulation(capsys, tmp_path, no_processes):
+    # --optimizer and --grad-accum reach the dry run: AdamW keeps two states per parameter, SGD with
+    # momentum one, plain SGD none; two accumulation steps hold half the batch's activations at a time
+    adamw = _dry_run_rows(capsys)
+    sgd = _dry_run_rows(capsys, "--optimizer", "sgd")
+    job = tmp_path / "job.yaml"
+    job.write_text("optimizer: {name: sgd, momentum: 0.9}\n")
+    momentum = _dry_run_rows(capsys, "--config", str(job))
+    accumulated = _dry_run_rows(capsys, "--optimizer", "sgd", "--grad-accum", "2")
+    params = adamw["parameters"]  # float32 states shaped as the parameters' shards (AdamW's step counts beside)
+    assert params > 0 and sgd["optimizer"] == 0 and abs(momentum["optimizer"] - params) < 16
+    assert 2 * params - 16 < adamw["optimizer"] < 2 * params + 1024
+    assert accumulated["optimizer"] == 0 and accumulated["activations"] < sgd["activations"]
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    (dict(optimizer="lion"), r"dry_run\(optimizer='lion'\) is unknown; valid: \['adam', 'adamw', 'sgd', 'sgd-momentum'\]"),
+    (dict(grad_accum=0), r"dry_run\(grad_accum=0\): give whole numbers >= 1"),
+    (dict(grad_accum=3), r"dry_run\(batch=8\) does not split into grad_accum=3 micro-steps over 2 data ranks"),
+    (dict(grad_accum=2, plan=sk.Plan(sk.Mesh(pp=2), pipeline=sk.Pipeline(microbatches=2))),
+     r"dry_run\(grad_accum=2\): a pipeline accumulates over its micro-batches"),
+])
+def test_a_dry_runs_optimizer_and_accumulation_are_checked_before_any_rank_runs(kwargs, message):
+    plan = kwargs.pop("plan", sk.Plan(sk.Mesh(fsdp=2)))
+    with pytest.raises((sk.UsageError, sk.PlanError), match=message):
+        sk.dry_run(build_tiny_llama, plan, world_size=2, batch=8, seq_len=SEQ, **kwargs)

@@ -1,7 +1,7 @@
 """benchmarks/gpu_check.py, the check to run on a lent GPU machine, run here as it runs without one: on
 two CPU processes (gloo) at its tiny sizes, the rows whose code nothing else in the suite runs (the
 witnessed steps of ``shardkit train``, the step timer against the device clock, ring attention against
-SDPA, the sp=2 accumulator, the serving engine under tp with seeded sampling) and rows skipped for want
+SDPA (on one process, and in bfloat16 over two), the sp=2 accumulator, the serving engine under tp with seeded sampling) and rows skipped for want
 of CUDA or devices. The rows left out repeat what other tests run, or
 cost more than this file's share of the suite (``docs/gpu.md``, "Where each row runs"). The whole script:
 ``python benchmarks/gpu_check.py --world 2``."""
@@ -18,7 +18,8 @@ import pytest
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 ROWS = ["one: train cli", "one: step time vs events", "one: ring vs sdpa output", "one: ring vs sdpa memory",
-        "world: verify hsdp", "world: verify pp x fsdp x tp", "world: sp=2 accumulator", "world: serve tp"]
+        "world: verify hsdp", "world: verify pp x fsdp x tp", "world: sp=2 ring bf16 vs sdpa", "world: sp=2 accumulator",
+        "world: serve tp"]
 
 
 def _import_benchmarks(ctx, path: str) -> None:

@@ -64,8 +64,11 @@ def run(args: argparse.Namespace, config: TrainConfig) -> int:
                          f"{world_size - 1})")
     entry = model_from_flag(config.model)
     seq_len = config.seq_len or model_positions(config, entry, meta_model_from_flag(config.model, entry))
+    # the state the run's optimizer keeps: SGD's one tensor per parameter only with momentum
+    optimizer = "sgd-momentum" if config.optimizer == "sgd" and config.momentum else config.optimizer
     result = dry_run(entry.build, plan, world_size=world_size, batch=config.batch_size, seq_len=seq_len,
-                     ranks=args.ranks, loss_fn=entry.loss_fn, device_memory=args.device_memory)
+                     ranks=args.ranks, loss_fn=entry.loss_fn, optimizer=optimizer, device_memory=args.device_memory,
+                     grad_accum=config.grad_accum)
     print(result.summary())
     if result.overflows():
         print("shardkit train --dry-run: the plan does not fit", file=sys.stderr)

@@ -322,13 +322,25 @@ def cached(world_size: int | None, folder: Path | None, *, recalibrate: bool = F
 
     Under ``torchrun`` it is a collective: rank 0 alone reads the file or, every rank measuring the
     world together, writes it (atomically); every rank gets rank 0's :class:`Hardware`. Outside, the
-    local world of ``world_size`` processes is started only to measure it.
+    local world of ``world_size`` processes is started to measure it, and under NCCL to name its GPUs
+    (asked of its ranks, as :func:`_devices` asks: this process never touches a GPU), then measured
+    in that same world if no file is kept.
     """
     if in_torchrun():
         return _cached_in_torchrun(folder, recalibrate, say, kwargs)
     assert world_size is not None
     backend = choose_backend(world_size)
-    key = world_name("local", world_size, backend, device_kind(device_of(backend, 0)))
+    if backend != "nccl":  # gloo's ranks compute on the CPU
+        return _cached_local(world_size, backend, device_kind(device_of(backend, 0)), folder, recalibrate, say, kwargs)
+    with LocalWorld(world_size, backend=backend) as world:
+        kind = _devices(world, world_size)[0]
+        return _cached_local(world_size, backend, kind, folder, recalibrate, say, {**kwargs, "world": world})
+
+
+def _cached_local(world_size: int, backend: str, kind: str, folder: Path | None, recalibrate: bool,
+                  say: Callable[[str], None], kwargs: dict) -> Hardware:
+    """:func:`cached` of a local world whose devices are of ``kind``."""
+    key = world_name("local", world_size, backend, kind)
     file = None if folder is None else folder / f"{key}.yaml"
     if file is not None and file.exists() and not recalibrate:
         return Hardware.load(file)

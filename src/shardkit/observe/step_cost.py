@@ -224,23 +224,40 @@ class StepCost:
     """Bytes by component (:data:`COMPONENTS`) and collectives of what runs while entered, on
     ``model`` and ``optimizer`` (fake tensors or real ones).
 
+    ``accumulate``: the micro-steps of the step (``model.step(..., accumulate=k)``).
+
     >>> with StepCost(model, optimizer, plan.mesh) as cost:      # doctest: +SKIP
     ...     model.step(x, y, loss_fn); optimizer.step()
     >>> cost.memory()["activations"], cost.collectives()         # doctest: +SKIP
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, mesh: Mesh | None = None) -> None:
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, mesh: Mesh | None = None,
+                 accumulate: int = 1) -> None:
+        self._model, self._accumulate = model, accumulate
         self._tracker = _tracker(model, optimizer)
         self._log = CollectiveLog(mesh)
         self._end: dict[str, int] = {}
         self._peak = 0
+        self._handle: Any = None
 
     def __enter__(self) -> StepCost:
+        # torch's trackers refuse a second forward of the root in one tracked step ("multiple iterative
+        # calls"), as gradient accumulation (``accumulate`` > 1, no pipeline) runs: each forward of it
+        # starts the modules' own stats afresh (``reset_mod_stats``), which the step's bytes are not
+        # read from. A global hook, registered before the tracker's, runs before its module hooks.
+        def fresh_module_stats(module: nn.Module, args: Any) -> None:
+            if module is self._model:
+                self._tracker.reset_mod_stats()
+
+        if self._accumulate > 1:
+            self._handle = torch.nn.modules.module.register_module_forward_pre_hook(fresh_module_stats)
         self._tracker.__enter__()
         self._log.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if self._handle is not None:
+            self._handle.remove()
         self._log.__exit__(*exc)
         current = self._tracker.get_tracker_snapshot("current")
         self._end = _by_component(next(iter(current.values()), {}))

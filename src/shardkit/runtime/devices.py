@@ -195,7 +195,9 @@ def wall_ns(device: torch.device | None = None) -> int:
 
 class StepTimer:
     """Seconds one step takes on ``device``: CUDA events around it on a GPU (read once they have
-    run), ``perf_counter`` on the CPU.
+    run), ``perf_counter`` on the CPU. :meth:`stop` waits for the step's work; :meth:`mark` records
+    its end without waiting and :meth:`seconds` reads it later (:class:`StepTimes`: no host sync at
+    steps whose time nobody reads yet).
 
     >>> timer = StepTimer(torch.device("cpu")).start()
     >>> seconds = timer.stop()
@@ -205,6 +207,7 @@ class StepTimer:
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self._events: tuple[Any, Any] | None = None
         self._start = 0.0
+        self._seconds = 0.0
 
     def start(self) -> StepTimer:
         if self.device.type == "cuda":
@@ -214,14 +217,51 @@ class StepTimer:
             self._start = time.perf_counter()
         return self
 
-    def stop(self) -> float:
-        """The seconds since :meth:`start`, once the step's work has run."""
+    def mark(self) -> StepTimer:
+        """The step's end, without waiting for its work: an event recorded after it on a GPU, the
+        clock read on the CPU (whose work is done when the call returns)."""
+        if self._events is not None:
+            self._events[1].record()
+        else:
+            self._seconds = time.perf_counter() - self._start
+        return self
+
+    def seconds(self) -> float:
+        """The seconds from :meth:`start` to :meth:`mark`, once the step's work has run (on a GPU it
+        waits for the end event: a host sync, immediate if a later event was waited for already)."""
         if self._events is not None:
             begin, end = self._events
-            end.record()
             end.synchronize()
             return begin.elapsed_time(end) / 1000.0
-        return time.perf_counter() - self._start
+        return self._seconds
+
+    def stop(self) -> float:
+        """The seconds since :meth:`start`, once the step's work has run."""
+        return self.mark().seconds()
+
+
+class StepTimes:
+    """Steps timed and not read yet: each step's timer marked at its end (:meth:`add`), all read at
+    once where a number is asked for (:meth:`read`). On a GPU the steps between two reads run with no
+    host sync; the read waits for the last step's end event, and the earlier ones (the same stream,
+    recorded before it) have run by then.
+
+    >>> times = StepTimes(); times.add(0, StepTimer().start()); [step for step, _ in times.read()]
+    [0]
+    """
+
+    def __init__(self) -> None:
+        self._timers: list[tuple[int, StepTimer]] = []
+
+    def add(self, step: int, timer: StepTimer) -> None:
+        """``step`` ended now, timed by ``timer`` (started at its beginning)."""
+        self._timers.append((step, timer.mark()))
+
+    def read(self) -> list[tuple[int, float]]:
+        """``(step, seconds)`` of every step added since the last read, in order."""
+        found = [(step, timer.seconds()) for step, timer in self._timers]
+        self._timers.clear()
+        return found
 
 
 def memory_per_process(ranks_on_host: int) -> tuple[int, str]:
@@ -249,7 +289,7 @@ def peak_growth(device: torch.device, mark: int) -> int:
     return max(0, torch.cuda.max_memory_allocated(device) - mark)
 
 
-__all__ = ["BACKENDS", "GROUP_MARGIN_S", "INIT_DEVICE", "NO_LIMIT", "StepTimer", "choose_backend", "clock",
+__all__ = ["BACKENDS", "GROUP_MARGIN_S", "INIT_DEVICE", "NO_LIMIT", "StepTimer", "StepTimes", "choose_backend", "clock",
            "device_kind", "device_of", "gpu_count", "group_timeout", "group_timeout_for", "launcher_local_rank",
            "launcher_ranks_on_host", "memory_mark", "memory_per_process", "open_process_group", "peak_growth", "rank_device", "set_group_timeout",
            "synchronize", "to_device",

@@ -128,7 +128,8 @@ class DryRun:
 
 def dry_run(build: Callable[..., nn.Module] | Any, plan: Plan, *, world_size: int, batch: int, seq_len: int,
             ranks: Sequence[int] | None = None, loss_fn: Callable | None = None, optimizer: str = "adamw",
-            device_memory: int | None = None, hardware: Any = "h100-80g", estimate: bool = True) -> DryRun:
+            device_memory: int | None = None, hardware: Any = "h100-80g", estimate: bool = True,
+            grad_accum: int = 1) -> DryRun:
     """One training step of ranks ``ranks`` of a ``world_size``-process world under ``plan``, on fake
     tensors and torch's fake process group: exact bytes per component and collectives per rank,
     beside ``sk.estimate``'s memory for the same plan (``estimate=False`` skips it).
@@ -137,7 +138,10 @@ def dry_run(build: Callable[..., nn.Module] | Any, plan: Plan, *, world_size: in
     the global batch in sequences of ``seq_len`` tokens; ``ranks``: any ranks of the world, on any
     pipeline stage (default: :func:`default_ranks`, rank 0 and with a pipeline the last stage's
     too); ``device_memory``: bytes per device, to say which component overflows (default:
-    ``hardware``'s memory).
+    ``hardware``'s memory); ``optimizer``: ``adamw``, ``adam``, ``sgd`` (no state) or
+    ``sgd-momentum`` (one state per parameter); ``grad_accum``: gradient accumulation steps, each
+    micro-step a ``1/grad_accum`` part of every rank's batch (``sk.estimate``'s; refused with a
+    pipeline, which accumulates over its own micro-batches, as ``sk.estimate`` refuses it).
 
     >>> import shardkit as sk
     >>> from shardkit.models.hf import build_tiny_llama
@@ -151,18 +155,21 @@ def dry_run(build: Callable[..., nn.Module] | Any, plan: Plan, *, world_size: in
     from ..planner.estimate import estimate as sk_estimate
     from ..planner.hardware import hardware as as_hardware
     from ..planner.meta import meta_model
+    from ..planner.space import OPTIMIZER_STATES
     from ..planner.validate import validate
     from ..runtime.fake_world import StageMetas
 
     builder = _builder(build)
-    plan = _checked(plan, world_size, batch, seq_len, ranks)
+    plan = _checked(plan, world_size, batch, seq_len, ranks, grad_accum)
+    if optimizer not in OPTIMIZER_STATES:
+        raise UsageError(f"dry_run(optimizer={optimizer!r}) is unknown; valid: {sorted(OPTIMIZER_STATES)}")
     ranks = default_ranks(plan) if ranks is None else tuple(ranks)
     hw = as_hardware(hardware)
     # every check before any rank runs, and outside fake tensors, once: each rank shards a fresh meta
     # model with this report (a pipeline's stages are proven here, on a real miniature of the model)
     whole = meta_model(builder)  # checked and priced
     report = validate(plan, whole, world_size)
-    run = _Ranks(builder, plan, report, world_size, batch, seq_len, loss_fn or default_loss(), optimizer)
+    run = _Ranks(builder, plan, report, world_size, batch, seq_len, loss_fn or default_loss(), optimizer, grad_accum)
     costs = []
     for rank in ranks:
         start = time.process_time()
@@ -172,8 +179,9 @@ def dry_run(build: Callable[..., nn.Module] | Any, plan: Plan, *, world_size: in
     predicted = None
     if estimate:
         predicted = dict(sk_estimate(whole, plan, batch_size=batch, seq_len=seq_len, hardware=hw,
-                                     optimizer=optimizer, world_size=world_size).memory)
-        costs = [replace(cost, estimate=_estimate_in_place(whole, plan, cost.stages, batch, seq_len, hw, optimizer))
+                                     optimizer=optimizer, world_size=world_size, grad_accum=grad_accum).memory)
+        costs = [replace(cost, estimate=_estimate_in_place(whole, plan, cost.stages, batch, seq_len, hw, optimizer,
+                                                           grad_accum))
                  for cost in costs]
     return DryRun(plan, world_size, batch, seq_len, costs, predicted,
                   hw.memory if device_memory is None else device_memory)
@@ -209,9 +217,10 @@ class _Ranks:
     send their outputs' shapes (:meth:`receive`), which a later stage's rank receives."""
 
     def __init__(self, builder: Callable[[], nn.Module], plan: Plan, report: Any, world_size: int, batch: int,
-                 seq_len: int, loss_fn: Callable, optimizer: str) -> None:
+                 seq_len: int, loss_fn: Callable, optimizer: str, grad_accum: int) -> None:
         self.builder, self.plan, self.report, self.world_size = builder, plan, report, world_size
         self.batch, self.seq_len, self.loss_fn, self.optimizer = batch, seq_len, loss_fn, optimizer
+        self.grad_accum = grad_accum
         #: per coordinates on the axes other than ``pp``: what each stage sends forward
         self.sent: dict[tuple[int, ...], Any] = {}
 
@@ -236,7 +245,7 @@ class _Ranks:
         model = meta_model(self.builder)  # built outside fake tensors
         with fake_world(rank, self.world_size, self.plan, stages) as ctx:
             return measure_step(ctx, model, self.plan, self.batch, self.seq_len, self.loss_fn, self.optimizer,
-                                report=self.report)
+                                report=self.report, accumulate=self.grad_accum)
 
     def receive(self, rank: int) -> Any:
         """What ``rank``'s stages receive from the stages before them on other ranks (torch's
@@ -285,14 +294,14 @@ class _Ranks:
 
 
 def _estimate_in_place(whole: nn.Module, plan: Plan, stages: tuple[int, ...], batch: int, seq_len: int, hw: Any,
-                       optimizer: str) -> dict[str, int] | None:
+                       optimizer: str, grad_accum: int) -> dict[str, int] | None:
     """``sk.estimate``'s memory of a device holding ``stages`` (all of the model without a pipeline):
     the first stage's device, the last's, or both; ``None`` for a device holding neither (the
     estimate prices the first and the last)."""
     from ..planner.costs import Costs, Setting
     from ..planner.memory import memory_of
 
-    setting = Setting.of(plan)
+    setting = replace(Setting.of(plan), accumulation=grad_accum)
     if plan.pipeline is None:
         position = (True, True)
     else:
@@ -314,18 +323,26 @@ def _builder(build: Any) -> Callable[[], nn.Module]:
                      f"{type(build).__name__}")
 
 
-def _checked(plan: Any, world_size: Any, batch: Any, seq_len: Any, ranks: Sequence[int] | None) -> Plan:
+def _checked(plan: Any, world_size: Any, batch: Any, seq_len: Any, ranks: Sequence[int] | None,
+             grad_accum: Any) -> Plan:
     if not isinstance(plan, Plan):
         raise UsageError(f"dry_run(plan=...) must be a shardkit Plan, got {type(plan).__name__}")
     wrong = [f"{name}={value!r}" for name, value in (("world_size", world_size), ("batch", batch),
-                                                      ("seq_len", seq_len)) if type(value) is not int or value < 1]
+                                                      ("seq_len", seq_len), ("grad_accum", grad_accum))
+             if type(value) is not int or value < 1]
     if wrong:
         raise UsageError(f"dry_run({', '.join(wrong)}): give whole numbers >= 1")
     outside = [] if ranks is None else [r for r in ranks if type(r) is not int or not 0 <= r < world_size]
     if ranks is not None and (not ranks or outside):
         raise UsageError(f"dry_run(ranks={list(ranks)!r}): give one or more ranks from 0 to {world_size - 1}")
     plan = plan.resolved(world_size)
+    if grad_accum > 1 and plan.pipeline is not None:
+        raise UsageError(f"dry_run(grad_accum={grad_accum}): a pipeline accumulates over its micro-batches; raise "
+                         f"Pipeline(microbatches=...) instead")
     problems = plan.problems() + plan.batch_problems(batch, seq_len)
+    if not problems and batch % (plan.mesh.data_size * grad_accum):
+        problems.append(f"dry_run(batch={batch}) does not split into grad_accum={grad_accum} micro-steps over "
+                        f"{plan.mesh.data_size} data ranks; valid: a multiple of {plan.mesh.data_size * grad_accum}")
     if problems:
         from ..plan import PlanError
 

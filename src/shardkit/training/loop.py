@@ -19,7 +19,7 @@ from torch import nn
 from ..checkpoint.store import load, save
 from ..observe.report import RankStats
 from ..runtime.context import Context
-from ..runtime.devices import StepTimer, clock
+from ..runtime.devices import StepTimer, StepTimes, clock
 from .checks import CheckedJob
 from .model import model_builder, model_from_flag
 from .step import HostReads, RunLog, evaluate, lr_schedule, make_optimizer, train_step
@@ -68,6 +68,7 @@ def train_rank(ctx: Context, job: CheckedJob) -> tuple[RankStats, list]:
         eval_batches = None if job.eval_data is None else \
             list(job.eval_data.batches(config.batch_size, config.eval_batches))
         batches = job.data.batches(config.batch_size, config.steps - first, position)
+        pending = StepTimes()
         for step, batch in enumerate(batches, start=first):
             done = step + 1
             logged = log.due(done, config.steps)
@@ -76,7 +77,7 @@ def train_rank(ctx: Context, job: CheckedJob) -> tuple[RankStats, list]:
                                                   bool(config.save_every and done % config.save_every == 0))
             if step == last or logged:
                 comm.reset()
-            timer = StepTimer(ctx.device).start()  # synchronised on an accelerator (devices.py)
+            timer = StepTimer(ctx.device).start()  # CUDA events on a GPU, read at shown steps (StepTimes)
             # Communication is counted on the last (steady-state) step and on logged steps only: the counter
             # sees every op in Python, which slows the steps it counts.
             with comm if step == last or logged else nullcontext():
@@ -88,14 +89,18 @@ def train_rank(ctx: Context, job: CheckedJob) -> tuple[RankStats, list]:
             if step == last:
                 held = state_bytes(model, optimizer)  # grads still allocated
             optimizer.zero_grad()
-            seconds = timer.stop()
-            if step != last or not times:
-                times.append(seconds)
+            pending.add(step, timer)  # the step's end, read with the next numbers shown: no host sync here
             reads.add(loss)
             shown = logged or evaluating or saving or step == last  # a number someone asked for: read now
+            rate = None
+            if shown:
+                for timed, seconds in pending.read():
+                    if timed != last or not times:
+                        times.append(seconds)
+                    log.step_done(tokens_per_step, seconds)
+                rate = tokens_per_step / seconds
             (norm_value,) = reads.read(norm) if shown else (None,)
-            progress.advance(reads.last if shown else None, tokens_per_step / seconds)
-            log.step_done(tokens_per_step, seconds)
+            progress.advance(reads.last if shown else None, rate)
             if logged:
                 log.write(done, reads.last, lr, norm_value, memory.peak_bytes(), comm.totals())
             if evaluating:
@@ -157,10 +162,11 @@ class _Progress:
         if self.bar is not None:
             self.bar.update(self.task, completed=step)
 
-    def advance(self, loss: float | None, tokens_per_s: float) -> None:
-        """One step more; the stats shown change at steps whose loss was read (``loss`` not ``None``)."""
+    def advance(self, loss: float | None, tokens_per_s: float | None) -> None:
+        """One step more; the stats shown change at steps whose loss and time were read (not ``None``)."""
         if self.bar is not None:
-            stats = {} if loss is None else {"stats": f"loss {loss:.4f}  {tokens_per_s:,.0f} tok/s"}
+            stats = {} if loss is None or tokens_per_s is None else \
+                {"stats": f"loss {loss:.4f}  {tokens_per_s:,.0f} tok/s"}
             self.bar.update(self.task, advance=1, **stats)
 
     @contextmanager

@@ -27,7 +27,7 @@ def default_loss() -> Callable:
 
 def measure_step(ctx: Context, model: nn.Module, plan: Plan, batch: int, seq_len: int,
                  loss_fn: Callable | None = None, optimizer: str = "adamw",
-                 steps_before: int = 0, report: Any = None) -> tuple[dict[str, int], list[Collective]]:
+                 steps_before: int = 0, report: Any = None, accumulate: int = 1) -> tuple[dict[str, int], list[Collective]]:
     """Shard ``model`` (on meta) by ``plan`` in ``ctx``'s world, and run one training step of a global
     batch of ``batch`` random sequences of ``seq_len`` tokens under :class:`StepCost`: the rank's
     bytes by component and its collectives in a step that finds the optimizer state made, as every
@@ -35,18 +35,21 @@ def measure_step(ctx: Context, model: nn.Module, plan: Plan, batch: int, seq_len
     (:func:`_steady_state`), or with ``steps_before=k`` by running ``k`` whole steps (forward,
     backward and optimizer step) first, as a real run does (DDP's second step is one of its own:
     it rebuilds its gradient buckets). ``report``: ``sk.validate``'s of ``plan`` on a model built
-    as ``model`` (else ``sk.shard`` validates). The dry run calls it in its fake world; a real
-    world's job can call it too, and gets the same numbers (``tests/test_dry_run.py``)."""
+    as ``model`` (else ``sk.shard`` validates); ``optimizer``: a name of ``OPTIMIZER_STATES``
+    (:func:`step_optimizer`); ``accumulate``: the step's gradient accumulation steps
+    (``model.step(..., accumulate=k)``, as ``shardkit train --grad-accum k`` runs). The dry run calls
+    it in its fake world; a real world's job can call it too, and gets the same numbers
+    (``tests/test_dry_run.py``)."""
     loss_fn = loss_fn or default_loss()
     sharded, opt, inputs, targets = sharded_for_step(ctx, model, plan, batch, seq_len, optimizer, report)
     for _ in range(steps_before):
-        sharded.step(inputs, targets, loss_fn)
+        sharded.step(inputs, targets, loss_fn, accumulate=accumulate)
         opt.step()
         opt.zero_grad(set_to_none=True)
     if not steps_before:
-        _steady_state(sharded, opt, plan, inputs, targets, loss_fn)
-    with StepCost(sharded, opt, plan.mesh) as cost:
-        sharded.step(inputs, targets, loss_fn)
+        _steady_state(sharded, opt, plan, inputs, targets, loss_fn, accumulate)
+    with StepCost(sharded, opt, plan.mesh, accumulate) as cost:
+        sharded.step(inputs, targets, loss_fn, accumulate=accumulate)
         opt.step()
     return cost.memory(), cost.collectives()
 
@@ -59,19 +62,38 @@ def sharded_for_step(ctx: Context, model: nn.Module, plan: Plan, batch: int, seq
 
     from ..families import token_sizes
     from ..runtime.apply import shard, shard_validated
-    from .step import make_optimizer
 
     vocab = token_sizes(model)[0] or 2
     ctx = replace(ctx, plan=plan)  # the batch splits over this plan's data ranks
     sharded = shard(model, plan, ctx) if report is None else shard_validated(model, plan, ctx, report)
-    opt = make_optimizer(sharded, optimizer, 1e-4)
+    opt = step_optimizer(sharded, optimizer)
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, vocab, (batch, seq_len + 1), generator=generator)
     inputs, targets = ctx.shard_batch(tokens[:, :-1], tokens[:, 1:])
     return sharded, opt, inputs, targets
 
 
-def _steady_state(model: nn.Module, opt: Any, plan: Plan, inputs: Any, targets: Any, loss_fn: Callable) -> None:
+def step_optimizer(model: nn.Module, name: str) -> Any:
+    """The optimizer ``name`` (a key of ``OPTIMIZER_STATES``: ``adamw``, ``adam``, ``sgd``,
+    ``sgd-momentum``) over ``model``'s parameters through ``sk.optimizer``, keeping the state the
+    estimate prices for it: two tensors per parameter for Adam(W), one for SGD with momentum (0.9:
+    the state's size does not depend on it), none for plain SGD."""
+    import torch
+
+    from ..plan import UsageError
+    from ..planner.space import OPTIMIZER_STATES
+    from ..runtime.optimizer import optimizer as sk_optimizer
+
+    kinds = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD,
+             "sgd-momentum": torch.optim.SGD}
+    if name not in kinds:
+        raise UsageError(f"optimizer={name!r} is unknown; valid: {sorted(OPTIMIZER_STATES)}")
+    settings = {"momentum": 0.9} if name == "sgd-momentum" else {}
+    return sk_optimizer(model, kinds[name], lr=1e-4, **settings)
+
+
+def _steady_state(model: nn.Module, opt: Any, plan: Plan, inputs: Any, targets: Any, loss_fn: Callable,
+                  accumulate: int = 1) -> None:
     """What the first step leaves for the next, without running it: with a pipeline, torch's stages
     initialised (:func:`_initialise_stages`); DDP made (torch's composable ``replicate`` makes it in
     its first forward, with a broadcast of the parameters and a check of their shapes across ranks);
@@ -79,7 +101,7 @@ def _steady_state(model: nn.Module, opt: Any, plan: Plan, inputs: Any, targets: 
     from torch.distributed._composable import replicate
 
     if plan.pipeline is not None:
-        _initialise_stages(model, inputs, targets, loss_fn)
+        _initialise_stages(model, inputs, targets, loss_fn, accumulate)
     ddp = replicate.state(model)
     if ddp is not None and not ddp.has_initialized:
         ddp.lazy_init()
@@ -90,7 +112,7 @@ class _StagesReady(Exception):
     """Raised by :func:`_initialise_stages` to leave a step once torch's stages are initialised."""
 
 
-def _initialise_stages(model: nn.Module, inputs: Any, targets: Any, loss_fn: Callable) -> None:
+def _initialise_stages(model: nn.Module, inputs: Any, targets: Any, loss_fn: Callable, accumulate: int = 1) -> None:
     """torch's pipeline stages as their first step leaves them: on that step, before any
     micro-batch, the schedule infers the stages' shapes (with ``autograd.grad``, which the memory
     tracker's module hooks refuse) and makes their receive buffers. The step runs up to there
@@ -107,7 +129,7 @@ def _initialise_stages(model: nn.Module, inputs: Any, targets: Any, loss_fn: Cal
 
     setattr(schedule, name, then_stop)
     try:
-        model.step(inputs, targets, loss_fn)
+        model.step(inputs, targets, loss_fn, accumulate=accumulate)
     except _StagesReady:
         pass
     finally:
@@ -159,4 +181,4 @@ def _stand_in(p: Any) -> Any:
     return local
 
 
-__all__ = ["default_loss", "measure_step", "sharded_for_step"]
+__all__ = ["default_loss", "measure_step", "sharded_for_step", "step_optimizer"]
