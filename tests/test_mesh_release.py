@@ -127,9 +127,13 @@ def _nothing(ctx) -> int:
     return _live_groups()
 
 
-def test_many_plans_free_their_groups_and_a_plan_made_again_trains_as_a_fresh_one(world):
-    w = world(4)
-    w.run(_nothing)  # what earlier tests left is freed when it ends
+def test_many_plans_free_their_groups_and_a_plan_made_again_trains_as_a_fresh_one():
+    # a world of its own: a model another test's job left alive in a shared world keeps its meshes, rightly
+    with sk.LocalWorld(4) as w:
+        _many_plans(w)
+
+
+def _many_plans(w) -> None:
     alone = w.run(_nothing)[0]
     assert alone == 1  # the world's group only
     fresh, _ = w.run(_train, 2, True, plan=PP_TP)[0]  # its model kept
