@@ -17,6 +17,7 @@ each call's group by the mesh axes its ranks span.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +46,14 @@ STATE = ("parameters", "gradients", "optimizer")
 def _by_component(snapshot: dict[Any, int]) -> dict[str, int]:
     names = {getattr(key, "name", key): size for key, size in snapshot.items()}
     return {part: sum(names.get(c, 0) for c in kinds) for part, kinds in COMPONENTS.items()}
+
+
+def _buffer_kind(tracker: Any) -> Any:
+    """The tracker's category for a buffer (``BUFFER`` of its own reference types)."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
+    from torch.distributed._tools.mem_tracker import _MemRefType
+
+    return _FSDPRefType.BUFFER if isinstance(tracker, FSDPMemTracker) else _MemRefType.BUFFER
 
 
 def _unsharded_grad() -> Any:
@@ -229,14 +238,20 @@ class StepCost:
     >>> cost.memory()["activations"], cost.collectives()         # doctest: +SKIP
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, mesh: Mesh | None = None) -> None:
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, mesh: Mesh | None = None,
+                 buffers: Sequence[torch.Tensor] = ()) -> None:
         self._tracker = _tracker(model, optimizer)
         self._log = CollectiveLog(mesh)
+        self._buffers = list(buffers)
         self._end: dict[str, int] = {}
         self._peak = 0
 
     def __enter__(self) -> StepCost:
         self._tracker.__enter__()
+        # tensors made before the step that it reuses (a pipeline's receive buffers): "other" from the start,
+        # not an activation when the step first writes them
+        for tensor in self._buffers:
+            self._tracker._update_and_maybe_create_winfos(tensor, _buffer_kind(self._tracker))
         self._log.__enter__()
         return self
 

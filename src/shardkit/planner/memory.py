@@ -24,7 +24,7 @@ list with the reasons):
   in flight: no pipeline 1; GPipe m; 1F1B min(m, p); interleaved min(m, p)(1 + (p-1)/(p v)));
   what the backward allocates (the loss's and the head's gradients, a block's).
 - ``buffers``: communication buffers: a pipeline stage keeps a receive buffer for every
-  micro-batch's hidden states, and one for their gradients.
+  micro-batch's hidden states (but the first stage), and one for their gradients (but the last).
 - ``overhead``: the allocator's slack, ``ALLOCATOR_OVERHEAD`` of the tensors, and the device's
   ``reserved`` bytes.
 - ``total``: the state, ``buffers``, the step's largest phase (the three step components at one
@@ -270,7 +270,8 @@ def memory_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer
         # ZeRO-1: torch's ZeroRedundancyOptimizer gives each dp rank the state of 1/dp of the parameters
         optimized = -(-params // s.dp) * master if s.zero == 1 else stored
         phases = step_phases(n, s, tokens, first, last, params, compute, reduce, scale).values()
-        buffers = int(2 * s.virtual * s.microbatches * tokens * n.hidden * compute) if s.pp > 1 else 0
+        # a receive buffer per micro-batch for each stage's inputs (but the first's) and their gradients (but the last's)
+        buffers = int((2 * s.virtual - first - last) * s.microbatches * tokens * n.hidden * compute) if s.pp > 1 else 0
         memory = {"parameters": stored, "gradients": stored, "optimizer": states * optimized}
         memory.update({part: int(max(p[part] for p in phases)) for part in STEP_KEYS})
         memory["buffers"] = buffers
