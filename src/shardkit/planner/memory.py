@@ -181,9 +181,9 @@ def step_phases(n: Numbers, s: Setting, tokens: float, first: bool, last: bool, 
         # log-softmax and of the logits
         phases["loss"] = {"gathered": accumulated, "activations": later + head_act + kept, "temporaries": 2 * logits}
         # the head's backward: the logits' gradient, the weight's gradient (a split head's: its rows, from
-        # its columns of the logits' gradient), the input's (and its sum over tp) and the final norm's,
-        # which transformers' norms compute in float32
-        # (a split head's logits' gradient is freed once its columns are copied out: at most the larger moment)
+        # its columns of the logits' gradient, which it copies out and then frees the whole: the larger of
+        # the two moments), the input's (and its sum over tp) and the final norm's, which transformers' norms
+        # compute in float32
         input_grad = n.hidden * tokens * (compute * (2 if s.tp > 1 else 1) + 4)
         if split_head:
             head_grads = max(logits * (1 + 1 / s.tp), logits / s.tp + head * compute + input_grad)
