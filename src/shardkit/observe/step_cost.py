@@ -113,6 +113,17 @@ def _tracker(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Any:
                     if size > peaks[part]:
                         peaks[part] = size
 
+        def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
+            # a pipeline stage's module runs once per micro-batch before its backward, which torch's
+            # MemTracker takes for a root module called in the next iteration and refuses ("does not
+            # support memory tracking for multiple iterative calls"): each call is tracked as a new one
+            # (only the per-module statistics, which nothing here reads, start again)
+            if base is MemTracker and module in self.memory_tracking and not self._mod_tracker.is_bw:
+                name = self._mod_tracker.get_known_fqn(module)
+                if set(self._mod_tracker.parents) - {name} == {"Global"}:
+                    del self.memory_tracking[module]
+            super()._pre_fw_hook(module, inputs)
+
         def _fsdp_param_group_post_backward(self, fsdp_mod: Any, orig: Any) -> Any:
             # FSDP2 keeps the gradients it accumulates without a reduce-scatter (a pipeline's
             # micro-batches) in the reduce dtype as ``unsharded_accumulated_grad``, which torch's
