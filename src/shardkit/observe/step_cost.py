@@ -17,6 +17,7 @@ each call's group by the mesh axes its ranks span.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +46,14 @@ STATE = ("parameters", "gradients", "optimizer")
 def _by_component(snapshot: dict[Any, int]) -> dict[str, int]:
     names = {getattr(key, "name", key): size for key, size in snapshot.items()}
     return {part: sum(names.get(c, 0) for c in kinds) for part, kinds in COMPONENTS.items()}
+
+
+def _buffer_kind(tracker: Any) -> Any:
+    """The tracker's category for a buffer (``BUFFER`` of its own reference types)."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
+    from torch.distributed._tools.mem_tracker import _MemRefType
+
+    return _FSDPRefType.BUFFER if isinstance(tracker, FSDPMemTracker) else _MemRefType.BUFFER
 
 
 def _unsharded_grad() -> Any:
@@ -103,6 +112,17 @@ def _tracker(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Any:
                 for part, size in sizes.items():
                     if size > peaks[part]:
                         peaks[part] = size
+
+        def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
+            # a pipeline stage's module runs once per micro-batch before its backward, which torch's
+            # MemTracker takes for a root module called in the next iteration and refuses ("does not
+            # support memory tracking for multiple iterative calls"): each call is tracked as a new one
+            # (only the per-module statistics, which nothing here reads, start again)
+            if base is MemTracker and module in self.memory_tracking and not self._mod_tracker.is_bw:
+                name = self._mod_tracker.get_known_fqn(module)
+                if set(self._mod_tracker.parents) - {name} == {"Global"}:
+                    del self.memory_tracking[module]
+            super()._pre_fw_hook(module, inputs)
 
         def _fsdp_param_group_post_backward(self, fsdp_mod: Any, orig: Any) -> Any:
             # FSDP2 keeps the gradients it accumulates without a reduce-scatter (a pipeline's
@@ -232,10 +252,11 @@ class StepCost:
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, mesh: Mesh | None = None,
-                 accumulate: int = 1) -> None:
+                 accumulate: int = 1, buffers: Sequence[torch.Tensor] = ()) -> None:
         self._model, self._accumulate = model, accumulate
         self._tracker = _tracker(model, optimizer)
         self._log = CollectiveLog(mesh)
+        self._buffers = list(buffers)
         self._end: dict[str, int] = {}
         self._peak = 0
         self._handle: Any = None
@@ -252,6 +273,10 @@ class StepCost:
         if self._accumulate > 1:
             self._handle = torch.nn.modules.module.register_module_forward_pre_hook(fresh_module_stats)
         self._tracker.__enter__()
+        # tensors made before the step that it reuses (a pipeline's receive buffers): "other" from the start,
+        # not an activation when the step first writes them
+        for tensor in self._buffers:
+            self._tracker._update_and_maybe_create_winfos(tensor, _buffer_kind(self._tracker))
         self._log.__enter__()
         return self
 

@@ -24,7 +24,7 @@ list with the reasons):
   in flight: no pipeline 1; GPipe m; 1F1B min(m, p); interleaved min(m, p)(1 + (p-1)/(p v)));
   what the backward allocates (the loss's and the head's gradients, a block's).
 - ``buffers``: communication buffers: a pipeline stage keeps a receive buffer for every
-  micro-batch's hidden states, and one for their gradients.
+  micro-batch's hidden states (but the first stage), and one for their gradients (but the last).
 - ``overhead``: the allocator's slack, ``ALLOCATOR_OVERHEAD`` of the tensors, and the device's
   ``reserved`` bytes.
 - ``total``: the state, ``buffers``, the step's largest phase (the three step components at one
@@ -162,21 +162,35 @@ def step_phases(n: Numbers, s: Setting, tokens: float, first: bool, last: bool, 
     # a micro-batch's backward after the first finds the gradients accumulated and one micro-batch fewer in flight
     later = held * (inflight - 1) / inflight if s.pp > 1 and inflight > 1 else held
     steady = accumulated if s.microbatches > inflight or s.accumulation > 1 else 0  # a forward after a backward
+    # a pipeline's last stage: torch's schedule keeps the stage's output (the logits) from its forward until the
+    # next micro-batch's forward returns, through their loss's and head's backward
+    kept = logits if last and s.pp > 1 else 0
+    previous = kept if s.microbatches > 1 else 0  # beside the next micro-batch's forward
     phases = {"forward": {"gathered": gathered_root + (live if not s.reshard else 0) + steady,
                           "activations": held, "temporaries": 0.0}}
+    if fsdp:  # a forward's start: the root unit's and the first block's all-gather outputs and their parameters
+        phases["forward start"] = {"gathered": steady + 2 * (gathered_root + unit * compute),
+                                   "activations": held * (inflight - 1) / inflight + previous, "temporaries": 0.0}
     if last:
         head_act = n.head_act * tokens * scale
-        phases["forward"]["activations"] += head_act + logits * (1 + 1 / s.tp if split_head else 1)
+        # a split head gathers its logits (its columns, the gathered and the concatenated) beside the previous
+        # micro-batch's (an unsplit head's are no more than its loss's, the logits and their log-softmax)
+        phases["forward"]["activations"] += head_act + logits * (1 + 1 / s.tp if split_head else 1) \
+            + (previous if split_head else 0)
         # the loss's backward (the root unit resharded after its forward): the gradients of the
         # log-softmax and of the logits
-        phases["loss"] = {"gathered": accumulated, "activations": later + head_act, "temporaries": 2 * logits}
+        phases["loss"] = {"gathered": accumulated, "activations": later + head_act + kept, "temporaries": 2 * logits}
         # the head's backward: the logits' gradient, the weight's gradient (a split head's: its rows, from
-        # its columns of the logits' gradient), the input's (and its sum over tp) and the final norm's,
-        # which transformers' norms compute in float32
-        weight_grad = (head * compute + logits / s.tp) if split_head else whole * compute
+        # its columns of the logits' gradient, which it copies out and then frees the whole: the larger of
+        # the two moments), the input's (and its sum over tp) and the final norm's, which transformers' norms
+        # compute in float32
         input_grad = n.hidden * tokens * (compute * (2 if s.tp > 1 else 1) + 4)
-        phases["head"] = {"gathered": gathered_root + live / 2 + accumulated, "activations": later,
-                          "temporaries": logits + weight_grad + input_grad}
+        if split_head:
+            head_grads = max(logits * (1 + 1 / s.tp), logits / s.tp + head * compute + input_grad)
+        else:
+            head_grads = logits + whole * compute + input_grad
+        phases["head"] = {"gathered": gathered_root + live / 2 + accumulated, "activations": later + kept,
+                          "temporaries": head_grads}
     # a block's backward (with full recompute, one block rebuilt): its gradients, filed with the
     # temporaries until its post-backward, and its transient ones; the head's gradients are filed with the
     # temporaries until the root's post-backward
@@ -192,18 +206,30 @@ def step_phases(n: Numbers, s: Setting, tokens: float, first: bool, last: bool, 
                                    "activations": later, "temporaries": root_grads}
         phases["reduce-scatter"] = {"gathered": gathered_root + live - unit * compute + grads + accumulated,
                                     "activations": later, "temporaries": scatter * (1 + 1 / s.shards) + root_grads}
-    if first and fsdp:  # the root's post-backward: its gradients (the embedding's whole), the last block's
-        # reduce-scatter input or the accumulated gradients, and the embedding's first upcast to the reduce dtype
-        phases["end"] = {"gathered": gathered_root + (embedding_grad + (head if last else 0)) * compute
-                         + (accumulated or scatter), "activations": 0.0,
-                         "temporaries": embedding_grad * reduce if accumulated and reduce != compute else 0.0}
-        # then its reduce-scatter: the input and output, and with accumulated gradients the rank's rows of
-        # the embedding's whole gradient copied out (without, they are a view of it: a real run measures no copy)
+    if first and fsdp:
+        root_grad = embedding_grad + (head if last else 0)  # the root's gradients (the embedding's whole)
+        # with accumulated gradients, the rank's rows of the embedding's whole gradient, copied out for its
+        # reduce-scatter (without, they are a view of it: a real run measures no copy)
         rows = n.embedding_params if accumulated and embedding_grad > n.embedding_params else 0
+        # the root's post-backward: its gradients, the last block's reduce-scatter input, and with accumulated
+        # gradients the root's (the last micro-batch's backward reduce-scattered the blocks' as it went)
+        phases["end"] = {"gathered": gathered_root + root_grad * compute + (root_grad * reduce if accumulated else 0)
+                         + scatter, "activations": 0.0, "temporaries": rows * reduce}
+        # with accumulated gradients, earlier micro-batches' (the micro-batches still in flight beside them): the
+        # first's, every block's gradients accumulated and the root's upcast to the reduce dtype (its parameters
+        # resharded); the second's (of three or more), every gradient accumulated
+        if accumulated and reduce != compute:
+            phases["end, first micro-batch"] = {"gathered": accumulated - root_grad * reduce + root_grad * compute,
+                                                "activations": held * (inflight - 1) / inflight,
+                                                "temporaries": root_grad * reduce}
+        if accumulated and s.microbatches * s.accumulation > 2:
+            phases["end, second micro-batch"] = {
+                "gathered": gathered_root + root_grad * compute + accumulated,
+                "activations": held * max(min(s.microbatches, inflight + 1) - 2, 0) / inflight, "temporaries": 0.0}
+        # then its reduce-scatter: the input and output (and the copied rows: their accumulated whole freed)
         phases["end, reduce-scatter"] = {
-            "gathered": (embedding_grad + (head if last else 0)) * compute + (embedding_grad * reduce if accumulated else 0),
-            "activations": 0.0,
-            "temporaries": rows * reduce + root * reduce * (1 + 1 / s.shards)}
+            "gathered": root_grad * compute + (embedding_grad * reduce if accumulated and not rows else 0),
+            "activations": 0.0, "temporaries": rows * reduce + root * reduce * (1 + 1 / s.shards)}
     return phases
 
 
@@ -244,7 +270,8 @@ def memory_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer
         # ZeRO-1: torch's ZeroRedundancyOptimizer gives each dp rank the state of 1/dp of the parameters
         optimized = -(-params // s.dp) * master if s.zero == 1 else stored
         phases = step_phases(n, s, tokens, first, last, params, compute, reduce, scale).values()
-        buffers = int(2 * s.virtual * s.microbatches * tokens * n.hidden * compute) if s.pp > 1 else 0
+        # a receive buffer per micro-batch for each stage's inputs (but the first's) and their gradients (but the last's)
+        buffers = int((2 * s.virtual - first - last) * s.microbatches * tokens * n.hidden * compute) if s.pp > 1 else 0
         memory = {"parameters": stored, "gradients": stored, "optimizer": states * optimized}
         memory.update({part: int(max(p[part] for p in phases)) for part in STEP_KEYS})
         memory["buffers"] = buffers

@@ -48,7 +48,7 @@ def measure_step(ctx: Context, model: nn.Module, plan: Plan, batch: int, seq_len
         opt.zero_grad(set_to_none=True)
     if not steps_before:
         _steady_state(sharded, opt, plan, inputs, targets, loss_fn, accumulate)
-    with StepCost(sharded, opt, plan.mesh, accumulate) as cost:
+    with StepCost(sharded, opt, plan.mesh, accumulate, buffers=_receive_buffers(sharded)) as cost:
         sharded.step(inputs, targets, loss_fn, accumulate=accumulate)
         opt.step()
     return cost.memory(), cost.collectives()
@@ -106,6 +106,17 @@ def _steady_state(model: nn.Module, opt: Any, plan: Plan, inputs: Any, targets: 
     if ddp is not None and not ddp.has_initialized:
         ddp.lazy_init()
     _optimizer_state(opt)
+
+
+def _receive_buffers(model: nn.Module) -> list[Any]:
+    """The receive buffers of ``model``'s pipeline stages on this rank (hidden states and their gradients, one
+    per micro-batch), which torch's stages make when initialised, before the step; none without a pipeline."""
+    runtime = getattr(model, "_sk_runtime", None)
+    buffers = []
+    for stage in getattr(runtime, "stages", ()):
+        for infos in (*stage.args_recv_info.values(), *stage.grad_recv_info.values()):
+            buffers += [info.buffer for info in infos if getattr(info, "buffer", None) is not None]
+    return buffers
 
 
 class _StagesReady(Exception):
