@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from ..planner.counters import OpCounter
 from ..runtime import p2p
@@ -150,6 +152,36 @@ def _timed(work: Callable[[], object], device: torch.device) -> float:
     return clock(device) - started
 
 
+def _seconds_per_step(step: Callable[[], object], device: torch.device, seconds: float) -> float:
+    """Seconds of one ``step()`` after a warm-up one, every rank stepping at once: the best of
+    :data:`_BLOCKS` blocks of repeats sized to take about ``seconds`` in all, the slowest rank's."""
+    step()  # warm-up: gradients exist, communicators are up, sharding propagation is cached
+    repeats = max(1, min(_MAX_STEPS, int(seconds / _slowest(_timed(step, device), device) / _BLOCKS)))
+    best = math.inf
+    for _ in range(_BLOCKS):
+        dist.barrier()
+        best = min(best, _timed(lambda: [step() for _ in range(repeats)], device) / repeats)
+    return _slowest(best, device)
+
+
+class _DTensorCount(TorchDispatchMode):
+    """Counts the operators dispatched with a DTensor among their arguments (``operators``; views
+    included, as DTensor dispatches them all) and the collectives launched (``collectives``: the
+    c10d operators, not their waits or wrappers)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from torch.distributed.tensor import DTensor
+
+        self._dtensor, self.operators, self.collectives = DTensor, 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.operators += any(isinstance(t, self._dtensor) for t in tree_leaves((args, kwargs)))
+        name = str(func)
+        self.collectives += "c10d" in name and "wait" not in name and "wrap" not in name
+        return func(*args, **(kwargs or {}))
+
+
 def bandwidth_job(ctx, nbytes: int, repeats: int) -> float:
     """Bytes/s of a transformer block's memory-bound operators as the planner counts them: a layer norm,
     a GeLU and a residual add on a float32 tensor of ``nbytes`` (1024 features), forward and backward,
@@ -198,13 +230,7 @@ def overhead_job(ctx, seconds: float) -> tuple[int, float]:
     booked: list[float] = []
     with OpCounter(booked.append):  # the operator calls the estimate multiplies op_overhead by
         step()
-    once = _slowest(_timed(step, device), device)
-    repeats = max(1, min(_MAX_STEPS, int(seconds / once / _BLOCKS)))
-    best = math.inf
-    for _ in range(_BLOCKS):
-        dist.barrier()
-        best = min(best, _timed(lambda: [step() for _ in range(repeats)], device) / repeats)
-    return len(booked), _slowest(best, device) / len(booked)
+    return len(booked), _seconds_per_step(step, device, seconds) / len(booked)
 
 
 def dtensor_overhead_job(ctx, seconds: float) -> tuple[int, float]:
@@ -217,15 +243,6 @@ def dtensor_overhead_job(ctx, seconds: float) -> tuple[int, float]:
     cost (``Hardware.dtensor_overhead``)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, distribute_module
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_leaves
-
-    class Count(TorchDispatchMode):
-        calls = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.calls += any(isinstance(t, DTensor) for t in tree_leaves((args, kwargs)))
-            return func(*args, **(kwargs or {}))
 
     device = ctx.device
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
@@ -233,21 +250,12 @@ def dtensor_overhead_job(ctx, seconds: float) -> tuple[int, float]:
     plain, layer = torch.nn.Linear(4, 4).to(device), torch.nn.Linear(4, 4).to(device)
     distribute_module(layer, mesh, input_fn=lambda _m, inputs, m: tuple(
         DTensor.from_local(t, m, [Replicate()], run_check=False) for t in inputs))
-
-    def seconds_per_step(step: Callable[[], object]) -> float:
-        step()  # warm-up: gradients exist, sharding propagation is cached
-        repeats = max(1, min(_MAX_STEPS, int(seconds / _slowest(_timed(step, device), device) / _BLOCKS)))
-        best = math.inf
-        for _ in range(_BLOCKS):
-            dist.barrier()
-            best = min(best, _timed(lambda: [step() for _ in range(repeats)], device) / repeats)
-        return _slowest(best, device)
-
-    times = [seconds_per_step(lambda module=module: module(x).sum().backward()) for module in (plain, layer)]
-    counter = Count()
+    times = [_seconds_per_step(lambda module=module: module(x).sum().backward(), device, seconds)
+             for module in (plain, layer)]
+    counter = _DTensorCount()
     with counter:
         layer(x).sum().backward()
-    return counter.calls, max(0.0, times[1] - times[0]) / counter.calls
+    return counter.operators, max(0.0, times[1] - times[0]) / counter.operators
 
 
 def dtensor_collective_job(ctx, seconds: float, dtensor_overhead: float) -> float:
@@ -271,9 +279,6 @@ def dtensor_collective_job(ctx, seconds: float, dtensor_overhead: float) -> floa
         SequenceParallel,
         parallelize_module,
     )
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_leaves
-
     device, world = ctx.device, dist.get_world_size()
     if world >= 4 and world % 2 == 0:
         mesh = init_device_mesh(device.type, (world // 2, 2), mesh_dim_names=("rest", "pair"))["pair"]
@@ -296,30 +301,12 @@ def dtensor_collective_job(ctx, seconds: float, dtensor_overhead: float) -> floa
     x = DTensor.from_local(local, mesh, [Shard(1)], run_check=False)
     whole = torch.empty(size * local.numel(), device=device)
 
-    class Count(TorchDispatchMode):
-        operators = collectives = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.operators += any(isinstance(t, DTensor) for t in tree_leaves((args, kwargs)))
-            name = str(func)
-            self.collectives += "c10d" in name and "wait" not in name and "wrap" not in name
-            return func(*args, **(kwargs or {}))
-
     steps = (lambda: plain(local).sum().backward(), lambda: split(x).to_local().sum().backward(),
              lambda: dist.all_gather_into_tensor(whole, local.flatten(), group=group))
-    for step in steps:
-        step()  # warm-up: gradients exist, the communicator is up, sharding propagation cached
-    counter = Count()
+    times = [_seconds_per_step(step, device, seconds) for step in steps]
+    counter = _DTensorCount()
     with counter:
         steps[1]()
-    repeats = max(1, min(_MAX_REPEATS * 4, int(seconds / _slowest(_timed(steps[1], device), device) / _BLOCKS)))
-    times = []
-    for step in steps:
-        best = math.inf
-        for _ in range(_BLOCKS):
-            dist.barrier()
-            best = min(best, _timed(lambda step=step: [step() for _ in range(repeats)], device) / repeats)
-        times.append(_slowest(best, device))
     plain_step, split_step, raw = times
     launched = split_step - plain_step - counter.operators * dtensor_overhead
     return max(0.0, launched / max(1, counter.collectives) - raw)
