@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -68,11 +69,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("names", nargs="*", help="catalogue models (default: all)")
     args = parser.parse_args(argv)
     for name in args.names or list(CATALOGUE):
-        path = path_of(name)
+        path, entries = path_of(name), measured(name)
         path.parent.mkdir(exist_ok=True)
-        path.write_text(file_text(name, measured(name)))
-        print(f"{path}: {sum(len(e) for e in json.loads(path.read_text())['entries'].values())} entries",
-              file=sys.stderr)
+        partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+        partial.write_text(file_text(name, entries))
+        os.replace(partial, path)  # a killed run leaves the old file whole, never half a new one
+        print(f"{path}: {sum(len(found) for found in entries.values())} entries", file=sys.stderr)
 
 
 if __name__ == "__main__":
