@@ -129,7 +129,8 @@ def local_world(steps: int, memory: bool = True) -> None:
     hw = sk.calibrate(WORLD)
     console.print(f"calibrated: float32 {hw.peak_flops('float32') / 1e9:.1f} GFLOP/s per process, all-reduce "
                   f"{hw.link('all_reduce', False).bandwidth / 2**30:.2f} GiB/s, op overhead "
-                  f"{hw.op_overhead * 1e6:.0f} us, DTensor op overhead {hw.dtensor_overhead * 1e6:.0f} us")
+                  f"{hw.op_overhead * 1e6:.0f} us, DTensor op overhead {hw.dtensor_overhead * 1e6:.0f} us, reduce-scatter "
+                  f"{hw.link('reduce_scatter', False).bandwidth / 2**30:.2f} GiB/s, skew {hw.skew * 1e3:.1f} ms per s^0.5")
     model = sk.meta_model(build)
     candidates = autoshard(model, devices=WORLD, hardware=hw, global_batch=BATCH, seq_len=CONFIG.seq_len,
                            top=1000, param_dtype=None)

@@ -4,6 +4,7 @@ wrong, links and peaks as the estimator asks for them. No processes."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import torch
 import yaml
 
 import shardkit as sk
+from shardkit.models.gpt import GPT, GPT_RULES, GPTConfig
 from shardkit.planner.hardware import (
     COLLECTIVES,
     DTYPES,
@@ -118,13 +120,39 @@ def test_a_file_written_before_the_newer_fields_loads(tmp_path):
         0.0, PRESETS["h100-80g"].dtensor_overhead, PRESETS["h100-80g"].dtensor_collective) and hw.memory == BASE["memory"]
 
 
+def test_a_file_without_reduce_scatter_reads_it_as_all_gathers_link():
+    """Files written before reduce-scatter was measured apart: a ring's, all-gather's link."""
+    data = copy.deepcopy(BASE)
+    for side in ("intra_node", "inter_node"):
+        data[side]["all_gather"] = {"bandwidth": 7.0e9, "latency": 3e-6}
+        del data[side]["reduce_scatter"]
+    hw = Hardware.from_dict(data)
+    assert hw.link("reduce_scatter", across_nodes=False) == Link(bandwidth=7.0e9, latency=3e-6)
+    assert hw.link("reduce_scatter", across_nodes=True) == hw.link("all_gather", across_nodes=True)
+    assert Hardware.from_dict(hw.to_dict()) == hw  # written back whole
+
+
+def test_a_measured_reduce_scatter_prices_fsdp_and_sequence_parallel():
+    """A backend whose reduce-scatter is slower than its all-gather (gloo's) makes FSDP's and
+    Megatron SP's steps slower, and only their reduce-scatter's part."""
+    ring = dataclasses.replace(PRESETS["h100-80g"], overlap=0.0)  # nothing hidden: every collective shows
+    slow = dataclasses.replace(ring, intra_node={**ring.intra_node, "reduce_scatter": Link(
+        bandwidth=ring.intra_node["all_gather"].bandwidth / 4, latency=ring.intra_node["all_gather"].latency)})
+    model = sk.meta_model(lambda: GPT(GPTConfig(vocab=512, layers=2, dim=256, heads=8, seq_len=64)))
+    for plan, part in ((sk.Plan(sk.Mesh(fsdp=8)), "fsdp"), (sk.Plan(sk.Mesh(tp=8), rules=GPT_RULES,
+                                                                   sequence_parallel=True), "tp")):
+        fast, slowed = (sk.estimate(model, plan, batch_size=8, seq_len=64, hardware=h).step_time_parts
+                        for h in (ring, slow))
+        assert slowed[part] > fast[part] and slowed["compute"] == fast["compute"]
+
+
 @pytest.mark.parametrize("group", ["flops", "intra_node", "inter_node", "inter_node.p2p"])
 def test_a_missing_group_says_what_it_holds(group):
     (problem,) = _problems(_edited(group, delete=True))
     assert problem.startswith(f"hardware: missing field {group!r} (a mapping with keys [")
 
 
-@pytest.mark.parametrize("path, key", [("", "nmae"), ("flops.", "tf32"), ("intra_node.", "reduce_scatter"),
+@pytest.mark.parametrize("path, key", [("", "nmae"), ("flops.", "tf32"), ("intra_node.", "all_to_all"),
                                        ("inter_node.p2p.", "jitter")])
 def test_unknown_keys_are_named_with_the_valid_ones(path, key):
     data = copy.deepcopy(BASE)
@@ -150,7 +178,7 @@ WRONG = [
     ("intra_node.p2p.bandwidth", False, "field 'intra_node.p2p.bandwidth' must be a number, got bool False"),
     ("inter_node.all_gather", [1, 2], "field 'inter_node.all_gather' must be a mapping with keys ['bandwidth', "
                                       "'latency'], got list"),
-    ("intra_node", "nvlink", "field 'intra_node' must be a mapping with keys ['all_reduce', 'all_gather', 'p2p']"),
+    ("intra_node", "nvlink", "field 'intra_node' must be a mapping with keys ['all_reduce', 'all_gather', 'reduce_scatter', 'p2p']"),
     ("matmul_efficiency", "0.8", "field 'matmul_efficiency' must be a number, got str '0.8'"),
     ("memory_bandwidth", "2039GB/s", "field 'memory_bandwidth' must be a number, got str '2039GB/s'"),
     ("memory_bandwidth", "2e12", "field 'memory_bandwidth' must be a number, got str '2e12' (YAML reads 25e9"),
@@ -277,7 +305,7 @@ def test_unknown_preset_and_spec_list_the_known_ones(tmp_path):
 
 def test_links_and_peaks():
     hw = PRESETS["a100-80g"]
-    assert hw.link("reduce_scatter", True) is hw.inter_node["all_gather"]
+    assert hw.link("reduce_scatter", True) == hw.inter_node["all_gather"]  # the presets price a ring
     assert hw.link("p2p", False) is hw.intra_node["p2p"]
     with pytest.raises(sk.UsageError, match="unknown collective 'broadcast'; valid: all_reduce, all_gather, p2p"):
         hw.link("broadcast", False)

@@ -106,3 +106,29 @@ def test_a_large_models_products_run_nearer_the_ceiling_than_a_small_ones():
         flops_time = 2048 * n.block_flops / (A100.peak_flops("float16") * A100.matmul_efficiency)
         shares.append(n.block_products * A100.matmul_latency / flops_time)
     assert shares[0] > 100 * shares[1]
+
+
+@pytest.mark.parametrize("plan, syncs", [
+    (sk.Plan(sk.Mesh(dp=4)), lambda n, s: 1),  # DDP's last bucket
+    (sk.Plan(sk.Mesh(fsdp=4), fsdp=sk.FSDPOptions(reshard_after_forward=False)),
+     lambda n, s: (n.layers + 1) * 2),  # per unit a gather and a reduce-scatter
+    (sk.Plan(sk.Mesh(fsdp=4)), lambda n, s: (n.layers + 1) * 3),  # resharded: gathered again backward
+    (sk.Plan(sk.Mesh(pp=2), pipeline=sk.Pipeline(schedule="1f1b", microbatches=4)),
+     lambda n, s: 2 * 4 + n.tied),  # each micro-batch received forward and backward, the tied gradient
+    (sk.Plan(sk.Mesh(sp=4)), lambda n, s: 1 + n.layers * 2 * 3),  # DDP, and the ring's 3 steps each way
+    (sk.Plan(sk.Mesh(tp=2), rules=GPT_RULES, sequence_parallel=True),
+     lambda n, s: n.layers * 2 * (4 + 2) + 3)])
+def test_each_blocking_collective_waits_for_the_last_rank(gpt, plan, syncs):
+    """skew x sqrt(syncs x work): the step's work spread evenly over its blocking collectives."""
+    s = Setting.of(plan)
+    costs = Costs.of(gpt, SEQ, s.tp, None, rules=plan.rules)
+    parts = time_of(costs, s, BATCH, dataclasses.replace(A100, skew=0.02))
+    assert "skew" not in time_of(costs, s, BATCH, A100)  # the presets measure none
+    work = parts["compute"] + parts["bubble"] + parts["optimizer"] + parts.get("dtensor", 0.0)
+    assert parts["skew"] == pytest.approx(0.02 * (syncs(costs.numbers, s) * work) ** 0.5)
+
+
+def test_a_plan_without_collectives_waits_for_no_one(gpt):
+    one = time_of(Costs.of(gpt, SEQ, 1, None), Setting.of(sk.Plan(sk.Mesh(dp=1))), BATCH,
+                  dataclasses.replace(A100, skew=0.02))
+    assert "skew" not in one

@@ -111,6 +111,8 @@ def _table(calibration: Calibration):
     table.add_row("DTensor collective", format_seconds(hw.dtensor_collective), "", "",
                   "a tiny sequence-parallel block on DTensors against plain tensors, per collective, "
                   "less its dispatch and the raw all-gather")
+    table.add_row("skew", f"{format_seconds(hw.skew)}/√s", "", "",
+                  "products, a blocking all-reduce: the wait for the last rank / √compute")
     overlap = calibration.overlap
     table.add_row("overlap", f"{hw.overlap:.0%}", "", "",
                   f"matmuls {format_seconds(overlap.compute)}, all-reduces {format_seconds(overlap.communication)}, "

@@ -36,6 +36,11 @@ a training step there sees:
   ``dtensor_overhead`` per DTensor operator, per collective, less the raw all-gather's time, is
   ``dtensor_collective``, what each of tensor parallel's collectives adds to the link's alpha-beta
   time (:func:`~shardkit.observe.probes.dtensor_collective_job`).
+- **skew**: every process loops over matrix products (10 and 40 ms of them) then a tiny blocking
+  all-reduce: the time no rank computed (the wall time less the world's CPU seconds over its cores on
+  the CPU), per collective, beyond the all-reduce alone's, is the wait for the last rank to arrive;
+  ``skew`` is its median over the square root of the compute before it (ranks drift apart as a random
+  walk: :func:`~shardkit.observe.probes.skew_job`, :func:`~shardkit.observe.fits.fit_skew`).
 - **overlap**: a loop of float32 matrix products alone, a loop of 2 MiB all-reduces alone, then
   both at once (the all-reduces issued with ``async_op=True`` before the products, waited after
   them, as FSDP and DDP issue theirs), :class:`Overlap`.
@@ -80,7 +85,7 @@ from ..runtime.devices import (
 from ..runtime.torchrun import in_torchrun
 from ..runtime.world import LocalWorld, launch
 from . import probes
-from .fits import Fit, fit_alpha_beta, fit_residual
+from .fits import Fit, fit_alpha_beta, fit_residual, fit_skew
 from .probes import Overlap
 
 #: Matrix sizes (n of an n x n x n product) on the CPU and on GPUs, and message sizes (bytes, the
@@ -172,7 +177,7 @@ def measure(world_size: int | None = None, *, matmul_sizes: Sequence[int] | None
     assert world_size is not None
     start = clock()
     report = progress or (lambda done, total, what: None)
-    total = len(DTYPES) + len(COLLECTIVES) + 6
+    total = len(DTYPES) + len(COLLECTIVES) + 7
     report(0, total, "joining the torchrun world" if torchrun else f"starting {world_size} processes")
     measured = dict(matmul_sizes=matmul_sizes, message_sizes=message_sizes, seconds=seconds_per_size,
                     report=report, total=total)
@@ -191,7 +196,7 @@ def _calibration(world: LocalWorld | None, launcher: str, world_size: int, per_n
     """Measure ``world`` (``None``: the torchrun world) and make its :class:`Calibration`."""
     device, memory, memory_note, backend = _devices(world, per_node)
     sizes = tuple(matmul_sizes or (GPU_MATMUL_SIZES if backend == "nccl" else MATMUL_SIZES))
-    matmul, fits, bandwidth, (ops_per_step, op_overhead), overlap, (dtensor_overhead, dtensor_collective) = _run(
+    matmul, fits, bandwidth, (ops_per_step, op_overhead), overlap, (dtensor_overhead, dtensor_collective), skew = _run(
         world, world_size, backend, sizes, message_sizes, seconds, report, total)
     notes = []
     if matmul["float16"] is None:
@@ -206,7 +211,7 @@ def _calibration(world: LocalWorld | None, launcher: str, world_size: int, per_n
                         devices_per_node=per_node, intra_node=links, inter_node=links, memory_bandwidth=bandwidth,
                         matmul_efficiency=1.0, reserved=0, op_overhead=op_overhead, overlap=overlap.fraction,
                         shared_compute=device == "cpu" and per_node > (os.cpu_count() or 1),
-                        dtensor_overhead=dtensor_overhead, dtensor_collective=dtensor_collective)
+                        dtensor_overhead=dtensor_overhead, dtensor_collective=dtensor_collective, skew=skew)
     report(total, total, "done")
     return Calibration(hardware, matmul, fits, ops_per_step, overlap, tuple(notes), clock() - start, backend, device)
 
@@ -238,7 +243,7 @@ def _from_rank_0(calibration: Calibration) -> Calibration:
 def _run(world: LocalWorld | None, world_size: int, backend: str, matmul_sizes: Sequence[int],
          message_sizes: Sequence[int], seconds: float, report: Progress,
          total: int) -> tuple[dict[str, tuple[int, float] | None], dict[str, Fit], float, tuple[int, float],
-                              Overlap, tuple[float, float]]:
+                              Overlap, tuple[float, float], float]:
     done = 1
     matmul: dict[str, tuple[int, float] | None] = {}
     for dtype in DTYPES:
@@ -262,7 +267,8 @@ def _run(world: LocalWorld | None, world_size: int, backend: str, matmul_sizes: 
                                fit_residual(link, sizes, times, factor, steps))
         done += 1
     report(done, total, "memory bandwidth")
-    bandwidth = launch(probes.bandwidth_job, world=world, nbytes=bandwidth_bytes(backend), repeats=5)[0]
+    bandwidth = launch(probes.bandwidth_job, world=world, nbytes=bandwidth_bytes(backend),
+                       seconds=seconds)[0]
     report(done + 1, total, "operator overhead")
     overhead = launch(probes.overhead_job, world=world, seconds=seconds)[0]
     report(done + 2, total, "DTensor operator overhead")
@@ -271,7 +277,9 @@ def _run(world: LocalWorld | None, world_size: int, backend: str, matmul_sizes: 
     dtensor_collective = launch(probes.dtensor_collective_job, world=world, seconds=seconds, dtensor_overhead=dtensor)[0]
     report(done + 4, total, "overlap of all-reduce and matmul")
     overlap = launch(probes.overlap_job, world=world, seconds=2 * seconds, rounds=2)[0]
-    return matmul, fits, bandwidth, overhead, overlap, (dtensor, dtensor_collective)
+    report(done + 5, total, "skew at blocking collectives")
+    skew = fit_skew(launch(probes.skew_job, world=world, seconds=2 * seconds)[0])
+    return matmul, fits, bandwidth, overhead, overlap, (dtensor, dtensor_collective), skew
 
 
 def _best_matmul(per_rank: list[list[tuple[int, float]] | None]) -> tuple[int, float] | None:

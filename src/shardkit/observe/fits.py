@@ -1,5 +1,6 @@
 """Alpha-beta fits of collective timings: the :class:`~shardkit.planner.hardware.Link` whose
-``steps * latency + factor * S / bandwidth`` best describes measured times, and how well it does.
+``steps * latency + factor * S / bandwidth`` best describes measured times, and how well it does;
+and the ranks' drift (``Hardware.skew``) from the waits the skew probe measured.
 ``shardkit calibrate`` (:mod:`shardkit.observe.calibrate`) fits each gloo collective with them.
 """
 
@@ -84,4 +85,18 @@ def _check_series(sizes: Sequence[float], times: Sequence[float], factor: float,
     return factor * s, t
 
 
-__all__ = ["Fit", "fit_alpha_beta", "fit_residual"]
+def fit_skew(waits: Sequence[tuple[float, float]]) -> float:
+    """``Hardware.skew`` from ``(compute seconds, seconds waited)`` pairs (:func:`~shardkit.observe.probes.skew_job`):
+    the median of ``wait / sqrt(compute)`` (ranks drift apart as a random walk; the median, as a
+    single pair can catch another job's burst).
+
+    >>> round(fit_skew([(0.01, 0.002), (0.04, 0.004), (0.04, 0.02)]), 3)
+    0.02
+    """
+    ratios = [wait / math.sqrt(compute) for compute, wait in waits if compute > 0]
+    if not ratios:
+        raise UsageError(f"fit_skew: no pair with compute > 0 in {list(waits)!r}")
+    return float(np.median(ratios))
+
+
+__all__ = ["Fit", "fit_alpha_beta", "fit_residual", "fit_skew"]

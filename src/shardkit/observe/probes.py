@@ -11,6 +11,7 @@ which waits for the device's queued work first: on a GPU the kernels are timed, 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -182,12 +183,14 @@ class _DTensorCount(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def bandwidth_job(ctx, nbytes: int, repeats: int) -> float:
+def bandwidth_job(ctx, nbytes: int, seconds: float) -> float:
     """Bytes/s of a transformer block's memory-bound operators as the planner counts them: a layer norm,
     a GeLU and a residual add on a float32 tensor of ``nbytes`` (1024 features), forward and backward,
     every rank at once; the forward's bytes booked by :class:`~shardkit.planner.counters.OpCounter`
     (each operator's inputs and outputs) times ``1 + BACKWARD_TRAFFIC`` (the planner's backward),
-    over the best of ``repeats`` steps, the slowest rank's. A large ``torch.add`` would give the
+    over a step's seconds (:func:`_seconds_per_step`: blocks of about ``seconds``, so that processes
+    sharing cores share them while timed; a single step's best time is one that ran on a core of its
+    own, twice as fast as a step of 4 processes on 2 cores), the slowest rank's. A large ``torch.add`` would give the
     memory's streaming bandwidth, which a GPU's elementwise kernels reach but a CPU's do not: its
     GeLU and norms are bound by their arithmetic, and the planner prices them by these bytes."""
     from ..planner.step_time import BACKWARD_TRAFFIC
@@ -205,13 +208,7 @@ def bandwidth_job(ctx, nbytes: int, repeats: int) -> float:
     booked: list[float] = []
     with OpCounter(lambda traffic, *_: booked.append(traffic)):
         forward()
-    step = lambda: forward().backward(grad)  # noqa: E731
-    step()  # warm-up: gradients exist, every page touched
-    best = math.inf
-    for _ in range(repeats):
-        dist.barrier()
-        best = min(best, _timed(step, device))
-    return (1 + BACKWARD_TRAFFIC) * sum(booked) / _slowest(best, device)
+    return (1 + BACKWARD_TRAFFIC) * sum(booked) / _seconds_per_step(lambda: forward().backward(grad), device, seconds)
 
 
 def overhead_job(ctx, seconds: float) -> tuple[int, float]:
@@ -312,6 +309,55 @@ def dtensor_collective_job(ctx, seconds: float, dtensor_overhead: float) -> floa
     return max(0.0, launched / max(1, counter.collectives) - raw)
 
 
+#: Compute seconds between two blocking collectives the skew probe sets up (:func:`skew_job`), each
+#: measured :data:`SKEW_PAIRS` times: longer than a CPU scheduler's slices, shorter than a step.
+SKEW_CHUNKS, SKEW_PAIRS = (0.01, 0.04), 3
+
+
+def skew_job(ctx, seconds: float) -> list[tuple[float, float]]:
+    """``[(compute seconds before a collective, seconds the collective waited)]``, :data:`SKEW_PAIRS`
+    per chunk of :data:`SKEW_CHUNKS`: every rank loops over matrix products then a tiny blocking
+    all-reduce, and over the all-reduce alone; what the loop of both leaves idle, per collective,
+    beyond the all-reduce alone, is the wait for the last rank to arrive (each rank's compute ran at
+    its own pace: processes sharing cores drift apart by the scheduler's slices, a GPU's by its clocks
+    and kernels). Idle is the wall time less the world's CPU seconds over its cores on the CPU (exact
+    where processes share cores), the loop less the products alone on a GPU. Each loop runs for about
+    ``seconds``; its mean per iteration, the slowest rank's (the typical wait, not a lucky block's)."""
+    import time
+
+    device = ctx.device
+    n = 2048 if device.type == "cuda" else 256
+    a, b, tiny = torch.randn(n, n, device=device), torch.randn(n, n, device=device), torch.zeros(256, device=device)
+    product = _slowest(_timed(lambda: [a @ b for _ in range(8)], device) / 8, device)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+    def idle(work: Callable[[], object], once: float) -> float:
+        """Seconds per ``work()`` no rank computed: on the CPU, wall less CPU seconds over the cores."""
+        work()
+        repeats = max(3, round(seconds / max(once, 1e-6)))
+        dist.barrier()
+        cpu = time.process_time()
+        wall = _timed(lambda: [work() for _ in range(repeats)], device)
+        busy = torch.tensor([time.process_time() - cpu], dtype=torch.float64, device=device)
+        dist.all_reduce(busy)
+        return (_slowest(wall, device) - (float(busy.item()) / cores if device.type == "cpu" else 0.0)) / repeats
+
+    alone = idle(lambda: dist.all_reduce(tiny), 1e-3)
+    waits = []
+    for chunk in SKEW_CHUNKS:
+        products = max(1, round(chunk / product))
+
+        def compute(count: int = products) -> None:
+            for _ in range(count):
+                a @ b
+
+        for _ in range(SKEW_PAIRS):
+            computing = idle(compute, chunk) if device.type != "cpu" else 0.0
+            both = idle(lambda: (compute(), dist.all_reduce(tiny)), chunk + alone)  # noqa: B023 (used at once)
+            waits.append((products * product, max(0.0, both - computing - alone)))
+    return waits
+
+
 def overlap_job(ctx, seconds: float, rounds: int) -> Overlap:
     """:class:`Overlap` of float32 products of :data:`OVERLAP_MATMUL` square matrices and
     all-reduces of :data:`OVERLAP_MESSAGE` bytes, each loop sized to take about ``seconds``
@@ -350,6 +396,8 @@ def overlap_job(ctx, seconds: float, rounds: int) -> Overlap:
 
 def _tensors(collective: str, elements: int, world: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(input, output) float32 tensors on ``device`` for ``elements`` elements in all."""
+    if collective == "reduce_scatter":  # the whole tensor in, this rank's share out
+        return torch.zeros(elements, device=device), torch.empty(elements // world, device=device)
     given = elements // world if collective == "all_gather" else elements
     return torch.zeros(given, device=device), torch.empty(elements, device=device)
 
@@ -362,13 +410,18 @@ def _all_gather(tensors: tuple[torch.Tensor, torch.Tensor], rank: int, world: in
     dist.all_gather_single(tensors[1], tensors[0])
 
 
+def _reduce_scatter(tensors: tuple[torch.Tensor, torch.Tensor], rank: int, world: int) -> None:
+    dist.reduce_scatter_tensor(tensors[1], tensors[0])
+
+
 def _p2p(tensors: tuple[torch.Tensor, torch.Tensor], rank: int, world: int) -> None:
     """Every rank sends to the next and receives from the previous at once (a ring step)."""
     p2p.exchange_and_wait(None, sends=[((rank + 1) % world, tensors[0])], receives=[((rank - 1) % world, tensors[1])])
 
 
-_OPS = {"all_reduce": _all_reduce, "all_gather": _all_gather, "p2p": _p2p}
+_OPS = {"all_reduce": _all_reduce, "all_gather": _all_gather, "reduce_scatter": _reduce_scatter, "p2p": _p2p}
 
 
 __all__ = ["GROWTH", "MAX_MESSAGE_BYTES", "OVERLAP_MATMUL", "OVERLAP_MESSAGE", "Overlap", "bandwidth_job",
-           "collective_job", "device_job", "dtensor_overhead_job", "matmul_job", "overhead_job", "overlap_job", "ready"]
+           "collective_job", "device_job", "dtensor_overhead_job", "matmul_job", "overhead_job", "overlap_job", "ready",
+           "SKEW_CHUNKS", "skew_job"]

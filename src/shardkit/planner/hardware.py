@@ -35,20 +35,30 @@ from typing import Any
 from ..plan.dtypes import FLOATING, dtype_name
 from ..plan.errors import PlanError, UsageError
 from ..plan.files import known_keys, mapping, read_file
-from .links import COLLECTIVES, Link, collective_kind, describe, number, positive_number, ring_terms
+from .links import (
+    COLLECTIVES,
+    STANDS_IN,
+    Link,
+    collective_kind,
+    describe,
+    number,
+    positive_number,
+    ring_terms,
+)
 
 #: The dtypes every :class:`Hardware` gives a peak for: the plan's floating dtypes.
 DTYPES = FLOATING
 #: The suffixes of hardware files.
 SUFFIXES = (".json", ".yaml", ".yml")
 _FIELDS = ("name", "memory", "flops", "devices_per_node", "intra_node", "inter_node", "matmul_efficiency",
-           "matmul_latency", "memory_bandwidth", "op_overhead", "dtensor_overhead", "dtensor_collective", "overlap",
-           "shared_compute", "reserved")
+           "matmul_latency", "memory_bandwidth", "op_overhead", "dtensor_overhead", "dtensor_collective", "skew",
+           "overlap", "shared_compute", "reserved")
 #: Fields added after files were first written: a file without them reads as the value given here
 #: (a file of ``shardkit calibrate`` written before had no DTensor probe: the presets' figure).
 _DTENSOR_OVERHEAD = 1e-5  # the presets' (the comments of the presets below)
 _DTENSOR_COLLECTIVE = 1e-4
-_OPTIONAL = {"matmul_latency": 0.0, "dtensor_overhead": _DTENSOR_OVERHEAD, "dtensor_collective": _DTENSOR_COLLECTIVE}
+_OPTIONAL = {"matmul_latency": 0.0, "dtensor_overhead": _DTENSOR_OVERHEAD, "dtensor_collective": _DTENSOR_COLLECTIVE,
+             "skew": 0.0}
 _LINK_FIELDS = ("bandwidth", "latency")
 _NESTED = {"flops": DTYPES, "intra_node": COLLECTIVES, "inter_node": COLLECTIVES}  # mapping fields: their keys
 
@@ -74,18 +84,24 @@ class Hardware:
       a DTensor, views included; ``dtensor_collective``: seconds a collective DTensor launches
       (a ``redistribute``: its plan, the functional collective, its wrapper and wait) costs on top of
       the same collective called directly, paid by each of tensor parallel's collectives;
+    - ``skew``: how far ranks drift apart while they compute, in seconds per square root of a
+      second of compute (a random walk's spread): a blocking collective after ``c`` seconds of
+      compute waits ``skew x sqrt(c)`` for the last rank to arrive (processes sharing cores drift
+      by the scheduler's slices; measured by ``shardkit calibrate``, 0 in the presets);
     - ``overlap``: the fraction in [0, 1] of communication time that can run while computing
       (about 1.0 on GPUs, whose NCCL runs on streams of its own; measured on gloo);
     - ``shared_compute``: whether the devices are processes sharing fewer cores (a local CPU
       world larger than the machine's cores): a device left idle, in a pipeline's bubble, lends
       its cores to the others (false on GPUs);
     - ``devices_per_node``; ``intra_node`` and ``inter_node``: one :class:`Link` per collective
-      in :data:`COLLECTIVES`.
+      in :data:`COLLECTIVES`; ``reduce_scatter`` may be left out (files written before it was
+      measured), and then runs on ``all_gather``'s link, as a ring would.
 
-    ``op_overhead``, ``dtensor_overhead``, ``dtensor_collective``, ``matmul_latency``, ``overlap`` and
-    ``shared_compute`` default to an ideal device's 0.0, 0.0, 0.0, 0.0, 1.0 and false in Python (files require
-    every field but ``matmul_latency``, ``dtensor_overhead`` and ``dtensor_collective``, which files written before
-    them lack: :data:`_OPTIONAL`); ``memory_bandwidth`` has no default, as devices differ by 100x.
+    ``op_overhead``, ``dtensor_overhead``, ``dtensor_collective``, ``matmul_latency``, ``skew``, ``overlap``
+    and ``shared_compute`` default to an ideal device's 0.0, 0.0, 0.0, 0.0, 0.0, 1.0 and false in Python (files
+    require every field but ``matmul_latency``, ``dtensor_overhead``, ``dtensor_collective`` and ``skew``, which
+    files written before them lack: :data:`_OPTIONAL`); ``memory_bandwidth`` has no default, as devices differ
+    by 100x.
 
     >>> a100 = Hardware.preset("a100-80g")
     >>> a100.usable_memory / 2**30, a100.memory_bandwidth / 1e9, a100.op_overhead, a100.overlap
@@ -106,9 +122,15 @@ class Hardware:
     matmul_latency: float = 0.0
     dtensor_overhead: float = 0.0
     dtensor_collective: float = 0.0
+    skew: float = 0.0
     shared_compute: bool = False
 
     def __post_init__(self) -> None:
+        for side in ("intra_node", "inter_node"):  # a collective left out runs on the link that stands in for it
+            links = getattr(self, side)
+            if isinstance(links, Mapping) and any(c not in links and s in links for c, s in STANDS_IN.items()):
+                object.__setattr__(self, side, {**links, **{c: links[s] for c, s in STANDS_IN.items()
+                                                             if c not in links and s in links}})
         problems = _field_problems(self)
         if problems:
             raise PlanError([f"Hardware: {p}" for p in problems])
@@ -126,7 +148,7 @@ class Hardware:
         return self.memory - self.reserved
 
     def link(self, collective: str, across_nodes: bool) -> Link:
-        """The :class:`Link` ``collective`` runs on (``reduce_scatter``: all-gather's)."""
+        """The :class:`Link` ``collective`` runs on."""
         links = self.inter_node if across_nodes else self.intra_node
         return links[collective_kind(collective, "Hardware.link")]
 
@@ -168,6 +190,7 @@ class Hardware:
             "op_overhead": self.op_overhead,
             "dtensor_overhead": self.dtensor_overhead,
             "dtensor_collective": self.dtensor_collective,
+            "skew": self.skew,
             "overlap": self.overlap,
             "shared_compute": self.shared_compute,
             "reserved": self.reserved,
@@ -186,7 +209,8 @@ class Hardware:
         problems += _dict_value_problems(data)
         if problems:
             raise PlanError([p if p.startswith(what) else f"{what}: {p}" for p in problems])
-        links = {side: {c: Link(**data[side][c]) for c in COLLECTIVES} for side in ("intra_node", "inter_node")}
+        links = {side: {c: Link(**data[side][c]) for c in COLLECTIVES if c in data[side]}
+                 for side in ("intra_node", "inter_node")}
         scalars = {name: data.get(name, _OPTIONAL.get(name)) for name in _FIELDS if name not in _NESTED}
         return cls(flops=dict(data["flops"]), **scalars, **links)
 
@@ -262,6 +286,7 @@ def _scalar_problems(values: Mapping[str, Any]) -> list[str]:
         "op_overhead": lambda v: number(v, "op_overhead", 0.0),
         "dtensor_overhead": lambda v: number(v, "dtensor_overhead", 0.0),
         "dtensor_collective": lambda v: number(v, "dtensor_collective", 0.0),
+        "skew": lambda v: number(v, "skew", 0.0),
         "matmul_latency": lambda v: number(v, "matmul_latency", 0.0),
         "overlap": lambda v: number(v, "overlap", 0.0) or (
             None if v <= 1 else f"field 'overlap' must be a fraction in [0, 1], got {v!r}"),
@@ -316,9 +341,9 @@ def _nested_missing(data: Mapping[str, Any], name: str) -> list[str]:
     problems = _unknown(value, keys, f"field {name!r}")
     for key in keys:
         path = f"{name}.{key}"
-        if key not in value:
+        if key not in value and not (leaves and STANDS_IN.get(key) in value):
             problems.append(f"missing field {path!r}" + (f" (a mapping with keys {list(leaves)})" if leaves else ""))
-        elif leaves:
+        elif leaves and key in value:
             link = value[key]
             if not isinstance(link, Mapping):
                 problems.append(f"field {path!r} must be a mapping with keys {list(leaves)}, got {describe(link)}")
@@ -394,7 +419,7 @@ def _check_suffix(path: Path, caller: str) -> None:
 #   CPU: 10 us of CPU time per operator dispatched on a DTensor, one process, the tiny step of
 #   shardkit calibrate's probe (probes.dtensor_overhead_job); a GPU's host runs the same Python.
 # - overlap 1.0: NCCL runs on its own CUDA streams, concurrently with the compute stream.
-_BUS_EFFICIENCY = {"all_reduce": 0.75, "all_gather": 0.80, "p2p": 0.80}
+_BUS_EFFICIENCY = {"all_reduce": 0.75, "all_gather": 0.80, "reduce_scatter": 0.80, "p2p": 0.80}
 _INTRA_LATENCY, _INTER_LATENCY = 2e-6, 6e-6
 _GPU_OP_OVERHEAD = 4e-6
 _GPU_MATMUL_LATENCY = 4e-6

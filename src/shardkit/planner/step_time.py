@@ -45,6 +45,10 @@ are consecutive and fit in one, else across nodes:
   embedding tied to the LM head, one all-reduce of its gradient between the first and the last
   device a step (none under ``zbv``, which puts both ends on one device);
 - ``sp``: ring attention's key/value passes, ``overlap`` of them behind the attention core;
+- ``skew``: the waits for the last rank at the step's blocking collectives (tp's, FSDP's gathers and
+  reduce-scatters, DDP's last bucket, a pipeline's receives, the ring's exchanges, the all-to-alls), its
+  compute spread evenly between them: :func:`skew_seconds` with the measured ``hw.skew`` (0 on the
+  presets);
 - ``ep``: per MoE layer and micro-batch, the all-to-alls of expert parallelism at balanced routing
   (counts, rows out, rows back forward; their gradients backward: :func:`all_to_all_seconds`), not
   overlapped (the experts wait for their rows). With ``ep``, FSDP gathers and reduces each experts
@@ -126,16 +130,18 @@ def time_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer: 
     if dtensor:
         parts["dtensor"] = dtensor
     shape = (s.order, s.dp, s.fsdp, s.tp, s.pp, s.sp, s.ep)
+    syncs = 0.0  # blocking collectives a step waits in, each for the last rank to arrive (hw.skew)
     # tensor parallel: per block a collective per column-parallel input and row-parallel output, not hidden
     if s.tp > 1:
         all_reduce = _collective("all_reduce", hidden_bytes, s.tp, _link(hw, shape, ("tp",), "all_reduce"))
         gather = _collective("all_gather", hidden_bytes, s.tp, _link(hw, shape, ("tp",), "all_gather"))
+        scatter = _collective("reduce_scatter", hidden_bytes, s.tp, _link(hw, shape, ("tp",), "reduce_scatter"))
         head = _collective("all_gather", tokens * n.vocab * itemsize, s.tp, _link(hw, shape, ("tp",), "all_gather"))
         inputs, outputs = n.block_tp_boundaries
         again = s.recompute == "full"  # the forward's collectives run again
         if s.sequence_parallel:  # inputs gathered forward, their gradients reduce-scattered; outputs the reverse
             calls = (2 + again) * (inputs + outputs)
-            per_block = calls * gather
+            per_block = ((1 + again) * inputs + outputs) * gather + (inputs + (1 + again) * outputs) * scatter
         else:  # outputs all-reduced forward, the inputs' gradients backward
             calls = (1 + again) * outputs + inputs
             per_block = calls * all_reduce
@@ -143,20 +149,24 @@ def time_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer: 
         # each of them launched by DTensor's redistribute, which costs more than the collective itself
         if hw.dtensor_collective:
             parts["dtensor"] = parts.get("dtensor", 0.0) + m * (blocks * calls + 3) * hw.dtensor_collective
+        syncs += m * (blocks * calls + 3)
     # data parallel: gradients (DDP, in buckets) or parameters and gradients (FSDP, per unit), behind compute
     reduce = s.reduce_dtype.itemsize if s.reduce_dtype is not None else itemsize
     if s.fsdp > 1:
         units = blocks + 1
-        link = _link(hw, shape, ("fsdp", "sp", "ep"), "all_gather")
-        gather = _collective("all_gather", dense * itemsize, shards, link, calls=units)
-        scatter = _collective("reduce_scatter", dense * reduce, shards, link, calls=units)
+        gather = _collective("all_gather", dense * itemsize, shards, _link(hw, shape, ("fsdp", "sp", "ep"), "all_gather"),
+                             calls=units)
+        scatter = _collective("reduce_scatter", dense * reduce, shards,
+                              _link(hw, shape, ("fsdp", "sp", "ep"), "reduce_scatter"), calls=units)
         if experts:  # each experts module its own unit, over the data axes but ep
-            link = _link(hw, shape, ("fsdp", "sp"), "all_gather")
             units += blocks * n.moe_modules
-            gather += _collective("all_gather", experts * itemsize, s.expert_shards, link, calls=blocks * n.moe_modules)
-            scatter += _collective("reduce_scatter", experts * reduce, s.expert_shards, link,
-                                   calls=blocks * n.moe_modules)
-        comm = (2 if s.reshard else 1) * gather * (m if s.reshard and m > 1 else 1) + scatter
+            gather += _collective("all_gather", experts * itemsize, s.expert_shards,
+                                  _link(hw, shape, ("fsdp", "sp"), "all_gather"), calls=blocks * n.moe_modules)
+            scatter += _collective("reduce_scatter", experts * reduce, s.expert_shards,
+                                   _link(hw, shape, ("fsdp", "sp"), "reduce_scatter"), calls=blocks * n.moe_modules)
+        gathers = (2 if s.reshard else 1) * (m if s.reshard and m > 1 else 1)
+        comm = gathers * gather + scatter
+        syncs += units * (gathers + 1)
         if s.dp > 1:
             comm += _collective("all_reduce", stored * reduce, s.dp, _link(hw, shape, ("dp",), "all_reduce"),
                                 calls=units)
@@ -172,10 +182,12 @@ def time_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer: 
         # only the last micro-batch's backward produces the gradients to reduce: the buckets but the last hide
         # behind it, not behind the whole step's compute (accumulation steps skip the reduction)
         parts["dp"] = _exposed(comm - comm / buckets, compute * 2 / 3 / m, hw) + comm / buckets
+        syncs += 1  # the step waits for the last bucket
     # expert parallel: per MoE layer the exchanges of expert_costs.exchanges, on the critical path
     if s.ep > 1 and n.moe_modules:
         parts["ep"] = m * blocks * n.moe_modules * all_to_all_seconds(n, s, tokens, itemsize, _link(
             hw, shape, ("ep",), "p2p"))
+        syncs += m * blocks * n.moe_modules * sum(runs for _, runs in layer_exchanges(n, s, tokens, itemsize))
     # pipeline: each micro-batch's hidden states sent forward and their gradients back
     if p > 1:
         link = _link(hw, shape, ("pp",), "p2p")
@@ -183,9 +195,11 @@ def time_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer: 
         # sends are asynchronous: in the steady state a micro-batch's transfer runs while the stages compute
         # others, and only the fill's and the drain's transfers (p - 1 each way) are on the critical path
         parts["pp"] = 2 * (p - 1) * send + _exposed(2 * m * v * send, compute, hw)
+        syncs += 2 * m * v  # each micro-batch's activations received forward, their gradients backward
         if n.tied and s.schedule != "zbv":  # the embedding's and the LM head's gradients summed once a step
             parts["pp"] += _collective("all_reduce", n.embedding_params / shards * reduce, 2,
                                        _link(hw, shape, ("pp",), "all_reduce"))
+            syncs += 1
     # context parallel: keys and values go around the ring (forward, and keys, values and their
     # gradients backward), behind the attention core
     if s.sp > 1:
@@ -193,7 +207,25 @@ def time_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer: 
         ring = 3 * (s.sp - 1) * (link.latency + tokens * n.kv_bytes * itemsize / link.bandwidth)
         core = 3 * tokens * n.core_flops / flops_rate
         parts["sp"] = m * blocks * _exposed(ring, core, hw)
+        syncs += m * blocks * 2 * (s.sp - 1)  # each ring step's exchange, forward and backward
+    if hw.skew and syncs:
+        parts["skew"] = skew_seconds(hw, syncs, parts["compute"] + parts["bubble"] + parts["optimizer"]
+                                     + parts.get("dtensor", 0.0))
     return parts
+
+
+def skew_seconds(hw: Hardware, syncs: float, work: float) -> float:
+    """Seconds a step waits for the last rank at its ``syncs`` blocking collectives, ``work`` seconds of
+    compute spread evenly between them: ranks drift apart as a random walk, ``hw.skew x sqrt(c)``
+    after ``c`` seconds, so ``syncs x skew x sqrt(work / syncs)``.
+
+    >>> import dataclasses
+    >>> from shardkit.planner.hardware import Hardware
+    >>> hw = dataclasses.replace(Hardware.preset("a100-80g"), skew=0.02)
+    >>> round(skew_seconds(hw, syncs=4, work=0.25), 3)
+    0.02
+    """
+    return hw.skew * math.sqrt(syncs * work)
 
 
 def dtensor_ops(n: Numbers, s: Setting, hw: Hardware, blocks: float) -> float:
@@ -281,4 +313,4 @@ def _collective(name: str, size: float, n: int, link: Link, calls: int = 1) -> f
 
 
 __all__ = ["BACKWARD_TRAFFIC", "DDP_BUCKET_BYTES", "OPTIMIZER_OPS", "all_to_all_seconds", "dtensor_ops",
-           "layer_exchanges", "time_of"]
+           "layer_exchanges", "skew_seconds", "time_of"]
