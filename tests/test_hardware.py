@@ -35,7 +35,8 @@ def _leaves(data: dict, prefix: str = "") -> list[str]:
 
 BASE = PRESETS["h100-80g"].to_dict()
 LEAVES = _leaves(BASE)
-NEWER = ("matmul_latency", "dtensor_overhead", "dtensor_collective")  # fields files written before them lack
+# fields files written before them lack
+NEWER = ("matmul_latency", "dtensor_overhead", "dtensor_collective", "skew", "cores_per_node")
 
 
 def _edited(path: str, value=None, delete: bool = False) -> dict:
@@ -116,8 +117,9 @@ def test_a_file_written_before_the_newer_fields_loads(tmp_path):
     path = tmp_path / "old.yaml"
     path.write_text(yaml.safe_dump({k: v for k, v in BASE.items() if k not in NEWER}))
     hw = Hardware.load(path)
-    assert (hw.matmul_latency, hw.dtensor_overhead, hw.dtensor_collective) == (
-        0.0, PRESETS["h100-80g"].dtensor_overhead, PRESETS["h100-80g"].dtensor_collective) and hw.memory == BASE["memory"]
+    assert (hw.matmul_latency, hw.dtensor_overhead, hw.dtensor_collective, hw.skew, hw.cores_per_node) == (
+        0.0, PRESETS["h100-80g"].dtensor_overhead, PRESETS["h100-80g"].dtensor_collective, 0.0, 0) \
+        and hw.memory == BASE["memory"]
 
 
 def test_a_file_without_reduce_scatter_reads_it_as_all_gathers_link():
@@ -307,7 +309,7 @@ def test_links_and_peaks():
     hw = PRESETS["a100-80g"]
     assert hw.link("reduce_scatter", True) == hw.inter_node["all_gather"]  # the presets price a ring
     assert hw.link("p2p", False) is hw.intra_node["p2p"]
-    with pytest.raises(sk.UsageError, match="unknown collective 'broadcast'; valid: all_reduce, all_gather, p2p"):
+    with pytest.raises(sk.UsageError, match="unknown collective 'broadcast'; valid: all_reduce, all_gather, reduce_scatter, p2p"):
         hw.link("broadcast", False)
     with pytest.raises(sk.UsageError, match="no peak for dtype torch.float64; valid: float32, bfloat16, float16"):
         hw.peak_flops(torch.float64)

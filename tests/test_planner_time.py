@@ -132,3 +132,18 @@ def test_a_plan_without_collectives_waits_for_no_one(gpt):
     one = time_of(Costs.of(gpt, SEQ, 1, None), Setting.of(sk.Plan(sk.Mesh(dp=1))), BATCH,
                   dataclasses.replace(A100, skew=0.02))
     assert "skew" not in one
+
+
+@pytest.mark.parametrize("schedule, microbatches, slots", [("gpipe", 2, 5), ("1f1b", 4, 7), ("gpipe", 8, 11)])
+def test_a_pipeline_on_shared_cores_is_no_shorter_than_its_critical_path(gpt, schedule, microbatches, slots):
+    """4 stages on 2 cores: an idle stage lends its cores, but m + p - 1 slots of one stage's micro-batch,
+    each on a core of its own (half the average process's shared time), are a floor."""
+    s = Setting.of(sk.Plan(sk.Mesh(pp=4), pipeline=sk.Pipeline(schedule=schedule, microbatches=microbatches)))
+    costs = Costs.of(gpt, SEQ, 1, None)
+    shared = dataclasses.replace(A100, shared_compute=True, devices_per_node=4, overlap=0.0)
+    unknown = time_of(costs, s, BATCH, shared)  # cores not given (files before cores_per_node): none
+    parts = time_of(costs, s, BATCH, dataclasses.replace(shared, cores_per_node=2))
+    work = parts["compute"]
+    assert unknown["bubble"] == 0.0
+    assert parts["bubble"] == pytest.approx(max(0.0, work * slots / (2 * microbatches) - work))
+    assert (parts["bubble"] > 0) == (slots > 2 * microbatches)

@@ -206,11 +206,13 @@ def _calibration(world: LocalWorld | None, launcher: str, world_size: int, per_n
         notes.append(f"{world_size // per_node} machines: inter_node and intra_node are both the world's links as "
                      f"measured (the slowest, between machines)")
     flops = {d: (matmul[d] or matmul["bfloat16"])[1] for d in DTYPES}
+    cores = os.cpu_count() or 1
+    shared = device == "cpu" and per_node > cores  # processes sharing the machine's cores
     links = {c: fits[c].link for c in COLLECTIVES}
     hardware = Hardware(name=name or world_name(launcher, world_size, backend, device), memory=memory, flops=flops,
                         devices_per_node=per_node, intra_node=links, inter_node=links, memory_bandwidth=bandwidth,
                         matmul_efficiency=1.0, reserved=0, op_overhead=op_overhead, overlap=overlap.fraction,
-                        shared_compute=device == "cpu" and per_node > (os.cpu_count() or 1),
+                        shared_compute=shared, cores_per_node=cores if shared else 0,
                         dtensor_overhead=dtensor_overhead, dtensor_collective=dtensor_collective, skew=skew)
     report(total, total, "done")
     return Calibration(hardware, matmul, fits, ops_per_step, overlap, tuple(notes), clock() - start, backend, device)

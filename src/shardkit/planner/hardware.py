@@ -52,13 +52,13 @@ DTYPES = FLOATING
 SUFFIXES = (".json", ".yaml", ".yml")
 _FIELDS = ("name", "memory", "flops", "devices_per_node", "intra_node", "inter_node", "matmul_efficiency",
            "matmul_latency", "memory_bandwidth", "op_overhead", "dtensor_overhead", "dtensor_collective", "skew",
-           "overlap", "shared_compute", "reserved")
+           "overlap", "shared_compute", "cores_per_node", "reserved")
 #: Fields added after files were first written: a file without them reads as the value given here
 #: (a file of ``shardkit calibrate`` written before had no DTensor probe: the presets' figure).
 _DTENSOR_OVERHEAD = 1e-5  # the presets' (the comments of the presets below)
 _DTENSOR_COLLECTIVE = 1e-4
 _OPTIONAL = {"matmul_latency": 0.0, "dtensor_overhead": _DTENSOR_OVERHEAD, "dtensor_collective": _DTENSOR_COLLECTIVE,
-             "skew": 0.0}
+             "skew": 0.0, "cores_per_node": 0}
 _LINK_FIELDS = ("bandwidth", "latency")
 _NESTED = {"flops": DTYPES, "intra_node": COLLECTIVES, "inter_node": COLLECTIVES}  # mapping fields: their keys
 
@@ -92,16 +92,18 @@ class Hardware:
       (about 1.0 on GPUs, whose NCCL runs on streams of its own; measured on gloo);
     - ``shared_compute``: whether the devices are processes sharing fewer cores (a local CPU
       world larger than the machine's cores): a device left idle, in a pipeline's bubble, lends
-      its cores to the others (false on GPUs);
+      its cores to the others (false on GPUs); ``cores_per_node``: the cores they share (0: not
+      known, as in files written before it): a pipeline's fill and drain, with fewer stages
+      computing than cores, leave cores idle all the same;
     - ``devices_per_node``; ``intra_node`` and ``inter_node``: one :class:`Link` per collective
       in :data:`COLLECTIVES`; ``reduce_scatter`` may be left out (files written before it was
       measured), and then runs on ``all_gather``'s link, as a ring would.
 
-    ``op_overhead``, ``dtensor_overhead``, ``dtensor_collective``, ``matmul_latency``, ``skew``, ``overlap``
-    and ``shared_compute`` default to an ideal device's 0.0, 0.0, 0.0, 0.0, 0.0, 1.0 and false in Python (files
-    require every field but ``matmul_latency``, ``dtensor_overhead``, ``dtensor_collective`` and ``skew``, which
-    files written before them lack: :data:`_OPTIONAL`); ``memory_bandwidth`` has no default, as devices differ
-    by 100x.
+    ``op_overhead``, ``dtensor_overhead``, ``dtensor_collective``, ``matmul_latency``, ``skew``, ``overlap``,
+    ``shared_compute`` and ``cores_per_node`` default to an ideal device's 0.0, 0.0, 0.0, 0.0, 0.0, 1.0, false
+    and 0 in Python (files require every field but ``matmul_latency``, ``dtensor_overhead``,
+    ``dtensor_collective``, ``skew`` and ``cores_per_node``, which files written before them lack:
+    :data:`_OPTIONAL`); ``memory_bandwidth`` has no default, as devices differ by 100x.
 
     >>> a100 = Hardware.preset("a100-80g")
     >>> a100.usable_memory / 2**30, a100.memory_bandwidth / 1e9, a100.op_overhead, a100.overlap
@@ -124,6 +126,7 @@ class Hardware:
     dtensor_collective: float = 0.0
     skew: float = 0.0
     shared_compute: bool = False
+    cores_per_node: int = 0
 
     def __post_init__(self) -> None:
         for side in ("intra_node", "inter_node"):  # a collective left out runs on the link that stands in for it
@@ -193,6 +196,7 @@ class Hardware:
             "skew": self.skew,
             "overlap": self.overlap,
             "shared_compute": self.shared_compute,
+            "cores_per_node": self.cores_per_node,
             "reserved": self.reserved,
         }
 
@@ -293,6 +297,7 @@ def _scalar_problems(values: Mapping[str, Any]) -> list[str]:
         "shared_compute": lambda v: None if isinstance(v, bool) else
         f"field 'shared_compute' must be true or false, got {describe(v)}",
         "reserved": lambda v: _integer(v, "reserved", 0, "bytes"),
+        "cores_per_node": lambda v: _integer(v, "cores_per_node", 0, "cores"),
     }
     problems = [problem for name, check in checks.items() if name in values and (problem := check(values[name]))]
     memory, reserved = values.get("memory"), values.get("reserved")

@@ -26,8 +26,9 @@ are consecutive and fit in one, else across nodes:
   parameter x ``op_overhead``;
 - ``bubble``: a pipeline's idle share, ``(p-1)/(m v)`` of the compute (zero-bubble schedules: a
   third of it; ``sequential``: ``p-1`` stages idle); on ``shared_compute`` hardware (processes
-  sharing cores) none, and the compute is the average device's, since an idle process lends
-  its cores to the others;
+  sharing cores) the compute is the average device's, since an idle process lends its cores to
+  the others, and the bubble only what the schedule's critical path adds beyond it when fewer
+  stages compute than there are cores (:func:`_shared_bubble`);
 - ``tp``: per block, as counted by the analysis, an all-reduce of the block's hidden states
   backward for each column-parallel layer's input (the gradient of a replicated input) and
   forward for each row-parallel layer's output (Megatron's fused QKV: 2 and 2; separate q, k, v
@@ -109,7 +110,8 @@ def time_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer: 
     compute = m * (tokens * (flops / flops_rate + traffic / hw.memory_bandwidth) + ops * hw.op_overhead
                    + products * hw.matmul_latency)
     dtensor = m * dtensor_ops(n, s, hw, blocks) * hw.dtensor_overhead
-    parts = {"compute": compute, "bubble": 0.0 if hw.shared_compute else _bubble(s) * (compute + dtensor)}
+    parts = {"compute": compute, "bubble": _shared_bubble(s, hw, compute + dtensor) if hw.shared_compute
+             else _bubble(s) * (compute + dtensor)}
     hidden_bytes = tokens * n.hidden * itemsize
     stage_params = blocks * n.block_params_at(s.ep) + max(n.embedding_params, n.head_params)
     experts = blocks * (n.expert_params // s.ep) if s.ep > 1 else 0  # E / ep of each MoE layer, FSDP units apart
@@ -279,6 +281,29 @@ def all_to_all_seconds(n: Numbers, s: Setting, tokens: float, itemsize: int, lin
 def _exposed(comm: float, window: float, hw: Hardware) -> float:
     """Communication time left after ``hw.overlap`` of it runs during ``window`` seconds of compute."""
     return comm - min(comm * hw.overlap, window)
+
+
+def _shared_bubble(s: Setting, hw: Hardware, work: float) -> float:
+    """A pipeline's idle time on processes sharing ``hw.cores_per_node`` cores: none while every core
+    has a stage to run (an idle stage lends its cores), but the schedule's critical path, ``m v + p - 1``
+    slots of one stage's micro-batch each on a core of its own, is a floor: with 4 stages on 2 cores a
+    GPipe of 2 micro-batches takes 5 slots where the work fills 4 (``work``: the average process's
+    seconds, every process sharing the cores; on a core of its own ``cores / processes`` of it).
+
+    >>> import dataclasses
+    >>> import shardkit as sk
+    >>> from shardkit.planner.costs import Setting
+    >>> from shardkit.planner.hardware import Hardware
+    >>> shared = dataclasses.replace(Hardware.preset("a100-80g"), shared_compute=True, cores_per_node=2,
+    ...                              devices_per_node=4)
+    >>> gpipe = Setting.of(sk.Plan(sk.Mesh(pp=4), pipeline=sk.Pipeline(schedule="gpipe", microbatches=2)))
+    >>> _shared_bubble(gpipe, shared, work=1.0)  # the critical path: 1/2 x (1 + 3/2) of the work
+    0.25
+    """
+    if s.pp == 1 or not hw.cores_per_node:
+        return 0.0
+    share = min(1.0, hw.cores_per_node / hw.devices_per_node)
+    return max(0.0, work * share * (1 + _bubble(s)) - work)
 
 
 def _bubble(s: Setting) -> float:
