@@ -119,19 +119,23 @@ def test_a_large_models_products_run_nearer_the_ceiling_than_a_small_ones():
     (sk.Plan(sk.Mesh(tp=2), rules=GPT_RULES, sequence_parallel=True),
      lambda n, s: n.layers * 2 * (4 + 2) + 3)])
 def test_each_blocking_collective_waits_for_the_last_rank(gpt, plan, syncs):
-    """skew x sqrt(syncs x work): the step's work spread evenly over its blocking collectives."""
+    """skew x sqrt(syncs x work): the step's work spread evenly over its blocking collectives, the
+    loss's all-reduce over the world one of them."""
     s = Setting.of(plan)
     costs = Costs.of(gpt, SEQ, s.tp, None, rules=plan.rules)
     parts = time_of(costs, s, BATCH, dataclasses.replace(A100, skew=0.02))
     assert "skew" not in time_of(costs, s, BATCH, A100)  # the presets measure none
     work = parts["compute"] + parts["bubble"] + parts["optimizer"] + parts.get("dtensor", 0.0)
-    assert parts["skew"] == pytest.approx(0.02 * (syncs(costs.numbers, s) * work) ** 0.5)
+    assert parts["skew"] == pytest.approx(0.02 * ((syncs(costs.numbers, s) + 1) * work) ** 0.5)
+    loss = A100.link("all_reduce", across_nodes=False)
+    assert parts["loss"] == pytest.approx(2 * (s.devices - 1) * loss.latency + 2 * (s.devices - 1) / s.devices * 4
+                                          / loss.bandwidth)
 
 
 def test_a_plan_without_collectives_waits_for_no_one(gpt):
     one = time_of(Costs.of(gpt, SEQ, 1, None), Setting.of(sk.Plan(sk.Mesh(dp=1))), BATCH,
                   dataclasses.replace(A100, skew=0.02))
-    assert "skew" not in one
+    assert "skew" not in one and "loss" not in one
 
 
 @pytest.mark.parametrize("schedule, microbatches, slots", [("gpipe", 2, 5), ("1f1b", 4, 7), ("gpipe", 8, 11)])

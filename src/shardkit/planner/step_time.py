@@ -46,8 +46,11 @@ are consecutive and fit in one, else across nodes:
   embedding tied to the LM head, one all-reduce of its gradient between the first and the last
   device a step (none under ``zbv``, which puts both ends on one device);
 - ``sp``: ring attention's key/value passes, ``overlap`` of them behind the attention core;
+- ``loss``: the loss ``model.step`` returns, averaged over every rank: an all-reduce of one number
+  over the world (a pipeline's broadcast from the last stage and all-reduce over the data axes
+  cost about the same), blocking;
 - ``skew``: the waits for the last rank at the step's blocking collectives (tp's, FSDP's gathers and
-  reduce-scatters, DDP's last bucket, a pipeline's receives, the ring's exchanges, the all-to-alls), its
+  reduce-scatters, DDP's last bucket, the loss's all-reduce, a pipeline's receives, the ring's exchanges, the all-to-alls), its
   compute spread evenly between them: :func:`skew_seconds` with the measured ``hw.skew`` (0 on the
   presets);
 - ``ep``: per MoE layer and micro-batch, the all-to-alls of expert parallelism at balanced routing
@@ -67,6 +70,8 @@ from .expert_costs import Exchange, exchanges
 from .hardware import Hardware, Link, ring_terms
 from .memory import blocks_per_device, tokens_per_microbatch
 
+#: Every mesh axis: a group over them all spans the world.
+AXES = ("dp", "fsdp", "tp", "pp", "sp", "ep")
 #: DDP's default bucket: gradients are all-reduced in pieces of this many bytes.
 DDP_BUCKET_BYTES = 25 * 2**20
 #: Bytes the backward of a memory-bound operator moves per byte its forward moves: an elementwise
@@ -210,6 +215,10 @@ def time_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer: 
         core = 3 * tokens * n.core_flops / flops_rate
         parts["sp"] = m * blocks * _exposed(ring, core, hw)
         syncs += m * blocks * 2 * (s.sp - 1)  # each ring step's exchange, forward and backward
+    # model.step returns the loss averaged over every rank: an all-reduce of one number, which blocks
+    if s.devices > 1:
+        parts["loss"] = _collective("all_reduce", 4, s.devices, _link(hw, shape, AXES, "all_reduce"))
+        syncs += 1
     if hw.skew and syncs:
         parts["skew"] = skew_seconds(hw, syncs, parts["compute"] + parts["bubble"] + parts["optimizer"]
                                      + parts.get("dtensor", 0.0))
@@ -320,7 +329,7 @@ def _link(hw: Hardware, shape: tuple, axes: tuple[str, ...], collective: str) ->
     """The link a group over ``axes`` uses: within a node when its ranks are consecutive and fit in one.
 
     ``shape``: ``(mesh axis order, dp, fsdp, tp, pp, sp, ep)``."""
-    order, sizes = shape[0], dict(zip(("dp", "fsdp", "tp", "pp", "sp", "ep"), shape[1:]))
+    order, sizes = shape[0], dict(zip(AXES, shape[1:]))
     order = [a for a in order if a in sizes]
     present = [order.index(a) for a in axes if a in order]
     innermost = max(present) if present else len(order) - 1
