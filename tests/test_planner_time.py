@@ -4,6 +4,7 @@ unit-level: arithmetic on measured costs, no processes."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 
@@ -128,8 +129,7 @@ def test_each_blocking_collective_waits_for_the_last_rank(gpt, plan, syncs):
     work = parts["compute"] + parts["bubble"] + parts["optimizer"] + parts.get("dtensor", 0.0)
     assert parts["skew"] == pytest.approx(0.02 * ((syncs(costs.numbers, s) + 1) * work) ** 0.5)
     loss = A100.link("all_reduce", across_nodes=False)
-    assert parts["loss"] == pytest.approx(2 * (s.devices - 1) * loss.latency + 2 * (s.devices - 1) / s.devices * 4
-                                          / loss.bandwidth)
+    assert parts["loss"] == pytest.approx(2 * math.ceil(math.log2(s.devices)) * loss.latency)  # a tree's
 
 
 def test_a_plan_without_collectives_waits_for_no_one(gpt):

@@ -47,8 +47,9 @@ are consecutive and fit in one, else across nodes:
   device a step (none under ``zbv``, which puts both ends on one device);
 - ``sp``: ring attention's key/value passes, ``overlap`` of them behind the attention core;
 - ``loss``: the loss ``model.step`` returns, averaged over every rank: an all-reduce of one number
-  over the world (a pipeline's broadcast from the last stage and all-reduce over the data axes
-  cost about the same), blocking;
+  over the world, ``2 log2(n)`` latencies of a tree (NCCL's algorithm for so small a message; a
+  pipeline's broadcast from the last stage and all-reduce over the data axes cost about the same),
+  blocking;
 - ``skew``: the waits for the last rank at the step's blocking collectives (tp's, FSDP's gathers and
   reduce-scatters, DDP's last bucket, the loss's all-reduce, a pipeline's receives, the ring's exchanges, the all-to-alls), its
   compute spread evenly between them: :func:`skew_seconds` with the measured ``hw.skew`` (0 on the
@@ -215,9 +216,10 @@ def time_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer: 
         core = 3 * tokens * n.core_flops / flops_rate
         parts["sp"] = m * blocks * _exposed(ring, core, hw)
         syncs += m * blocks * 2 * (s.sp - 1)  # each ring step's exchange, forward and backward
-    # model.step returns the loss averaged over every rank: an all-reduce of one number, which blocks
+    # model.step returns the loss averaged over every rank: an all-reduce of one number, which blocks; a
+    # tree's 2 log2(n) latencies (NCCL's algorithm for small messages), not a ring's 2 (n - 1)
     if s.devices > 1:
-        parts["loss"] = _collective("all_reduce", 4, s.devices, _link(hw, shape, AXES, "all_reduce"))
+        parts["loss"] = 2 * math.ceil(math.log2(s.devices)) * _link(hw, shape, AXES, "all_reduce").latency
         syncs += 1
     if hw.skew and syncs:
         parts["skew"] = skew_seconds(hw, syncs, parts["compute"] + parts["bubble"] + parts["optimizer"]
