@@ -151,3 +151,20 @@ def test_a_pipeline_on_shared_cores_is_no_shorter_than_its_critical_path(gpt, sc
     assert unknown["bubble"] == 0.0
     assert parts["bubble"] == pytest.approx(max(0.0, work * slots / (2 * microbatches) - work))
     assert (parts["bubble"] > 0) == (slots > 2 * microbatches)
+
+
+def test_ring_attention_pays_its_own_merging_and_accumulating(gpt):
+    """Per block and micro-batch: the ring's calls and float32 passes over the rank's queries, growing with sp."""
+    from shardkit.planner.step_time import RING_OPS, RING_TRAFFIC, ring_work
+
+    hw = dataclasses.replace(A100, op_overhead=1e-5, memory_bandwidth=1e10)
+    costs = Costs.of(gpt, SEQ, 1, None)
+    for sp in (2, 4):
+        s = Setting.of(sk.Plan(sk.Mesh(sp=sp)))
+        calls = sum(per * sp + fixed for per, fixed in RING_OPS)
+        passes = sum(per * sp + fixed for per, fixed in RING_TRAFFIC)
+        queries = BATCH * SEQ // sp * costs.numbers.hidden
+        assert ring_work(s, hw, queries) == pytest.approx(calls * 1e-5 + passes * queries * 4 / 1e10)
+        free = time_of(costs, s, BATCH, dataclasses.replace(hw, op_overhead=0.0, memory_bandwidth=1e30))["sp"]
+        assert time_of(costs, s, BATCH, hw)["sp"] - free > costs.numbers.layers * ring_work(s, hw, queries) * 0.99
+    assert calls == 14 * 4 + 15 * 4 - 2  # 57 forward, 63 backward, less SDPA's 1 + 5

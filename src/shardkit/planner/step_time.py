@@ -45,7 +45,9 @@ are consecutive and fit in one, else across nodes:
   steady state's behind the compute (the sends are asynchronous); with an
   embedding tied to the LM head, one all-reduce of its gradient between the first and the last
   device a step (none under ``zbv``, which puts both ends on one device);
-- ``sp``: ring attention's key/value passes, ``overlap`` of them behind the attention core;
+- ``sp``: ring attention's key/value passes, ``overlap`` of them behind the attention core, and the
+  ring's own operators (:func:`ring_work`: merging the blocks' partial results, accumulating the
+  gradients), not hidden;
 - ``loss``: the loss ``model.step`` returns, averaged over every rank: an all-reduce of one number
   over the world, ``2 log2(n)`` latencies of a tree (NCCL's algorithm for so small a message; a
   pipeline's broadcast from the last stage and all-reduce over the data axes cost about the same),
@@ -71,6 +73,15 @@ from .expert_costs import Exchange, exchanges
 from .hardware import Hardware, Link, ring_terms
 from .memory import blocks_per_device, tokens_per_microbatch
 
+#: What ring attention (runtime/ring_attention.py) adds to a block's attention per micro-batch, over the
+#: one attention kernel the model's costs hold, forward then backward, each ``(per ring step, fixed)``:
+#: operator calls, and passes over the rank's queries in float32 (the merging's accumulation dtype):
+#: each block's partial output merged by its log-sum-exp forward, the query and key/value gradients
+#: accumulated backward. Counted with OpCounter on torch 2.13 at sp=2 and 4 (29 and 57 calls, 28.5 and
+#: 50.8 passes forward; 33 and 63, 82.3 and 146.7 backward) less plain SDPA's own (1 call forward; 5
+#: calls and 19.1 passes backward).
+RING_OPS = ((14, 0), (15, -2))
+RING_TRAFFIC = ((11.1, 6.3), (32.2, -1.2))
 #: Every mesh axis: a group over them all spans the world.
 AXES = ("dp", "fsdp", "tp", "pp", "sp", "ep")
 #: DDP's default bucket: gradients are all-reduced in pieces of this many bytes.
@@ -214,7 +225,7 @@ def time_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer: 
         link = _link(hw, shape, ("sp",), "p2p")
         ring = 3 * (s.sp - 1) * (link.latency + tokens * n.kv_bytes * itemsize / link.bandwidth)
         core = 3 * tokens * n.core_flops / flops_rate
-        parts["sp"] = m * blocks * _exposed(ring, core, hw)
+        parts["sp"] = m * blocks * (_exposed(ring, core, hw) + ring_work(s, hw, tokens * n.hidden // s.tp))
         syncs += m * blocks * 2 * (s.sp - 1)  # each ring step's exchange, forward and backward
     # model.step returns the loss averaged over every rank: an all-reduce of one number, which blocks; a
     # tree's 2 log2(n) latencies (NCCL's algorithm for small messages), not a ring's 2 (n - 1)
@@ -239,6 +250,17 @@ def skew_seconds(hw: Hardware, syncs: float, work: float) -> float:
     0.02
     """
     return hw.skew * math.sqrt(syncs * work)
+
+
+def ring_work(s: Setting, hw: Hardware, queries: float) -> float:
+    """Seconds ring attention's own operators add to one block's attention for one micro-batch, over
+    the attention kernel the model's costs hold: :data:`RING_OPS` calls and :data:`RING_TRAFFIC`
+    passes over the rank's ``queries`` elements in float32, forward and backward (full recompute
+    runs the forward again)."""
+    runs = (2 if s.recompute == "full" else 1, 1)
+    calls = sum(r * (per * s.sp + fixed) for r, (per, fixed) in zip(runs, RING_OPS))
+    passes = sum(r * (per * s.sp + fixed) for r, (per, fixed) in zip(runs, RING_TRAFFIC))
+    return calls * hw.op_overhead + passes * queries * 4 / hw.memory_bandwidth
 
 
 def dtensor_ops(n: Numbers, s: Setting, hw: Hardware, blocks: float) -> float:
@@ -349,4 +371,4 @@ def _collective(name: str, size: float, n: int, link: Link, calls: int = 1) -> f
 
 
 __all__ = ["BACKWARD_TRAFFIC", "DDP_BUCKET_BYTES", "OPTIMIZER_OPS", "all_to_all_seconds", "dtensor_ops",
-           "layer_exchanges", "skew_seconds", "time_of"]
+           "layer_exchanges", "ring_work", "skew_seconds", "time_of", "RING_OPS", "RING_TRAFFIC"]
