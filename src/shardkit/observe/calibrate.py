@@ -38,9 +38,10 @@ a training step there sees:
   time (:func:`~shardkit.observe.probes.dtensor_collective_job`).
 - **skew**: every process loops over matrix products (10 and 40 ms of them) then a tiny blocking
   all-reduce: the time no rank computed (the wall time less the world's CPU seconds over its cores on
-  the CPU), per collective, beyond the all-reduce alone's, is the wait for the last rank to arrive;
-  ``skew`` is its median over the square root of the compute before it (ranks drift apart as a random
-  walk: :func:`~shardkit.observe.probes.skew_job`, :func:`~shardkit.observe.fits.fit_skew`).
+  the CPU), per collective, beyond the all-reduce's and the products' alone (what other jobs took), is
+  the wait for the last rank to arrive; ``skew`` is its median over the square root of the compute
+  before it (ranks drift apart as a random walk: :func:`~shardkit.observe.probes.skew_job`,
+  :func:`~shardkit.observe.fits.fit_skew`).
 - **overlap**: a loop of float32 matrix products alone, a loop of 2 MiB all-reduces alone, then
   both at once (the all-reduces issued with ``async_op=True`` before the products, waited after
   them, as FSDP and DDP issue theirs), :class:`Overlap`.

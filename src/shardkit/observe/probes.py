@@ -317,12 +317,13 @@ SKEW_CHUNKS, SKEW_PAIRS = (0.01, 0.04), 3
 def skew_job(ctx, seconds: float) -> list[tuple[float, float]]:
     """``[(compute seconds before a collective, seconds the collective waited)]``, :data:`SKEW_PAIRS`
     per chunk of :data:`SKEW_CHUNKS`: every rank loops over matrix products then a tiny blocking
-    all-reduce, and over the all-reduce alone; what the loop of both leaves idle, per collective,
-    beyond the all-reduce alone, is the wait for the last rank to arrive (each rank's compute ran at
-    its own pace: processes sharing cores drift apart by the scheduler's slices, a GPU's by its clocks
-    and kernels). Idle is the wall time less the world's CPU seconds over its cores on the CPU (exact
-    where processes share cores), the loop less the products alone on a GPU. Each loop runs for about
-    ``seconds``; its mean per iteration, the slowest rank's (the typical wait, not a lucky block's)."""
+    all-reduce, over the products alone and over the all-reduce alone; what the loop of both leaves
+    idle, per collective, beyond the two apart, is the wait for the last rank to arrive (each rank's
+    compute ran at its own pace: processes sharing cores drift apart by the scheduler's slices, a
+    GPU's by its clocks and kernels). Idle is the wall time less the world's CPU seconds over its
+    cores on the CPU (so that the products alone leave only what other jobs took from the cores), the
+    wall time on a GPU. Each loop runs for about ``seconds``; its mean per iteration, the slowest
+    rank's (the typical wait, not a lucky block's)."""
     import time
 
     device = ctx.device
@@ -352,7 +353,7 @@ def skew_job(ctx, seconds: float) -> list[tuple[float, float]]:
                 a @ b
 
         for _ in range(SKEW_PAIRS):
-            computing = idle(compute, chunk) if device.type != "cpu" else 0.0
+            computing = idle(compute, chunk)  # on the CPU: what other jobs took from the cores meanwhile
             both = idle(lambda: (compute(), dist.all_reduce(tiny)), chunk + alone)  # noqa: B023 (used at once)
             waits.append((products * product, max(0.0, both - computing - alone)))
     return waits
