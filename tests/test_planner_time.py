@@ -12,6 +12,7 @@ import shardkit as sk
 from shardkit.models.gpt import GPT_RULES, GPTConfig, build_small_gpt
 from shardkit.planner.costs import Costs, Setting
 from shardkit.planner.estimate import estimate
+from shardkit.planner.hardware import Link
 from shardkit.planner.memory import blocks_per_device
 from shardkit.planner.step_time import OPTIMIZER_OPS, dtensor_ops, time_of
 
@@ -168,3 +169,26 @@ def test_ring_attention_pays_its_own_merging_and_accumulating(gpt):
         free = time_of(costs, s, BATCH, dataclasses.replace(hw, op_overhead=0.0, memory_bandwidth=1e30))["sp"]
         assert time_of(costs, s, BATCH, hw)["sp"] - free > costs.numbers.layers * ring_work(s, hw, queries) * 0.99
     assert calls == 14 * 4 + 15 * 4 - 2  # 57 forward, 63 backward, less SDPA's 1 + 5
+
+
+def test_data_parallel_pays_its_own_copies(gpt):
+    """With instant links only the wrappers' copies are left: DDP scales each gradient into its bucket
+    and copies it back (2 calls, 4 passes); FSDP2 copies each unit in and out per gather and reduce-scatter."""
+    from shardkit.planner.step_time import DDP_COPIES, FSDP_COPIES
+
+    instant = Link(bandwidth=1e30, latency=0.0)
+    links = {c: instant for c in ("all_reduce", "all_gather", "reduce_scatter", "p2p")}
+    hw = dataclasses.replace(A100, intra_node=links, inter_node=links, op_overhead=1e-5, memory_bandwidth=1e10)
+    costs = Costs.of(gpt, SEQ, 1, None)
+    n = costs.numbers
+    params = n.layers * n.block_params + max(n.embedding_params, n.head_params)  # a stage's, as the estimate counts
+    tensors = len(n.embedding_pieces) + len(n.head_pieces) + n.layers * len(n.block_pieces)
+    ddp = time_of(costs, Setting.of(sk.Plan(sk.Mesh(dp=4))), BATCH, hw)["dp"]
+    assert DDP_COPIES == (2, 4)
+    assert ddp == pytest.approx(tensors * 2 * 1e-5 + 4 * params * 4 / 1e10, rel=0.02)
+    units = n.layers + 1
+    for reshard, gathers in ((False, 1), (True, 2)):
+        s = Setting.of(sk.Plan(sk.Mesh(fsdp=4), fsdp=sk.FSDPOptions(reshard_after_forward=reshard)))
+        fsdp = time_of(costs, s, BATCH, hw)["fsdp"]
+        copies = units * (gathers + 1) * FSDP_COPIES * 1e-5 + 2 * (params + params / 4) * (gathers + 1) * 4 / 1e10
+        assert fsdp == pytest.approx(copies, rel=0.02)

@@ -40,6 +40,8 @@ are consecutive and fit in one, else across nodes:
   forward, another backward (with resharding) and a reduce-scatter (HSDP adds an all-reduce of
   the shard); ``overlap`` of it runs while the backward computes (DDP: the last micro-batch's
   backward only, the one that makes the gradients), except the last bucket / the first unit's gather;
+  and their own copies, not hidden (DDP's into and out of its buckets, :data:`DDP_COPIES`; FSDP2's
+  copy-in and copy-out of each gather and reduce-scatter, :data:`FSDP_COPIES`);
 - ``pp``: point-to-point of each micro-batch's hidden states, forward and backward: the fill's
   and the drain's ``p - 1`` transfers each way on the critical path, ``overlap`` of the
   steady state's behind the compute (the sends are asynchronous); with an
@@ -82,6 +84,14 @@ from .memory import blocks_per_device, tokens_per_microbatch
 #: calls and 19.1 passes backward).
 RING_OPS = ((14, 0), (15, -2))
 RING_TRAFFIC = ((11.1, 6.3), (32.2, -1.2))
+#: DDP's own work per gradient tensor, ``(operator calls, passes over its bytes)``: scaled by ``1/world``
+#: into its bucket (``mul``) and copied back after the all-reduce (``copy_``), each reading and writing
+#: it; counted with a dispatch mode on torch 2.13 (the reference GPT at dp=2: 69 of each for 69 tensors).
+DDP_COPIES = (2, 4)
+#: FSDP2's own operator calls per unit and collective: a gather's ``all_gather_copy_in`` and
+#: ``split_with_sizes_copy``, a reduce-scatter's ``chunk_cat`` and the copy of this rank's share; each
+#: reads and writes the shard and the whole unit once (counted with a dispatch mode on torch 2.13).
+FSDP_COPIES = 2
 #: Every mesh axis: a group over them all spans the world.
 AXES = ("dp", "fsdp", "tp", "pp", "sp", "ep")
 #: DDP's default bucket: gradients are all-reduced in pieces of this many bytes.
@@ -189,7 +199,11 @@ def time_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer: 
         if s.dp > 1:
             comm += _collective("all_reduce", stored * reduce, s.dp, _link(hw, shape, ("dp",), "all_reduce"),
                                 calls=units)
-        parts["fsdp"] = _exposed(comm, compute, hw) + gather / units  # the first unit's gather waits
+        # FSDP2's own copies, not hidden: each gather copies the shard in and the unit out, each reduce-scatter
+        # the gradients in (chunk_cat) and this rank's share out
+        full, copies = dense + experts, FSDP_COPIES
+        parts["fsdp"] = _exposed(comm, compute, hw) + gather / units + units * (gathers + 1) * copies * hw.op_overhead \
+            + 2 * (full + stored) * (gathers * itemsize + reduce) / hw.memory_bandwidth
     elif s.dp * s.sp * s.ep > 1:  # DDP (or replicate) over every data rank (sp's too); the experts but over ep
         size = dense * reduce
         buckets = max(1, math.ceil(size / DDP_BUCKET_BYTES))
@@ -200,7 +214,10 @@ def time_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer: 
                                 calls=max(1, math.ceil(experts * reduce / DDP_BUCKET_BYTES)))
         # only the last micro-batch's backward produces the gradients to reduce: the buckets but the last hide
         # behind it, not behind the whole step's compute (accumulation steps skip the reduction)
-        parts["dp"] = _exposed(comm - comm / buckets, compute * 2 / 3 / m, hw) + comm / buckets
+        # DDP's own work, not hidden: each gradient scaled into its bucket and copied back (DDP_COPIES)
+        calls, passes = DDP_COPIES
+        parts["dp"] = _exposed(comm - comm / buckets, compute * 2 / 3 / m, hw) + comm / buckets \
+            + tensors * calls * hw.op_overhead + passes * (dense + experts) * reduce / hw.memory_bandwidth
         syncs += 1  # the step waits for the last bucket
     # expert parallel: per MoE layer the exchanges of expert_costs.exchanges, on the critical path
     if s.ep > 1 and n.moe_modules:
@@ -371,4 +388,5 @@ def _collective(name: str, size: float, n: int, link: Link, calls: int = 1) -> f
 
 
 __all__ = ["BACKWARD_TRAFFIC", "DDP_BUCKET_BYTES", "OPTIMIZER_OPS", "all_to_all_seconds", "dtensor_ops",
-           "layer_exchanges", "ring_work", "skew_seconds", "time_of", "RING_OPS", "RING_TRAFFIC"]
+           "layer_exchanges", "ring_work", "skew_seconds", "time_of", "DDP_COPIES", "FSDP_COPIES",
+           "RING_OPS", "RING_TRAFFIC"]
