@@ -394,36 +394,12 @@ def _check_suffix(path: Path, caller: str) -> None:
 # H200 datasheet (H200 SXM: 141 GB HBM3e, the H100's compute and NVLink). Inter-node: DGX A100 has
 # 8x 200 Gb/s HDR InfiniBand (25 GB/s per GPU), DGX H100/H200 8x 400 Gb/s NDR (50 GB/s per GPU).
 #
-# Choices (docs/hardware.md):
-# - "float32" is plain fp32 (19.5 / 67 TFLOP/s), not TF32: torch multiplies float32 matrices in
-#   full precision unless torch.set_float32_matmul_precision("high") is called.
-# - memory is what the driver reports (A100 81920 MiB, H100 81559 MiB; H200 143771 MiB, read with
-#   nvidia-smi on an H200 of this workplace); reserved 1 GiB: the CUDA context (~0.5 GiB) and NCCL's
-#   communicator buffers.
-# - matmul_efficiency, the ceiling a large product reaches: A100 0.859, the "maximum achievable
-#   matmul FLOPS" of an A100 SXM, 267.9 of 312 TFLOP/s in bf16 (best of a sweep of shapes, CUDA 12.1;
-#   S. Bekman, ml-engineering, compute/accelerator/README.md, "Maximum Achievable Matmul FLOPS
-#   comparison table"); H100/H200 0.8: on an H200 of this workplace an 8192^3 bf16 product ran at
-#   769-798 of 989 TFLOP/s.
-# - matmul_latency 4 us: a product's fixed device time (its launch, the first tiles' loads, the
-#   last wave's tail, NVIDIA's "Matrix Multiplication Background" guide, dimension quantization),
-#   so small products reach less of the ceiling (on an A100: 0.57 at 1024^3, 0.81 at 2048^3, 0.85 at
-#   4096^3, 0.86 at 8192^3). The 4 us is the launch cost op_overhead uses, not measured here: no GPU
-#   was lent to measure the curve.
-# - bus bandwidth: NCCL-tests reach ~75% of the link's one-way peak in all-reduce (e.g. ~230 of 300
-#   GB/s on a DGX A100) and ~80% in all-gather, reduce-scatter and send/recv.
-# - latency per ring step: 2 us within a node (NVLink, NCCL's low-latency protocol), 6 us across
-#   nodes (InfiniBand plus the NIC's PCIe hop).
-# - memory_bandwidth is the datasheet's HBM figure, with no efficiency applied (the estimator
-#   applies none): A100 SXM4 80GB HBM2e 2039 GB/s, H100 SXM5 HBM3 3350 GB/s, H200 HBM3e 4800 GB/s.
-# - op_overhead 4 us: a CUDA kernel launch costs the host a few microseconds (cudaLaunchKernel
-#   ~2-4 us, plus torch's dispatch); asynchronous execution hides it behind kernels that run
-#   longer, so it only shows where kernels are shorter than their launch.
-# - dtensor_overhead 10 us: the host time DTensor's dispatch adds to an operator (unwrapping,
-#   sharding propagation from its cache, wrapping), measured with torch 2.13 on this workplace's
-#   CPU: 10 us of CPU time per operator dispatched on a DTensor, one process, the tiny step of
-#   shardkit calibrate's probe (probes.dtensor_overhead_job); a GPU's host runs the same Python.
-# - overlap 1.0: NCCL runs on its own CUDA streams, concurrently with the compute stream.
+# Choices, each with its reason and source, in docs/hardware.md ("Presets"):
+# plain fp32 (not TF32); the driver's memory, 1 GiB reserved; matmul_efficiency the published maximum
+# achievable rate (A100 0.859) or 0.8 (H100/H200, as measured on an H200 here); matmul_latency and
+# op_overhead a launch's 4 us; bus bandwidth 75 % (all-reduce) and 80 % (the rest) of the link's one-way
+# peak, as NCCL-tests reach; 2 us a ring step within a node, 6 us across; the datasheet's HBM bandwidth;
+# dtensor_overhead 10 us as measured on CPU, dtensor_collective 100 us an order of magnitude; overlap 1.0.
 _BUS_EFFICIENCY = {"all_reduce": 0.75, "all_gather": 0.80, "reduce_scatter": 0.80, "p2p": 0.80}
 _INTRA_LATENCY, _INTER_LATENCY = 2e-6, 6e-6
 _GPU_OP_OVERHEAD = 4e-6

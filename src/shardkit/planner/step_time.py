@@ -74,6 +74,7 @@ from .costs import OPTIMIZER_STATES, Costs, Numbers, Setting
 from .expert_costs import Exchange, exchanges
 from .hardware import Hardware, Link, ring_terms
 from .memory import blocks_per_device, tokens_per_microbatch
+from .space import AXES
 
 #: What ring attention (runtime/ring_attention.py) adds to a block's attention per micro-batch, over the
 #: one attention kernel the model's costs hold, forward then backward, each ``(per ring step, fixed)``:
@@ -92,8 +93,6 @@ DDP_COPIES = (2, 4)
 #: ``split_with_sizes_copy``, a reduce-scatter's ``chunk_cat`` and the copy of this rank's share; each
 #: reads and writes the shard and the whole unit once (counted with a dispatch mode on torch 2.13).
 FSDP_COPIES = 2
-#: Every mesh axis: a group over them all spans the world.
-AXES = ("dp", "fsdp", "tp", "pp", "sp", "ep")
 #: DDP's default bucket: gradients are all-reduced in pieces of this many bytes.
 DDP_BUCKET_BYTES = 25 * 2**20
 #: Bytes the backward of a memory-bound operator moves per byte its forward moves: an elementwise
