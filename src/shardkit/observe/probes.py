@@ -330,7 +330,7 @@ def skew_job(ctx, seconds: float) -> list[tuple[float, float]]:
     n = 2048 if device.type == "cuda" else 256
     a, b, tiny = torch.randn(n, n, device=device), torch.randn(n, n, device=device), torch.zeros(256, device=device)
     product = _slowest(_timed(lambda: [a @ b for _ in range(8)], device) / 8, device)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = os.cpu_count() or 1  # as calibrate counts them for shared_compute
 
     def idle(work: Callable[[], object], once: float) -> float:
         """Seconds per ``work()`` no rank computed: on the CPU, wall less CPU seconds over the cores."""
