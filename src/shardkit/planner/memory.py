@@ -193,19 +193,22 @@ def step_phases(n: Numbers, s: Setting, tokens: float, first: bool, last: bool, 
                           "temporaries": head_grads}
     # a block's backward (with full recompute, one block rebuilt): its gradients, filed with the
     # temporaries until its post-backward, and its transient ones; the head's gradients are filed with the
-    # temporaries until the root's post-backward
+    # temporaries until the root's post-backward (with accumulated gradients, the first micro-batch's only:
+    # a later one's are added into the accumulated, with the gathered)
     root_grads = head * compute if fsdp and last else 0
-    transient = grads + backward_transient(n) * tokens * scale + root_grads
+    later_root_grads = 0 if accumulated else root_grads
+    transient = grads + backward_transient(n) * tokens * scale
     phases["blocks"] = {"gathered": gathered_root + live + (scatter if not accumulated else 0),
-                        "activations": held + rebuilt, "temporaries": transient}
+                        "activations": held + rebuilt, "temporaries": transient + root_grads}
     if accumulated:
         phases["blocks, accumulated"] = {"gathered": gathered_root + live + accumulated,
                                          "activations": later + rebuilt, "temporaries": transient}
     if fsdp:  # its post-backward: its gradients unsharded, then copied into the reduce-scatter input (and output)
         phases["post-backward"] = {"gathered": gathered_root + live + grads + (accumulated or scatter),
-                                   "activations": later, "temporaries": root_grads}
+                                   "activations": later, "temporaries": later_root_grads}
         phases["reduce-scatter"] = {"gathered": gathered_root + live - unit * compute + grads + accumulated,
-                                    "activations": later, "temporaries": scatter * (1 + 1 / s.shards) + root_grads}
+                                    "activations": later,
+                                    "temporaries": scatter * (1 + 1 / s.shards) + later_root_grads}
     if first and fsdp:
         root_grad = embedding_grad + (head if last else 0)  # the root's gradients (the embedding's whole)
         # with accumulated gradients, the rank's rows of the embedding's whole gradient, copied out for its
