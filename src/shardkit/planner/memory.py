@@ -113,6 +113,14 @@ def vocab_split(pieces: tuple[Piece, ...], n: Numbers, tp: int) -> bool:
     return tp > 1 and any(size * rest == rows * n.hidden for size, rest in pieces)
 
 
+def ddp(s: Setting) -> bool:
+    """Whether the plan's data parallelism is DDP itself (torch's composable ``replicate``), as
+    ``runtime/parallelize.py`` chooses it: ZeRO-1, or plain replication with no sharding, tensor
+    parallel, pipeline or mixed precision (FSDP2's ``replicate`` does those)."""
+    return s.zero == 1 or (s.fsdp == 1 and s.dp * s.sp > 1 and s.ep == 1 and s.tp == 1 and s.pp == 1
+                           and s.compute_dtype is None and s.reduce_dtype is None)
+
+
 def step_phases(n: Numbers, s: Setting, tokens: float, first: bool, last: bool, params: int,
                 compute: int, reduce: int, scale: float) -> dict[str, dict[str, float]]:
     """What a training step adds to a device's state, at each moment that can be its peak: bytes
@@ -233,6 +241,11 @@ def step_phases(n: Numbers, s: Setting, tokens: float, first: bool, last: bool, 
         phases["end, reduce-scatter"] = {
             "gathered": root_grad * compute + (embedding_grad * reduce if accumulated and not rows else 0),
             "activations": 0.0, "temporaries": rows * reduce + root * reduce * (1 + 1 / s.shards)}
+    # DDP's gradient buckets: a flat copy of every gradient (its gradients are no views of them), made with
+    # DDP and kept; torch's tracker first sees them in the backward, as temporaries
+    bucket = params * n.itemsize if ddp(s) else 0
+    for phase in phases.values():
+        phase["temporaries"] += bucket
     return phases
 
 
@@ -288,5 +301,6 @@ def memory_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer
     return best
 
 
-__all__ = ["ALLOCATOR_OVERHEAD", "MEMORY_KEYS", "STEP_KEYS", "backward_transient", "block_saved", "blocks_per_device", "memory_of",
+__all__ = ["ALLOCATOR_OVERHEAD", "MEMORY_KEYS", "STEP_KEYS", "backward_transient", "block_saved", "blocks_per_device", "ddp",
+           "memory_of",
            "step_phases", "stored_block", "stored_experts", "tokens_per_microbatch", "vocab_split"]
