@@ -241,6 +241,12 @@ def step_phases(n: Numbers, s: Setting, tokens: float, first: bool, last: bool, 
         phases["end, reduce-scatter"] = {
             "gathered": root_grad * compute + (embedding_grad * reduce if accumulated and not rows else 0),
             "activations": 0.0, "temporaries": rows * reduce + root * reduce * (1 + 1 / s.shards)}
+    if first and not fsdp:  # the embedding's backward: its largest table's gradient (a vocab-split one's whole,
+        # DTensor's dense backward), a temporary until added into its .grad, and the gradient flowing into it
+        largest = max((size * rest for size, rest in n.embedding_pieces), default=0)
+        dense = whole if vocab_split(n.embedding_pieces, n, s.tp) else largest
+        phases["embedding"] = {"gathered": 0.0, "activations": held * (inflight - 1) / inflight,
+                               "temporaries": (dense + n.hidden * tokens) * compute}
     # DDP's gradient buckets: a flat copy of every gradient (its gradients are no views of them), made with
     # DDP and kept; torch's tracker first sees them in the backward, as temporaries
     bucket = params * n.itemsize if ddp(s) else 0
@@ -288,7 +294,11 @@ def memory_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer
         phases = step_phases(n, s, tokens, first, last, params, compute, reduce, scale).values()
         # a receive buffer per micro-batch for each stage's inputs (but the first's) and their gradients (but the last's)
         buffers = int((2 * s.virtual - first - last) * s.microbatches * tokens * n.hidden * compute) if s.pp > 1 else 0
-        memory = {"parameters": stored, "gradients": stored, "optimizer": states * optimized}
+        # with no data axis, a vocab-split embedding's gradient is its rows of the whole one DTensor's dense backward
+        # makes (a view: the whole is kept); a data axis's FSDP2 or replicate reduces it into a tensor of its own
+        whole_grad = (n.vocab * n.hidden - -(-n.vocab // s.tp) * n.hidden) * master \
+            if first and s.data * s.sp == 1 and vocab_split(n.embedding_pieces, n, s.tp) else 0
+        memory = {"parameters": stored, "gradients": stored + whole_grad, "optimizer": states * optimized}
         memory.update({part: int(max(p[part] for p in phases)) for part in STEP_KEYS})
         memory["buffers"] = buffers
         held = memory["parameters"] + memory["gradients"] + memory["optimizer"] + buffers \
