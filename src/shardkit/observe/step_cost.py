@@ -56,6 +56,12 @@ def _buffer_kind(tracker: Any) -> Any:
     return _FSDPRefType.BUFFER if isinstance(tracker, FSDPMemTracker) else _MemRefType.BUFFER
 
 
+def _gathered_kind() -> Any:
+    from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType
+
+    return _FSDPRefType.ALL_GATHER
+
+
 def _unsharded_grad() -> Any:
     from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType
 
@@ -76,6 +82,7 @@ def _tracker(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Any:
             self.component_peaks: dict[str, int] = dict.fromkeys(COMPONENTS, 0)
             self._part_of: dict[Any, str | None] = {}  # the tracker's category -> its component
             self._gloo_inputs: list[tuple[tuple[int, ...], torch.dtype]] = []  # see _gloo_reduce_scatter_inputs
+            self._unsharding = False  # inside FSDP2's pre-forward or pre-backward (see _track)
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if self._gloo_inputs and func is torch.ops.aten.split.Tensor and self._gloo_buffer(args[0]):
@@ -123,6 +130,32 @@ def _tracker(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Any:
                 if set(self._mod_tracker.parents) - {name} == {"Global"}:
                     del self.memory_tracking[module]
             super()._pre_fw_hook(module, inputs)
+
+        def _track(self, reftype: Any, tensor: torch.Tensor) -> None:
+            # FSDP2 unshards in its pre-forward and pre-backward hooks: the all-gather's output, its inputs
+            # cast to the compute dtype, the unsharded parameters copied out of it. torch's tracker files
+            # them as activations (temporaries in the backward) until the all-gather is issued or the hook
+            # returns, so the op that made one counted it there (an activation peak of one micro-batch's
+            # activations and a block's all-gather output, under accumulation). They are FSDP2's, "gathered"
+            # (``sk.estimate`` counts them so), from their allocation
+            if self._unsharding and reftype.name in ("ACT", "TEMP") and not self._in_ac:
+                reftype = _gathered_kind()
+            super()._track(reftype, tensor)
+
+        def _unsharding_in(self, inner: Any) -> Any:
+            def unsharding(*args: Any, **kwargs: Any) -> Any:
+                self._unsharding = True
+                try:
+                    return inner(*args, **kwargs)
+                finally:
+                    self._unsharding = False
+            return unsharding
+
+        def _fsdp_state_pre_forward(self, fsdp_mod: Any, orig: Any) -> Any:
+            return self._unsharding_in(super()._fsdp_state_pre_forward(fsdp_mod, orig))
+
+        def _fsdp_param_group_pre_backward(self, fsdp_mod: Any, orig: Any) -> Any:
+            return self._unsharding_in(super()._fsdp_param_group_pre_backward(fsdp_mod, orig))
 
         def _fsdp_param_group_post_backward(self, fsdp_mod: Any, orig: Any) -> Any:
             # FSDP2 keeps the gradients it accumulates without a reduce-scatter (a pipeline's

@@ -113,6 +113,14 @@ def vocab_split(pieces: tuple[Piece, ...], n: Numbers, tp: int) -> bool:
     return tp > 1 and any(size * rest == rows * n.hidden for size, rest in pieces)
 
 
+def ddp(s: Setting) -> bool:
+    """Whether the plan's data parallelism is DDP itself (torch's composable ``replicate``), as
+    ``runtime/parallelize.py`` chooses it: ZeRO-1, or plain replication with no sharding, tensor
+    parallel, pipeline or mixed precision (FSDP2's ``replicate`` does those)."""
+    return s.zero == 1 or (s.fsdp == 1 and s.dp * s.sp > 1 and s.ep == 1 and s.tp == 1 and s.pp == 1
+                           and s.compute_dtype is None and s.reduce_dtype is None)
+
+
 def step_phases(n: Numbers, s: Setting, tokens: float, first: bool, last: bool, params: int,
                 compute: int, reduce: int, scale: float) -> dict[str, dict[str, float]]:
     """What a training step adds to a device's state, at each moment that can be its peak: bytes
@@ -193,19 +201,22 @@ def step_phases(n: Numbers, s: Setting, tokens: float, first: bool, last: bool, 
                           "temporaries": head_grads}
     # a block's backward (with full recompute, one block rebuilt): its gradients, filed with the
     # temporaries until its post-backward, and its transient ones; the head's gradients are filed with the
-    # temporaries until the root's post-backward
+    # temporaries until the root's post-backward (with accumulated gradients, the first micro-batch's only:
+    # a later one's are added into the accumulated, with the gathered)
     root_grads = head * compute if fsdp and last else 0
-    transient = grads + backward_transient(n) * tokens * scale + root_grads
+    later_root_grads = 0 if accumulated else root_grads
+    transient = grads + backward_transient(n) * tokens * scale
     phases["blocks"] = {"gathered": gathered_root + live + (scatter if not accumulated else 0),
-                        "activations": held + rebuilt, "temporaries": transient}
+                        "activations": held + rebuilt, "temporaries": transient + root_grads}
     if accumulated:
         phases["blocks, accumulated"] = {"gathered": gathered_root + live + accumulated,
                                          "activations": later + rebuilt, "temporaries": transient}
     if fsdp:  # its post-backward: its gradients unsharded, then copied into the reduce-scatter input (and output)
         phases["post-backward"] = {"gathered": gathered_root + live + grads + (accumulated or scatter),
-                                   "activations": later, "temporaries": root_grads}
+                                   "activations": later, "temporaries": later_root_grads}
         phases["reduce-scatter"] = {"gathered": gathered_root + live - unit * compute + grads + accumulated,
-                                    "activations": later, "temporaries": scatter * (1 + 1 / s.shards) + root_grads}
+                                    "activations": later,
+                                    "temporaries": scatter * (1 + 1 / s.shards) + later_root_grads}
     if first and fsdp:
         root_grad = embedding_grad + (head if last else 0)  # the root's gradients (the embedding's whole)
         # with accumulated gradients, the rank's rows of the embedding's whole gradient, copied out for its
@@ -230,6 +241,17 @@ def step_phases(n: Numbers, s: Setting, tokens: float, first: bool, last: bool, 
         phases["end, reduce-scatter"] = {
             "gathered": root_grad * compute + (embedding_grad * reduce if accumulated and not rows else 0),
             "activations": 0.0, "temporaries": rows * reduce + root * reduce * (1 + 1 / s.shards)}
+    if first and not fsdp:  # the embedding's backward: its largest table's gradient (a vocab-split one's whole,
+        # DTensor's dense backward), a temporary until added into its .grad, and the gradient flowing into it
+        largest = max((size * rest for size, rest in n.embedding_pieces), default=0)
+        dense = whole if vocab_split(n.embedding_pieces, n, s.tp) else largest
+        phases["embedding"] = {"gathered": 0.0, "activations": held * (inflight - 1) / inflight,
+                               "temporaries": (dense + n.hidden * tokens) * compute}
+    # DDP's gradient buckets: a flat copy of every gradient (its gradients are no views of them), made with
+    # DDP and kept; torch's tracker first sees them in the backward, as temporaries
+    bucket = params * n.itemsize if ddp(s) else 0
+    for phase in phases.values():
+        phase["temporaries"] += bucket
     return phases
 
 
@@ -272,7 +294,11 @@ def memory_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer
         phases = step_phases(n, s, tokens, first, last, params, compute, reduce, scale).values()
         # a receive buffer per micro-batch for each stage's inputs (but the first's) and their gradients (but the last's)
         buffers = int((2 * s.virtual - first - last) * s.microbatches * tokens * n.hidden * compute) if s.pp > 1 else 0
-        memory = {"parameters": stored, "gradients": stored, "optimizer": states * optimized}
+        # with no data axis, a vocab-split embedding's gradient is its rows of the whole one DTensor's dense backward
+        # makes (a view: the whole is kept); a data axis's FSDP2 or replicate reduces it into a tensor of its own
+        whole_grad = (n.vocab * n.hidden - -(-n.vocab // s.tp) * n.hidden) * master \
+            if first and s.data * s.sp == 1 and vocab_split(n.embedding_pieces, n, s.tp) else 0
+        memory = {"parameters": stored, "gradients": stored + whole_grad, "optimizer": states * optimized}
         memory.update({part: int(max(p[part] for p in phases)) for part in STEP_KEYS})
         memory["buffers"] = buffers
         held = memory["parameters"] + memory["gradients"] + memory["optimizer"] + buffers \
@@ -285,5 +311,6 @@ def memory_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer
     return best
 
 
-__all__ = ["ALLOCATOR_OVERHEAD", "MEMORY_KEYS", "STEP_KEYS", "backward_transient", "block_saved", "blocks_per_device", "memory_of",
+__all__ = ["ALLOCATOR_OVERHEAD", "MEMORY_KEYS", "STEP_KEYS", "backward_transient", "block_saved", "blocks_per_device", "ddp",
+           "memory_of",
            "step_phases", "stored_block", "stored_experts", "tokens_per_microbatch", "vocab_split"]
