@@ -31,6 +31,7 @@ OTHERS = [  # every kind of mesh: a data axis, a sharded one, HSDP, flattened da
 _SEEN: list[weakref.ref] = []
 _KEPT: list[torch.nn.Module] = []
 _THREADS: list[tuple[threading.Thread, threading.Event]] = []
+_MEASURED: list[weakref.ref] = []  # the model a job measured and its mesh
 
 
 def _batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,6 +126,31 @@ def _step_kept(ctx) -> float:
 
 def _nothing(ctx) -> int:
     return _live_groups()
+
+
+def _measure(ctx) -> None:
+    """One step of the tiny Llama measured as the dry run's comparison jobs measure it (torch's memory tracker
+    around it), then let go of."""
+    from shardkit.models.hf import build_tiny_llama
+    from shardkit.training.measured_step import measure_step
+
+    model = sk.meta_model(build_tiny_llama)  # sharded in place
+    _MEASURED[:] = [weakref.ref(model), weakref.ref(ctx.mesh)]
+    measure_step(ctx, model, ctx.plan, 2, 8)
+
+
+def _measured_alive(ctx) -> list[bool]:
+    """Whether the model a job before measured and its mesh are alive."""
+    return [ref() is not None for ref in _MEASURED]
+
+
+def test_a_model_measured_in_a_real_world_is_freed_with_its_meshes_when_the_job_ends(world):
+    """torch's memory tracker hooked each module's gradients with hooks holding autograd nodes, which kept the
+    step's graph, and FSDP2's state and the model with it, alive past the job (observe/step_cost.py)."""
+    w = world(2)
+    w.run(_measure, plan=sk.Plan(sk.Mesh(fsdp=2)))
+    w.run(_nothing)  # the plan unused since: its meshes released at the job's end, if nothing holds them
+    assert w.run(_measured_alive) == [[False, False]] * 2
 
 
 def test_many_plans_free_their_groups_and_a_plan_made_again_trains_as_a_fresh_one():
