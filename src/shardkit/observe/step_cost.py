@@ -10,6 +10,13 @@ total's peak and the split at that moment). Components (:data:`COMPONENTS`), in 
 ``sk.estimate``: ``parameters``, ``gradients``, ``optimizer`` at the step's end; ``gathered``,
 ``activations``, ``temporaries`` at their own peaks; ``peak``: the most bytes live at once.
 
+Nothing of a step outlives it: torch's ``ModTracker`` (the trackers' module tracking) hooks the
+gradients of every module's inputs with hooks that hold those inputs' autograd nodes, stored on the
+nodes, a chain of cycles through C++ that Python's collector frees one node per full collection; the
+step's graph kept the plan's meshes alive past a real world's job, and with FSDP2 the model too
+(``runtime/meshes.py``'s ``release_unused`` could not free them). The tracker's hooks are removed when
+it exits (:func:`_mod_tracker`; ``tests/test_mesh_release.py``).
+
 Collectives: :class:`CollectiveLog`, a dispatch mode like :class:`~shardkit.observe.comm.CommCounter`
 (the same op table and byte convention: the payload this rank hands to the op) that also names
 each call's group by the mesh axes its ranks span.
