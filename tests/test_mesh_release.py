@@ -1,6 +1,7 @@
 """A world running many jobs with different plans frees the meshes and process groups no job uses any
 more (runtime/meshes.py's release_unused): the live groups stay bounded, torch's DTensor caches keep
-no freed mesh, a mesh a kept model still uses is never freed, and a plan made again after its release
+no freed mesh, a mesh a kept model still uses is never freed, a model measured under torch's memory
+tracker (the dry run's comparison jobs) is freed with its meshes, and a plan made again after its release
 trains exactly as a fresh one."""
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ OTHERS = [  # every kind of mesh: a data axis, a sharded one, HSDP, flattened da
 _SEEN: list[weakref.ref] = []
 _KEPT: list[torch.nn.Module] = []
 _THREADS: list[tuple[threading.Thread, threading.Event]] = []
+_MEASURED: list[weakref.ref] = []  # the model a job measured and its mesh
 
 
 def _batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,15 +129,43 @@ def _nothing(ctx) -> int:
     return _live_groups()
 
 
-def test_many_plans_free_their_groups_and_a_plan_made_again_trains_as_a_fresh_one():
-    # a world of its own: a model another test's job left alive in a shared world keeps its meshes, rightly
-    with sk.LocalWorld(4) as w:
-        _many_plans(w)
+def _measure(ctx) -> None:
+    """One step of the tiny Llama measured as the dry run's comparison jobs measure it (torch's memory tracker
+    around it), then let go of."""
+    from shardkit.models.hf import build_tiny_llama
+    from shardkit.training.measured_step import measure_step
+
+    model = sk.meta_model(build_tiny_llama)  # sharded in place
+    _MEASURED[:] = [weakref.ref(model), weakref.ref(ctx.mesh)]
+    measure_step(ctx, model, ctx.plan, 2, 8)
 
 
-def _many_plans(w) -> None:
+def _measured_alive(ctx) -> list[bool]:
+    """Whether the model a job before measured and its mesh are alive."""
+    return [ref() is not None for ref in _MEASURED]
+
+
+def test_a_model_measured_in_a_real_world_is_freed_with_its_meshes_when_the_job_ends(world):
+    """torch's memory tracker hooked each module's gradients with hooks holding autograd nodes, which kept the
+    step's graph, and FSDP2's state and the model with it, alive past the job (observe/step_cost.py)."""
+    w = world(2)
+    w.run(_measure, plan=sk.Plan(sk.Mesh(fsdp=2)))
+    w.run(_nothing)  # the plan unused since: its meshes released at the job's end, if nothing holds them
+    assert w.run(_measured_alive) == [[False, False]] * 2
+
+
+def _live_meshes(ctx) -> list[tuple]:
+    from shardkit.runtime.meshes import _MESHES
+
+    return list(_MESHES)
+
+
+def test_many_plans_free_their_groups_and_a_plan_made_again_trains_as_a_fresh_one(world):
+    w = world(4)
+    w.run(_nothing)  # what earlier tests left is freed when it ends
     alone = w.run(_nothing)[0]
-    assert alone == 1  # the world's group only
+    # the world's group only: a model an earlier job on this shared world let go of holds none
+    assert alone == 1, f"meshes an earlier test left alive: {w.run(_live_meshes)[0]}"
     fresh, _ = w.run(_train, 2, True, plan=PP_TP)[0]  # its model kept
     cycles = [[w.run(_use_meshes, plan=plan)[0] for plan in OTHERS] for _ in range(2)]
     # each job sees the world's group, its own, the job before's and the kept model's: the same in both

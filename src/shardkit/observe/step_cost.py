@@ -10,6 +10,13 @@ total's peak and the split at that moment). Components (:data:`COMPONENTS`), in 
 ``sk.estimate``: ``parameters``, ``gradients``, ``optimizer`` at the step's end; ``gathered``,
 ``activations``, ``temporaries`` at their own peaks; ``peak``: the most bytes live at once.
 
+Nothing of a step outlives it: torch's ``ModTracker`` (the trackers' module tracking) hooks the
+gradients of every module's inputs with hooks that hold those inputs' autograd nodes, stored on the
+nodes, a chain of cycles through C++ that Python's collector frees one node per full collection; the
+step's graph kept the plan's meshes alive past a real world's job, and with FSDP2 the model too
+(``runtime/meshes.py``'s ``release_unused`` could not free them). The tracker's hooks are removed when
+it exits (:func:`_mod_tracker`; ``tests/test_mesh_release.py``).
+
 Collectives: :class:`CollectiveLog`, a dispatch mode like :class:`~shardkit.observe.comm.CommCounter`
 (the same op table and byte convention: the payload this rank hands to the op) that also names
 each call's group by the mesh axes its ranks span.
@@ -79,6 +86,7 @@ def _tracker(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Any:
     class _ComponentPeaks(base):  # type: ignore[misc, valid-type]
         def __init__(self) -> None:
             super().__init__(model, optimizer) if base is FSDPMemTracker else super().__init__()
+            self._mod_tracker = _mod_tracker()  # its gradient hooks removed when it exits (see there)
             self.component_peaks: dict[str, int] = dict.fromkeys(COMPONENTS, 0)
             self._part_of: dict[Any, str | None] = {}  # the tracker's category -> its component
             self._gloo_inputs: list[tuple[tuple[int, ...], torch.dtype]] = []  # see _gloo_reduce_scatter_inputs
@@ -176,6 +184,56 @@ def _tracker(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Any:
     if base is MemTracker:
         tracker.track_external(model, *([optimizer] if optimizer is not None else []))
     return tracker
+
+
+def _mod_tracker() -> Any:
+    """torch's ``ModTracker`` (which module runs, for the memory trackers), whose gradient hooks are
+    removed when it exits.
+
+    Why: in each module's forward it hooks the gradients of the module's inputs and outputs by
+    ``register_multi_grad_hook`` and keeps no handle. On inputs (``mode="all"``) that hook's closure
+    holds the inputs' autograd nodes (``grad_fns``), and the hook is stored on those nodes in C++: each
+    hooked node is a cycle through C++ that outlives the step's backward. Python's collector frees such
+    a cycle only when nothing else holds the node, and the next node of the graph does (its edge): one
+    full collection frees one node, the last of the chain, so the step's graph outlives many. The
+    graph's DTensor nodes hold the plan's meshes, and the hook dicts of FSDP2's modules' outputs hold its
+    ``FSDPState``, hence the model: after a measured step in a real world (``tests/test_dry_run.py``) the
+    model and its meshes stayed alive past the job, which ``runtime/meshes.py``'s ``release_unused``
+    (one collection) could not free (``tests/test_mesh_release.py``). The hooks it adds during a
+    forward are noted per tensor (the keys new in the tensor's hook dict, the one its node holds) and
+    removed once the tracker exits, after the step's backward: the graph is then freed by reference
+    counting when the step lets go of it."""
+    from torch.distributed._tools.mod_tracker import ModTracker
+    from torch.utils._pytree import tree_flatten
+
+    class _UnhookedModTracker(ModTracker):
+        def __init__(self) -> None:
+            super().__init__()
+            self._added: list[tuple[dict, list[int]]] = []  # a tensor's hook dict, the keys this tracker added
+
+        def _noting_hooks(self, hook: Any, values: Any, *args: Any) -> None:
+            tensors = [t for t in tree_flatten(values)[0] if isinstance(t, torch.Tensor)]
+            before = [set(t._backward_hooks or ()) for t in tensors]
+            hook(*args)
+            for tensor, keys in zip(tensors, before, strict=True):
+                hooks = tensor._backward_hooks
+                if hooks is not None and len(hooks) > len(keys):
+                    self._added.append((hooks, [k for k in hooks if k not in keys]))
+
+        def _fw_pre_hook(self, mod: nn.Module, input: Any) -> None:
+            self._noting_hooks(super()._fw_pre_hook, input, mod, input)
+
+        def _fw_post_hook(self, mod: nn.Module, input: Any, output: Any) -> None:
+            self._noting_hooks(super()._fw_post_hook, output, mod, input, output)
+
+        def __exit__(self, *args: Any) -> None:
+            super().__exit__(*args)
+            for hooks, keys in self._added:
+                for key in keys:
+                    hooks.pop(key, None)
+            self._added.clear()
+
+    return _UnhookedModTracker()
 
 
 #: reduce-scatter ops that take a whole input tensor (or a list of them): their kind in ``comm._OPS``
