@@ -211,9 +211,10 @@ def step_phases(n: Numbers, s: Setting, tokens: float, first: bool, last: bool, 
     if accumulated:
         phases["blocks, accumulated"] = {"gathered": gathered_root + live + accumulated,
                                          "activations": later + rebuilt, "temporaries": transient}
-    if fsdp:  # its post-backward: its gradients unsharded, then copied into the reduce-scatter input (and output)
-        phases["post-backward"] = {"gathered": gathered_root + live + grads + (accumulated or scatter),
-                                   "activations": later, "temporaries": later_root_grads}
+    if fsdp:  # its post-backward: its gradients unsharded, then copied into the reduce-scatter input (a temporary
+        # until the collective is issued, as torch's tracker files it), then the output
+        phases["post-backward"] = {"gathered": gathered_root + live + grads + accumulated, "activations": later,
+                                   "temporaries": (scatter if not accumulated else 0) + later_root_grads}
         phases["reduce-scatter"] = {"gathered": gathered_root + live - unit * compute + grads + accumulated,
                                     "activations": later,
                                     "temporaries": scatter * (1 + 1 / s.shards) + later_root_grads}
