@@ -13,7 +13,8 @@ list with the reasons):
   under mixed precision. With ``ep``, a rank holds ``E / ep`` experts of every MoE layer, which
   FSDP shards ``fsdp x sp`` ways (on dim 0 when that divides ``E / ep``, else on a dim that
   divides: ``expert_costs.expert_shard_dim``), and the rest ``fsdp x sp x ep`` ways
-  (:func:`stored_block`).
+  (:func:`stored_block`). With no data axis, a vocab-split embedding's gradient keeps the whole
+  ``vocab x hidden`` (its rows are a view of DTensor's dense backward's).
 - ``optimizer``: the optimizer's states per parameter (AdamW: 2) in the parameters' dtype;
   under ZeRO stage 1 (``Plan(zero=1)``) divided over the ``dp`` ranks, whose parameters and
   gradients stay whole (stages 2 and 3 are FSDP, counted as such).
@@ -22,7 +23,8 @@ list with the reasons):
   peak over the step's phases (:func:`step_phases`, which states every term): FSDP2's unsharded
   parameters, gradients and collective buffers; the tensors saved for backward (the micro-batches
   in flight: no pipeline 1; GPipe m; 1F1B min(m, p); interleaved min(m, p)(1 + (p-1)/(p v)));
-  what the backward allocates (the loss's and the head's gradients, a block's).
+  what the backward allocates (the loss's and the head's gradients, a block's, the embedding's; DDP's
+  gradient buckets, :func:`ddp`).
 - ``buffers``: communication buffers: a pipeline stage keeps a receive buffer for every
   micro-batch's hidden states (but the first stage), and one for their gradients (but the last).
 - ``overhead``: the allocator's slack, ``ALLOCATOR_OVERHEAD`` of the tensors, and the device's
@@ -128,7 +130,8 @@ def step_phases(n: Numbers, s: Setting, tokens: float, first: bool, last: bool, 
     tracker, :mod:`shardkit.observe.step_cost`) by phase: the end of the forward, the loss's and the
     head's backward (last stage), a block's backward, its post-backward and its reduce-scatter
     (with FSDP; with accumulated gradients, a later micro-batch's backward too), the root unit's
-    post-backward and its reduce-scatter (first stage, with FSDP). docs/planner.md states the terms."""
+    post-backward and its reduce-scatter (first stage, with FSDP), the embedding's backward (first stage,
+    without FSDP). docs/planner.md states the terms."""
     blocks = blocks_per_device(n, s)
     inflight = _inflight(s, 0 if first else s.pp - 1)
     unit = n.block_params_at(s.ep)
@@ -211,9 +214,10 @@ def step_phases(n: Numbers, s: Setting, tokens: float, first: bool, last: bool, 
     if accumulated:
         phases["blocks, accumulated"] = {"gathered": gathered_root + live + accumulated,
                                          "activations": later + rebuilt, "temporaries": transient}
-    if fsdp:  # its post-backward: its gradients unsharded, then copied into the reduce-scatter input (and output)
-        phases["post-backward"] = {"gathered": gathered_root + live + grads + (accumulated or scatter),
-                                   "activations": later, "temporaries": later_root_grads}
+    if fsdp:  # its post-backward: its gradients unsharded, then copied into the reduce-scatter input (a temporary
+        # until the collective is issued, as torch's tracker files it), then the output
+        phases["post-backward"] = {"gathered": gathered_root + live + grads + accumulated, "activations": later,
+                                   "temporaries": (scatter if not accumulated else 0) + later_root_grads}
         phases["reduce-scatter"] = {"gathered": gathered_root + live - unit * compute + grads + accumulated,
                                     "activations": later,
                                     "temporaries": scatter * (1 + 1 / s.shards) + later_root_grads}
