@@ -260,9 +260,9 @@ class GPT(nn.Module):
 
     With ``router_aux_loss_coef > 0`` a training forward computes Mixtral's load-balancing loss
     over every layer's router logits (:func:`~shardkit.models.routing.load_balancing_loss_func`),
-    keeps it as ``aux_loss`` and adds ``coef * aux_loss`` to the backward of whatever loss the
-    logits feed (:class:`~shardkit.models.routing.WithAuxLoss`): the returned logits, and so the
-    loss's value, are unchanged.
+    keeps its value as ``aux_loss`` (detached: no graph outlives the step) and adds ``coef * aux_loss``
+    to the backward of whatever loss the logits feed (:class:`~shardkit.models.routing.WithAuxLoss`):
+    the returned logits, and so the loss's value, are unchanged.
     """
 
     def __init__(self, config: GPTConfig):
