@@ -260,9 +260,9 @@ class GPT(nn.Module):
 
     With ``router_aux_loss_coef > 0`` a training forward computes Mixtral's load-balancing loss
     over every layer's router logits (:func:`~shardkit.models.routing.load_balancing_loss_func`),
-    keeps it as ``aux_loss`` and adds ``coef * aux_loss`` to the backward of whatever loss the
-    logits feed (:class:`~shardkit.models.routing.WithAuxLoss`): the returned logits, and so the
-    loss's value, are unchanged.
+    keeps its value as ``aux_loss`` (detached: no graph outlives the step) and adds ``coef * aux_loss``
+    to the backward of whatever loss the logits feed (:class:`~shardkit.models.routing.WithAuxLoss`):
+    the returned logits, and so the loss's value, are unchanged.
     """
 
     def __init__(self, config: GPTConfig):
@@ -295,8 +295,11 @@ class GPT(nn.Module):
             x = layer(x) if cache is None else layer(x, cache.layers[i])
         logits = self.lm_head(self.norm_f(x))
         if self.config.router_aux_loss_coef and self.training:
-            self.aux_loss = load_balancing_loss_func(self._take_router_logits(), self.config.experts, self.config.top_k)
-            logits = WithAuxLoss.apply(logits, self.config.router_aux_loss_coef * self.aux_loss)
+            aux_loss = load_balancing_loss_func(self._take_router_logits(), self.config.experts, self.config.top_k)
+            logits = WithAuxLoss.apply(logits, self.config.router_aux_loss_coef * aux_loss)
+            # the value only: kept with its graph, the model would hold the graph and the graph the model (through
+            # FSDP2's hooks on it), a cycle through C++ the garbage collector never frees, meshes included
+            self.aux_loss = aux_loss.detach()
         return logits
 
     def _take_router_logits(self) -> tuple[torch.Tensor, ...]:
