@@ -54,10 +54,10 @@ are consecutive and fit in one, else across nodes:
   over the world, ``2 log2(n)`` latencies of a tree (NCCL's algorithm for so small a message; a
   pipeline's broadcast from the last stage and all-reduce over the data axes cost about the same),
   blocking;
-- ``skew``: the waits for the last rank at the step's blocking collectives (tp's, FSDP's gathers and
-  reduce-scatters, DDP's last bucket, the loss's all-reduce, a pipeline's receives, the ring's exchanges, the all-to-alls), its
-  compute spread evenly between them: :func:`skew_seconds` with the measured ``hw.skew`` (0 on the
-  presets);
+- ``skew``: the waits for the last rank at the step's blocking collectives (tp's, FSDP's gathers
+  and reduce-scatters, DDP's last bucket, the loss's all-reduce, a pipeline's receives, the ring's
+  exchanges, the all-to-alls), its compute spread evenly between them: :func:`skew_seconds` with the
+  measured ``hw.skew`` (0 on the presets);
 - ``ep``: per MoE layer and micro-batch, the all-to-alls of expert parallelism at balanced routing
   (counts, rows out, rows back forward; their gradients backward: :func:`all_to_all_seconds`), not
   overlapped (the experts wait for their rows). With ``ep``, FSDP gathers and reduces each experts
@@ -200,9 +200,8 @@ def time_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer: 
                                 calls=units)
         # FSDP2's own copies, not hidden: each gather copies the shard in and the unit out, each reduce-scatter
         # the gradients in (chunk_cat) and this rank's share out
-        full, copies = dense + experts, FSDP_COPIES
-        parts["fsdp"] = _exposed(comm, compute, hw) + gather / units + units * (gathers + 1) * copies * hw.op_overhead \
-            + 2 * (full + stored) * (gathers * itemsize + reduce) / hw.memory_bandwidth
+        parts["fsdp"] = _exposed(comm, compute, hw) + gather / units + units * (gathers + 1) * FSDP_COPIES * \
+            hw.op_overhead + 2 * (stage_params + stored) * (gathers * itemsize + reduce) / hw.memory_bandwidth
     elif s.dp * s.sp * s.ep > 1:  # DDP (or replicate) over every data rank (sp's too); the experts but over ep
         size = dense * reduce
         buckets = max(1, math.ceil(size / DDP_BUCKET_BYTES))
@@ -216,7 +215,7 @@ def time_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer: 
         # DDP's own work, not hidden: each gradient scaled into its bucket and copied back (DDP_COPIES)
         calls, passes = DDP_COPIES
         parts["dp"] = _exposed(comm - comm / buckets, compute * 2 / 3 / m, hw) + comm / buckets \
-            + tensors * calls * hw.op_overhead + passes * (dense + experts) * reduce / hw.memory_bandwidth
+            + tensors * calls * hw.op_overhead + passes * stage_params * reduce / hw.memory_bandwidth
         syncs += 1  # the step waits for the last bucket
     # expert parallel: per MoE layer the exchanges of expert_costs.exchanges, on the critical path
     if s.ep > 1 and n.moe_modules:
@@ -386,6 +385,6 @@ def _collective(name: str, size: float, n: int, link: Link, calls: int = 1) -> f
     return link.seconds(size, factor=factor, steps=steps * calls)
 
 
-__all__ = ["BACKWARD_TRAFFIC", "DDP_BUCKET_BYTES", "OPTIMIZER_OPS", "all_to_all_seconds", "dtensor_ops",
-           "layer_exchanges", "ring_work", "skew_seconds", "time_of", "DDP_COPIES", "FSDP_COPIES",
-           "RING_OPS", "RING_TRAFFIC"]
+__all__ = ["BACKWARD_TRAFFIC", "DDP_BUCKET_BYTES", "DDP_COPIES", "FSDP_COPIES", "OPTIMIZER_OPS", "RING_OPS",
+           "RING_TRAFFIC", "all_to_all_seconds", "dtensor_ops", "layer_exchanges", "ring_work", "skew_seconds",
+           "time_of"]
