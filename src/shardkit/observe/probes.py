@@ -190,9 +190,10 @@ def bandwidth_job(ctx, nbytes: int, seconds: float) -> float:
     (each operator's inputs and outputs) times ``1 + BACKWARD_TRAFFIC`` (the planner's backward),
     over a step's seconds (:func:`_seconds_per_step`: blocks of about ``seconds``, so that processes
     sharing cores share them while timed; a single step's best time is one that ran on a core of its
-    own, twice as fast as a step of 4 processes on 2 cores), the slowest rank's. A large ``torch.add`` would give the
-    memory's streaming bandwidth, which a GPU's elementwise kernels reach but a CPU's do not: its
-    GeLU and norms are bound by their arithmetic, and the planner prices them by these bytes."""
+    own, twice as fast as a step of 4 processes on 2 cores), the slowest rank's. A large
+    ``torch.add`` would give the memory's streaming bandwidth, which a GPU's elementwise kernels
+    reach but a CPU's do not: its GeLU and norms are bound by their arithmetic, and the planner
+    prices them by these bytes."""
     from ..planner.step_time import BACKWARD_TRAFFIC
 
     device, features = ctx.device, 1024

@@ -131,9 +131,10 @@ class Hardware:
     def __post_init__(self) -> None:
         for side in ("intra_node", "inter_node"):  # a collective left out runs on the link that stands in for it
             links = getattr(self, side)
-            if isinstance(links, Mapping) and any(c not in links and s in links for c, s in STANDS_IN.items()):
-                object.__setattr__(self, side, {**links, **{c: links[s] for c, s in STANDS_IN.items()
-                                                             if c not in links and s in links}})
+            missing = {c: links[s] for c, s in STANDS_IN.items() if c not in links and s in links} \
+                if isinstance(links, Mapping) else {}
+            if missing:
+                object.__setattr__(self, side, {**links, **missing})
         problems = _field_problems(self)
         if problems:
             raise PlanError([f"Hardware: {p}" for p in problems])
