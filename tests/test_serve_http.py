@@ -291,7 +291,7 @@ def test_the_kv_cache_is_sized_and_checked_against_memory_before_it_is_allocated
         cache_slots(model, replace(options, cache_memory=float(2 * free + 2**30)), 1)
     with pytest.raises(UsageError, match=r"--max-batch 9 x --max-tokens 32 .*--kv-cache-memory 1e-09 of the free"):
         cache_slots(model, replace(options, max_batch=9, cache_memory=1e-9), 1)
-    huge = free // 32768 + 1  # more sequences than the free memory holds: refused with the numbers, not an OOM
+    huge = 2 * (free // 32768)  # twice the sequences the free memory holds (which moves between two reads): refused
     with pytest.raises(UsageError, match=rf"--max-batch {huge} x --max-tokens 32 .*but the free memory"):
         cache_slots(model, replace(options, max_batch=huge), 1)
 
