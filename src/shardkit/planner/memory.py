@@ -115,10 +115,20 @@ def vocab_split(pieces: tuple[Piece, ...], n: Numbers, tp: int) -> bool:
     return tp > 1 and any(size * rest == rows * n.hidden for size, rest in pieces)
 
 
+def whole_embedding_excess(n: Numbers, tp: int) -> int:
+    """Elements a vocab-parallel embedding's gradient holds beyond its rank's rows: DTensor's dense
+    backward makes the whole ``vocab x hidden``, of which the rank's rows are a view (0 unless
+    the embedding is split by its rows over ``tp``)."""
+    return (n.vocab - -(-n.vocab // tp)) * n.hidden if vocab_split(n.embedding_pieces, n, tp) else 0
+
+
 def ddp(s: Setting) -> bool:
     """Whether the plan's data parallelism is DDP itself (torch's composable ``replicate``), as
     ``runtime/parallelize.py`` chooses it: ZeRO-1, or plain replication with no sharding, tensor
-    parallel, pipeline or mixed precision (FSDP2's ``replicate`` does those)."""
+    parallel, pipeline or mixed precision (FSDP2's ``replicate`` does those). The runtime's
+    ``_uses_ddp`` decides on the built module (unused parameters also take FSDP2's); the planner,
+    which sees a :class:`Setting` and never imports the runtime, states the same rule on what a
+    Setting holds, for a model whose parameters are all used."""
     return s.zero == 1 or (s.fsdp == 1 and s.dp * s.sp > 1 and s.ep == 1 and s.tp == 1 and s.pp == 1
                            and s.compute_dtype is None and s.reduce_dtype is None)
 
@@ -139,8 +149,7 @@ def step_phases(n: Numbers, s: Setting, tokens: float, first: bool, last: bool, 
     root = (n.embedding_params if first else 0) + (head if last else 0)  # the root FSDP unit's parameters
     whole = n.vocab * n.hidden  # a vocabulary-wide weight, whole
     # the embedding's gradient: DTensor's dense backward of a vocab-parallel embedding makes it whole
-    embedding_grad = n.embedding_params + (whole - -(-n.vocab // s.tp) * n.hidden
-                                           if vocab_split(n.embedding_pieces, n, s.tp) else 0)
+    embedding_grad = n.embedding_params + whole_embedding_excess(n, s.tp)
     split_head = last and vocab_split(n.head_pieces + n.head_borrowed, n, s.tp)
     logits = n.vocab * compute * tokens  # the whole vocabulary's logits (a column-parallel head gathers them)
     # activations: the micro-batches in flight, each with its blocks' saved tensors (with full recompute,
@@ -300,8 +309,7 @@ def memory_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer
         buffers = int((2 * s.virtual - first - last) * s.microbatches * tokens * n.hidden * compute) if s.pp > 1 else 0
         # with no data axis, a vocab-split embedding's gradient is its rows of the whole one DTensor's dense backward
         # makes (a view: the whole is kept); a data axis's FSDP2 or replicate reduces it into a tensor of its own
-        whole_grad = (n.vocab * n.hidden - -(-n.vocab // s.tp) * n.hidden) * master \
-            if first and s.data * s.sp == 1 and vocab_split(n.embedding_pieces, n, s.tp) else 0
+        whole_grad = whole_embedding_excess(n, s.tp) * master if first and s.data * s.sp == 1 else 0
         memory = {"parameters": stored, "gradients": stored + whole_grad, "optimizer": states * optimized}
         memory.update({part: int(max(p[part] for p in phases)) for part in STEP_KEYS})
         memory["buffers"] = buffers
@@ -316,5 +324,5 @@ def memory_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer
 
 
 __all__ = ["ALLOCATOR_OVERHEAD", "MEMORY_KEYS", "STEP_KEYS", "backward_transient", "block_saved", "blocks_per_device", "ddp",
-           "memory_of",
-           "step_phases", "stored_block", "stored_experts", "tokens_per_microbatch", "vocab_split"]
+           "memory_of", "step_phases", "stored_block", "stored_experts", "tokens_per_microbatch", "vocab_split",
+           "whole_embedding_excess"]
