@@ -204,3 +204,35 @@ def test_causality_holds_exactly_at_chunk_boundaries(world, sp):
     results = world(4).run(_perturbation_reach, seq, boundaries, plan=Plan(mesh=Mesh(sp=sp, fsdp=4 // sp)))
     for p in boundaries:
         assert results[0][p] == list(range(p, seq)), f"key {p} reached outputs {results[0][p]}"
+
+
+def _ring_counts(ctx):
+    """(calls, float32 passes over the rank's queries) ring attention runs forward and backward."""
+    from shardkit.planner.counters import OpCounter
+
+    group = ctx.mesh["sp"].get_group()
+    q, k, v = (torch.randn(2, 4, 16, 8, requires_grad=True) for _ in range(3))
+    ring_attention(q, k, v, group).sum().backward()  # warm-up
+    for t in (q, k, v):
+        t.grad = None  # in a model q, k and v are no leaves: nothing accumulates into a .grad
+    forward, backward = [], []
+    with OpCounter(lambda traffic, *_: forward.append(traffic)):
+        out = ring_attention(q, k, v, group)
+    with OpCounter(lambda traffic, *_: backward.append(traffic)):
+        out.backward(torch.ones_like(out))
+    unit = q.numel() * 4
+    return (len(forward), sum(forward) / unit), (len(backward), sum(backward) / unit)
+
+
+@pytest.mark.parametrize("sp", [2, 4])
+def test_the_planner_prices_the_rings_own_operators_as_they_run(world, sp):
+    """step_time.RING_OPS / RING_TRAFFIC (the ring's calls and passes beyond plain SDPA's own) are the
+    counts of the ring as it runs: they move with torch or with runtime/ring_attention.py."""
+    from shardkit.planner.step_time import RING_OPS, RING_TRAFFIC
+
+    (calls_f, passes_f), (calls_b, passes_b) = world(4).run(_ring_counts, plan=Plan(mesh=Mesh(sp=sp, fsdp=4 // sp)))[0]
+    sdpa = ((1, 0.0), (5, 19.1))  # plain SDPA's own, already in the model's costs
+    for (calls, passes), (own_calls, own_passes), ops, traffic in zip(
+            ((calls_f, passes_f), (calls_b, passes_b)), sdpa, RING_OPS, RING_TRAFFIC):
+        assert calls - own_calls == ops[0] * sp + ops[1]
+        assert passes - own_passes == pytest.approx(traffic[0] * sp + traffic[1], abs=0.2)

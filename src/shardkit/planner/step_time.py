@@ -80,11 +80,11 @@ from .space import AXES
 #: one attention kernel the model's costs hold, forward then backward, each ``(per ring step, fixed)``:
 #: operator calls, and passes over the rank's queries in float32 (the merging's accumulation dtype):
 #: each block's partial output merged by its log-sum-exp forward, the query and key/value gradients
-#: accumulated backward. Counted with OpCounter on torch 2.13 at sp=2 and 4 (29 and 57 calls, 28.5 and
-#: 50.8 passes forward; 33 and 63, 82.3 and 146.7 backward) less plain SDPA's own (1 call forward; 5
-#: calls and 19.1 passes backward).
-RING_OPS = ((14, 0), (15, -2))
-RING_TRAFFIC = ((11.1, 6.3), (32.2, -1.2))
+#: accumulated backward. Counted with OpCounter on torch 2.13 at sp=2 and 4, q, k and v no leaves (29
+#: and 57 calls, 28.5 and 50.8 passes forward; 31 and 61, 75.3 and 139.7 backward) less plain SDPA's own
+#: (1 call forward; 5 calls and 19.1 passes backward): ``tests/test_ring_attention.py`` counts them again.
+RING_OPS = ((14, 0), (15, -4))
+RING_TRAFFIC = ((11.1, 6.3), (32.2, -8.2))
 #: DDP's own work per gradient tensor, ``(operator calls, passes over its bytes)``: scaled by ``1/world``
 #: into its bucket (``mul``) and copied back after the all-reduce (``copy_``), each reading and writing
 #: it; counted with a dispatch mode on torch 2.13 (the reference GPT at dp=2: 69 of each for 69 tensors).
