@@ -15,7 +15,8 @@
 3. **Speed**: ``sk.autoshard("llama3-405b", ...)`` over 1,024 and 16,384 devices, against the
    named baseline of estimating every option of the same space with no pruning.
 
-    python benchmarks/planner.py [--steps 4] [--skip-local]
+    python benchmarks/planner.py [--steps 4] [--skip-local] [--save DIR]
+    python benchmarks/planner.py --replay DIR  # a saved local world's steps, priced by today's planner
 """
 
 from __future__ import annotations
@@ -119,8 +120,9 @@ MEMORY_PLANS = {
 }
 
 
-def local_world(steps: int, memory: bool = True) -> None:
-    """``memory=False``: the step times only (the memory plans take most of the run)."""
+def local_world(steps: int, memory: bool = True, save: str | None = None) -> None:
+    """``memory=False``: the step times only (the memory plans take most of the run); ``save``: a folder
+    to keep the calibrated hardware and the measured steps in, for :func:`replay`."""
     import os
 
     from shardkit.models.gpt import GPT_RULES
@@ -160,6 +162,43 @@ def local_world(steps: int, memory: bool = True) -> None:
             for name, plan in plans.items():
                 predicted = estimate(model, plan, batch_size=BATCH, seq_len=CONFIG.seq_len, hardware=hw)
                 memory_rows.append((name, predicted, _peak(world, plan)))
+    if save is not None:
+        _save(save, hw, candidates, measured)
+    _step_table(candidates, measured)
+    if not memory:
+        return
+    _memory_table(memory_rows)
+
+
+def _save(folder: str, hw: sk.Hardware, candidates: list, measured: list[dict]) -> None:
+    """The run's hardware (``hardware.yaml``) and every plan's measured step and CPU time by its
+    description (``measured.json``)."""
+    import json
+    from pathlib import Path
+
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    hw.save(Path(folder) / "hardware.yaml")
+    rows = {_describe(c.plan): {"step": m["step"], "cpu": m["cpu"]} for c, m in zip(candidates, measured)}
+    (Path(folder) / "measured.json").write_text(json.dumps(rows, indent=1))
+    console.print(f"saved to {folder}: replay with planner.py --replay {folder}")
+
+
+def replay(folder: str) -> None:
+    """The step table of a run :func:`local_world` saved, priced again by today's planner on the run's
+    own hardware (the plans it measured; a plan the planner no longer finds feasible is left out)."""
+    import json
+    from pathlib import Path
+
+    hw = sk.Hardware.load(Path(folder) / "hardware.yaml")
+    saved = json.loads((Path(folder) / "measured.json").read_text())
+    candidates = autoshard(sk.meta_model(build), devices=WORLD, hardware=hw, global_batch=BATCH,
+                           seq_len=CONFIG.seq_len, top=1000, param_dtype=None)
+    kept = [c for c in candidates if _describe(c.plan) in saved]
+    _step_table(kept, [{**saved[_describe(c.plan)], "peak": 0} for c in kept])
+
+
+def _step_table(candidates: list, measured: list[dict]) -> None:
+    """Every plan's predicted step against its measured wall time and CPU time over the cores."""
     predicted = [c.estimate.step_time for c in candidates]
     steps_measured = [m["step"] for m in measured]
     best = min(steps_measured)
@@ -180,8 +219,10 @@ def local_world(steps: int, memory: bool = True) -> None:
         console.print(f"against the {what}: Spearman(predicted, measured) = {_spearman(predicted, values):.2f}; "
                       f"mean absolute error {100 * statistics.mean(errors):.0f}% (largest {100 * max(errors):.0f}%) "
                       f"over {len(candidates)} plans")
-    if not memory:
-        return
+
+
+def _memory_table(memory_rows: list[tuple]) -> None:
+    """Each memory plan's estimated tensors against its measured peak."""
     table = Table("plan", "predicted tensors", "measured peak", "predicted / measured", "within 10%",
                   title="memory: the estimate's tensors (total less allocator overhead) against the measured peak "
                         "of live tensors (max over ranks)")
@@ -370,12 +411,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--skip-local", action="store_true", help="only the published figures and the speed")
+    parser.add_argument("--save", help="a folder to keep the local world's hardware and measured steps in")
+    parser.add_argument("--replay", help="price a saved local world's plans again (no run) and stop")
     args = parser.parse_args()
+    if args.replay:
+        replay(args.replay)
+        return
     speed()
     zero_figure()
     megatron_table()
     if not args.skip_local:
-        local_world(args.steps)
+        local_world(args.steps, save=args.save)
 
 
 if __name__ == "__main__":

@@ -339,3 +339,14 @@ def test_the_default_world_is_the_one_train_starts():
     _, train_world = plan_from_args(train, model_from_flag(train.model))
     args = parser.parse_args(["calibrate"])
     assert args.world == train_world and args.out is None and args.name is None
+
+
+def test_steps_compared_are_timed_in_turn_so_a_change_of_load_meets_each_alike(monkeypatch):
+    """seconds_per_steps times each step's blocks in turn (A, B, A, B, ...), after each one's warm-up
+    and first timing: a load that rises during the measurement slows both, not the later one only."""
+    calls: list[str] = []
+    monkeypatch.setattr(probes.dist, "barrier", lambda: None)
+    monkeypatch.setattr(probes, "_slowest", lambda value, device: value)
+    steps = [lambda: calls.append("A"), lambda: calls.append("B")]
+    times = probes.seconds_per_steps(steps, torch.device("cpu"), seconds=1e-9)
+    assert calls == ["A", "A", "B", "B"] + ["A", "B"] * probes._BLOCKS and len(times) == 2

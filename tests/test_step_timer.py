@@ -138,3 +138,27 @@ def test_steps_timed_on_a_gpu_are_read_only_where_asked_with_no_sync_before(monk
     timer = devices.StepTimer("cuda").start()
     _FakeEvent.clock += 2.0
     assert timer.stop() == 2.0 and _FakeEvent.syncs == 4  # stop: marked and read at once
+
+
+def test_the_busy_clock_reads_cpu_seconds_only_where_processes_share_the_cores(monkeypatch):
+    """4 one-thread processes on 2 cores: a sleep (what another job takes from the cores) does not
+    move the busy clock; a second of this process's CPU reads as 2 (its share of the cores). With no
+    more processes than cores it is the plain clock, a sleep included."""
+    import time
+
+    monkeypatch.setattr(devices.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(devices.torch, "get_num_threads", lambda: 1)
+    cpu = torch.device("cpu")
+    shared, alone = devices.busy_clock(cpu, ranks_on_host=4), devices.busy_clock(cpu, ranks_on_host=2)
+    start_shared, start_alone = shared(), alone()
+    time.sleep(0.2)
+    assert shared() - start_shared < 0.05 and alone() - start_alone >= 0.2
+    start_shared, process_start = shared(), time.process_time()
+    while time.process_time() - process_start < 0.1:
+        pass
+    assert 0.19 < shared() - start_shared < 0.3
+    monkeypatch.setattr(devices.torch, "get_num_threads", lambda: 2)  # threads of its own: CPU seconds overlap
+    threaded = devices.busy_clock(cpu, ranks_on_host=4)
+    start = threaded()
+    time.sleep(0.1)
+    assert threaded() - start >= 0.1

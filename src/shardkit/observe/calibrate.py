@@ -35,7 +35,7 @@ a training step there sees:
   DTensors and on plain tensors by pairs of ranks, every pair at once: the difference, less
   ``dtensor_overhead`` per DTensor operator, per collective, less the raw all-gather's time, is
   ``dtensor_collective``, what each of tensor parallel's collectives adds to the link's alpha-beta
-  time (:func:`~shardkit.observe.probes.dtensor_collective_job`).
+  time (:func:`~shardkit.observe.dtensor_probes.dtensor_collective_job`).
 - **skew**: every process loops over matrix products (10 and 40 ms of them) then a tiny blocking
   all-reduce: the time no rank computed (the wall time less the world's CPU seconds over its cores on
   the CPU), per collective, beyond the all-reduce's and the products' alone (what other jobs took), is
@@ -85,7 +85,7 @@ from ..runtime.devices import (
 )
 from ..runtime.torchrun import in_torchrun
 from ..runtime.world import LocalWorld, launch
-from . import probes
+from . import dtensor_probes, probes
 from .fits import Fit, fit_alpha_beta, fit_residual, fit_skew
 from .probes import Overlap
 
@@ -275,9 +275,9 @@ def _run(world: LocalWorld | None, world_size: int, backend: str, matmul_sizes: 
     report(done + 1, total, "operator overhead")
     overhead = launch(probes.overhead_job, world=world, seconds=seconds)[0]
     report(done + 2, total, "DTensor operator overhead")
-    dtensor = launch(probes.dtensor_overhead_job, world=world, seconds=seconds)[0][1]
+    dtensor = launch(dtensor_probes.dtensor_overhead_job, world=world, seconds=seconds)[0][1]
     report(done + 3, total, "DTensor collective overhead")
-    dtensor_collective = launch(probes.dtensor_collective_job, world=world, seconds=seconds, dtensor_overhead=dtensor)[0]
+    dtensor_collective = launch(dtensor_probes.dtensor_collective_job, world=world, seconds=seconds, dtensor_overhead=dtensor)[0]
     report(done + 4, total, "overlap of all-reduce and matmul")
     overlap = launch(probes.overlap_job, world=world, seconds=2 * seconds, rounds=2)[0]
     report(done + 5, total, "skew at blocking collectives")

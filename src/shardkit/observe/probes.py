@@ -6,23 +6,31 @@ slowest rank sees it (the slowest rank paces a synchronous step).
 Every probe runs on the rank's device (``ctx.device``: its GPU under NCCL, the CPU under gloo,
 as runtime/devices.py chose) and reads the time with :func:`~shardkit.runtime.devices.clock`,
 which waits for the device's queued work first: on a GPU the kernels are timed, not their launch.
+The probes of compute alone (products, the memory-bound operators, the operator overheads) read
+:func:`~shardkit.runtime.devices.busy_clock`: on processes sharing a CPU's cores, their CPU
+seconds over their share of the cores, so that other jobs' load is not taken for the machine's speed.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from ..planner.counters import OpCounter
 from ..runtime import p2p
-from ..runtime.devices import clock, device_kind, memory_per_process
+from ..runtime.devices import (
+    busy_clock,
+    clock,
+    device_kind,
+    launcher_ranks_on_host,
+    memory_per_process,
+)
+from ..runtime.torchrun import in_torchrun
 
 #: Where the largest message of the sweep takes less than :data:`GROWTH` times the smallest's time,
 #: latency and noise hide the bandwidth (a loaded or throttled machine): the sweep goes on with
@@ -73,6 +81,12 @@ def device_job(ctx, ranks_on_host: int) -> tuple[str, int, str]:
     return device_kind(device), memory, note
 
 
+def _busy(device: torch.device) -> Callable[[], float]:
+    """The clock of compute alone on this rank (:func:`~shardkit.runtime.devices.busy_clock`), with
+    the ranks on this machine: the launcher's count under torchrun, the whole local world otherwise."""
+    return busy_clock(device, launcher_ranks_on_host() if in_torchrun() else dist.get_world_size())
+
+
 def _slowest(value: float, device: torch.device) -> float:
     """The largest of every rank's ``value`` (a tensor on ``device``: NCCL reduces GPU tensors only)."""
     tensor = torch.tensor([value], dtype=torch.float64, device=device)
@@ -89,7 +103,7 @@ def matmul_job(ctx, dtype: str, sizes: tuple[int, ...], seconds: float) -> list[
         torch.ones(2, 2, dtype=kind, device=device) @ torch.ones(2, 2, dtype=kind, device=device)
     except RuntimeError:
         return None
-    rates = []
+    rates, tick = [], _busy(device)
     for n in sorted(sizes):
         a, b = torch.randn(n, n).to(device, kind), torch.randn(n, n).to(device, kind)
         started = clock(device)
@@ -97,11 +111,11 @@ def matmul_job(ctx, dtype: str, sizes: tuple[int, ...], seconds: float) -> list[
         if _slowest(clock(device) - started, device) * 8 > seconds and rates:
             break  # the next size would not fit in its time
         dist.barrier()
-        count, started = 0, clock(device)
-        while (elapsed := clock(device) - started) < seconds or count < 2:
+        count, started, busy_started = 0, clock(device), tick()
+        while clock(device) - started < seconds or count < 2:
             a @ b
             count += 1
-        rates.append((n, 2 * n**3 * count / elapsed))
+        rates.append((n, 2 * n**3 * count / (tick() - busy_started)))
     return rates
 
 
@@ -146,41 +160,38 @@ def _time_collective(collective: str, size: int, seconds: float, device: torch.d
     return best
 
 
-def _timed(work: Callable[[], object], device: torch.device) -> float:
-    """Seconds ``work()`` takes on ``device`` (its kernels run, not only launched)."""
-    started = clock(device)
+def _timed(work: Callable[[], object], device: torch.device, tick: Callable[[], float] | None = None) -> float:
+    """Seconds ``work()`` takes on ``device`` (its kernels run, not only launched), read on ``tick``
+    (default: the device's :func:`~shardkit.runtime.devices.clock`)."""
+    tick = tick or (lambda: clock(device))
+    started = tick()
     work()
-    return clock(device) - started
+    return tick() - started
 
 
-def _seconds_per_step(step: Callable[[], object], device: torch.device, seconds: float) -> float:
-    """Seconds of one ``step()`` after a warm-up one, every rank stepping at once: the best of
-    :data:`_BLOCKS` blocks of repeats sized to take about ``seconds`` in all, the slowest rank's."""
-    step()  # warm-up: gradients exist, communicators are up, sharding propagation is cached
-    repeats = max(1, min(_MAX_STEPS, int(seconds / _slowest(_timed(step, device), device) / _BLOCKS)))
-    best = math.inf
+def _seconds_per_step(step: Callable[[], object], device: torch.device, seconds: float, busy: bool = False) -> float:
+    """Seconds of one ``step()``: :func:`seconds_per_steps` of the one step."""
+    return seconds_per_steps((step,), device, seconds, busy)[0]
+
+
+def seconds_per_steps(steps: Sequence[Callable[[], object]], device: torch.device, seconds: float,
+                      busy: bool = False) -> list[float]:
+    """Seconds of one of each of ``steps`` after a warm-up one, every rank stepping at once: the best of
+    :data:`_BLOCKS` blocks of repeats sized to take about ``seconds`` in all, the slowest rank's; the
+    steps' blocks taken in turn, so that a change in the machine's load meets each step alike (their
+    differences are what the DTensor probes measure); ``busy``: the steps compute alone on each rank,
+    read on :func:`_busy`'s clock."""
+    tick = _busy(device) if busy else None
+    repeats = []
+    for step in steps:
+        step()  # warm-up: gradients exist, communicators are up, sharding propagation is cached
+        repeats.append(max(1, min(_MAX_STEPS, int(seconds / _slowest(_timed(step, device), device) / _BLOCKS))))
+    best = [math.inf] * len(steps)
     for _ in range(_BLOCKS):
-        dist.barrier()
-        best = min(best, _timed(lambda: [step() for _ in range(repeats)], device) / repeats)
-    return _slowest(best, device)
-
-
-class _DTensorCount(TorchDispatchMode):
-    """Counts the operators dispatched with a DTensor among their arguments (``operators``; views
-    included, as DTensor dispatches them all) and the collectives launched (``collectives``: the
-    c10d operators, not their waits or wrappers)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        from torch.distributed.tensor import DTensor
-
-        self._dtensor, self.operators, self.collectives = DTensor, 0, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.operators += any(isinstance(t, self._dtensor) for t in tree_leaves((args, kwargs)))
-        name = str(func)
-        self.collectives += "c10d" in name and "wait" not in name and "wrap" not in name
-        return func(*args, **(kwargs or {}))
+        for index, (step, count) in enumerate(zip(steps, repeats)):
+            dist.barrier()
+            best[index] = min(best[index], _timed(lambda: [step() for _ in range(count)], device, tick) / count)  # noqa: B023
+    return [_slowest(b, device) for b in best]
 
 
 def bandwidth_job(ctx, nbytes: int, seconds: float) -> float:
@@ -209,7 +220,8 @@ def bandwidth_job(ctx, nbytes: int, seconds: float) -> float:
     booked: list[float] = []
     with OpCounter(lambda traffic, *_: booked.append(traffic)):
         forward()
-    return (1 + BACKWARD_TRAFFIC) * sum(booked) / _seconds_per_step(lambda: forward().backward(grad), device, seconds)
+    return (1 + BACKWARD_TRAFFIC) * sum(booked) / _seconds_per_step(lambda: forward().backward(grad), device, seconds,
+                                                                         busy=True)
 
 
 def overhead_job(ctx, seconds: float) -> tuple[int, float]:
@@ -228,86 +240,7 @@ def overhead_job(ctx, seconds: float) -> tuple[int, float]:
     booked: list[float] = []
     with OpCounter(booked.append):  # the operator calls the estimate multiplies op_overhead by
         step()
-    return len(booked), _seconds_per_step(step, device, seconds) / len(booked)
-
-
-def dtensor_overhead_job(ctx, seconds: float) -> tuple[int, float]:
-    """``(operators on DTensors per step, seconds each adds)`` of the tiny training step of
-    :func:`overhead_job` run twice, on plain tensors and with the layer's parameters and input as
-    DTensors replicated over the world (``distribute_module``: no collective runs, so only
-    DTensor's dispatch differs), every rank stepping at once, each the best of :data:`_BLOCKS`
-    blocks of about ``seconds``, the slowest rank's: the difference over the operators dispatched on
-    DTensors (views included, as DTensor dispatches them all) is what each adds to a plain op's
-    cost (``Hardware.dtensor_overhead``)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Replicate, distribute_module
-
-    device = ctx.device
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    x = torch.randn(4, 4).to(device)
-    plain, layer = torch.nn.Linear(4, 4).to(device), torch.nn.Linear(4, 4).to(device)
-    distribute_module(layer, mesh, input_fn=lambda _m, inputs, m: tuple(
-        DTensor.from_local(t, m, [Replicate()], run_check=False) for t in inputs))
-    times = [_seconds_per_step(lambda module=module: module(x).sum().backward(), device, seconds)
-             for module in (plain, layer)]
-    counter = _DTensorCount()
-    with counter:
-        layer(x).sum().backward()
-    return counter.operators, max(0.0, times[1] - times[0]) / counter.operators
-
-
-def dtensor_collective_job(ctx, seconds: float, dtensor_overhead: float) -> float:
-    """Seconds each collective tensor parallel launches through DTensor costs on top of the same
-    collective called directly (``Hardware.dtensor_collective``): a tiny sequence-parallel block
-    (a layer norm, a column-parallel and a row-parallel linear, a residual add; torch's styles,
-    sequence split on dim 1) stepped forward and backward on DTensors against the same block on
-    plain tensors of the local shapes, every rank at once in groups of two consecutive ranks
-    (tensor parallel's groups; the whole world when it has fewer than four ranks or an odd
-    number). The difference, less ``dtensor_overhead`` per operator on a DTensor, is the
-    collectives' cost (each a ``redistribute``: its plan, the functional collective, its wrapper,
-    the wait and the copies that move the gathered dim); less the raw ``all_gather_into_tensor`` of
-    the same bytes, per collective, is what DTensor adds. The tensors are tiny, so compute and
-    bandwidth are next to nothing; each time is the best of :data:`_BLOCKS` blocks of about
-    ``seconds``, the slowest rank's."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        SequenceParallel,
-        parallelize_module,
-    )
-    device, world = ctx.device, dist.get_world_size()
-    if world >= 4 and world % 2 == 0:
-        mesh = init_device_mesh(device.type, (world // 2, 2), mesh_dim_names=("rest", "pair"))["pair"]
-    else:
-        mesh = init_device_mesh(device.type, (world,))
-    group, size = mesh.get_group(), mesh.size()
-
-    class Block(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.norm, self.up, self.down = torch.nn.LayerNorm(8), torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return x + self.down(self.up(self.norm(x)).relu())
-
-    local = torch.randn(2, 2, 8, device=device)
-    plain, split = Block().to(device), Block().to(device)
-    parallelize_module(split, mesh, {"norm": SequenceParallel(), "up": ColwiseParallel(input_layouts=Shard(1)),
-                                     "down": RowwiseParallel(output_layouts=Shard(1), use_local_output=False)})
-    x = DTensor.from_local(local, mesh, [Shard(1)], run_check=False)
-    whole = torch.empty(size * local.numel(), device=device)
-
-    steps = (lambda: plain(local).sum().backward(), lambda: split(x).to_local().sum().backward(),
-             lambda: dist.all_gather_into_tensor(whole, local.flatten(), group=group))
-    times = [_seconds_per_step(step, device, seconds) for step in steps]
-    counter = _DTensorCount()
-    with counter:
-        steps[1]()
-    plain_step, split_step, raw = times
-    launched = split_step - plain_step - counter.operators * dtensor_overhead
-    return max(0.0, launched / max(1, counter.collectives) - raw)
+    return len(booked), _seconds_per_step(step, device, seconds, busy=True) / len(booked)
 
 
 #: Compute seconds between two blocking collectives the skew probe sets up (:func:`skew_job`), each
@@ -425,5 +358,5 @@ _OPS = {"all_reduce": _all_reduce, "all_gather": _all_gather, "reduce_scatter": 
 
 
 __all__ = ["GROWTH", "MAX_MESSAGE_BYTES", "OVERLAP_MATMUL", "OVERLAP_MESSAGE", "Overlap", "bandwidth_job",
-           "collective_job", "device_job", "dtensor_overhead_job", "matmul_job", "overhead_job", "overlap_job", "ready",
-           "SKEW_CHUNKS", "skew_job"]
+           "collective_job", "device_job", "matmul_job", "overhead_job", "overlap_job", "ready",
+           "SKEW_CHUNKS", "seconds_per_steps", "skew_job"]

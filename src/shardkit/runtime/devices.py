@@ -13,7 +13,8 @@
 - random initialisation (:data:`INIT_DEVICE`): drawn on the CPU, whose generator is the same
   everywhere, then copied, so the weights do not depend on the device type;
 - time (:class:`StepTimer`, :func:`clock`): synchronised with the accelerator (CUDA events),
-  since kernels run after the Python that launched them returns;
+  since kernels run after the Python that launched them returns; a measurement's compute on
+  processes sharing a CPU's cores (:func:`busy_clock`): CPU seconds, which other jobs' load leaves be;
 - peak memory (:func:`memory_mark`, :func:`peak_growth`): growth since the mark, on any device.
 
 Results go back to the parent on the CPU (``results.loads`` loads with ``map_location="cpu"``).
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -184,6 +186,25 @@ def clock(device: torch.device | None = None) -> float:
     """
     synchronize(device)
     return time.perf_counter()
+
+
+def busy_clock(device: torch.device, ranks_on_host: int) -> Callable[[], float]:
+    """A clock for work that runs alone on each rank (no collective inside what it times): :func:`clock`,
+    except on CPU processes of one thread each that outnumber the machine's cores, where it reads this
+    process's CPU seconds x ``ranks_on_host`` / cores, the wall time the work takes while the world's
+    processes share the cores and nothing else runs. Calibration uses it so that what other jobs take
+    from the cores meanwhile is not measured as the machine's speed (their load moved a wall-timed
+    float32 product by 1.5-4x on 2 shared cores; a process's CPU time moves little with it).
+
+    >>> tick = busy_clock(torch.device("cpu"), ranks_on_host=1)
+    >>> tick() <= tick()
+    True
+    """
+    cores = os.cpu_count() or 1
+    if device.type != "cpu" or ranks_on_host <= cores or torch.get_num_threads() != 1:
+        return lambda: clock(device)
+    share = ranks_on_host / cores
+    return lambda: time.process_time() * share
 
 
 def wall_ns(device: torch.device | None = None) -> int:
