@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed._composable.replicate import DDP
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 import shardkit as sk
 from shardkit.models.gpt import build_tiny_gpt, gpt_loss
@@ -118,7 +119,7 @@ def _wrapper_counts(ctx, cases: dict) -> dict:
                        "ddp": isinstance(model, DDP), "tensors": len(params),
                        "units": sum(isinstance(m, FSDPModule) for m in model.modules()),
                        "whole": sum(p.numel() for p in params),
-                       "stored": sum(getattr(p, "_local_tensor", p).numel() for p in params)}
+                       "stored": sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in params)}
         if name == ACCUMULATED:
             found[name]["accumulated"] = _difference(_count(model, x, y, 2), bases[dtype][1])
     whole, share = torch.ones(64), torch.empty(32)
