@@ -171,14 +171,19 @@ def test_ring_attention_pays_its_own_merging_and_accumulating(gpt):
     assert calls == 14 * 4 + 15 * 4 - 4  # 57 forward, 61 backward, less SDPA's 1 + 5
 
 
-def test_data_parallel_pays_its_own_copies(gpt):
-    """With instant links only the wrappers' copies are left: DDP scales each gradient into its bucket
-    and copies it back (2 calls, 4 passes); FSDP2 copies each unit in and out per gather and reduce-scatter."""
-    from shardkit.planner.step_time import DDP_COPIES, FSDP_COPIES
-
+def _copies_only() -> sk.Hardware:
+    """Instant links: only the wrappers' copies are left in ``dp`` / ``fsdp``, 10 µs a call, 10 GB/s."""
     instant = Link(bandwidth=1e30, latency=0.0)
     links = {c: instant for c in ("all_reduce", "all_gather", "reduce_scatter", "p2p")}
-    hw = dataclasses.replace(A100, intra_node=links, inter_node=links, op_overhead=1e-5, memory_bandwidth=1e10)
+    return dataclasses.replace(A100, intra_node=links, inter_node=links, op_overhead=1e-5, memory_bandwidth=1e10)
+
+
+def test_data_parallel_pays_its_own_copies(gpt):
+    """DDP scales each gradient into its bucket and copies it back (2 calls, 4 passes); FSDP2 copies each
+    unit's shard in and the unit out per all-gather, the gradients in per reduce-scatter (2 and 1 calls)."""
+    from shardkit.planner.step_time import DDP_COPIES, FSDP_COPIES
+
+    hw = _copies_only()
     costs = Costs.of(gpt, SEQ, 1, None)
     n = costs.numbers
     params = n.layers * n.block_params + max(n.embedding_params, n.head_params)  # a stage's, as the estimate counts
@@ -190,5 +195,24 @@ def test_data_parallel_pays_its_own_copies(gpt):
     for reshard, gathers in ((False, 1), (True, 2)):
         s = Setting.of(sk.Plan(sk.Mesh(fsdp=4), fsdp=sk.FSDPOptions(reshard_after_forward=reshard)))
         fsdp = time_of(costs, s, BATCH, hw)["fsdp"]
-        copies = units * (gathers + 1) * FSDP_COPIES * 1e-5 + 2 * (params + params / 4) * (gathers + 1) * 4 / 1e10
-        assert fsdp == pytest.approx(copies, rel=0.02)
+        calls = units * (gathers * FSDP_COPIES["all_gather"] + FSDP_COPIES["reduce_scatter"])
+        moved = gathers * 2 * (params / 4 + params) * 4 + 2 * params * 4
+        assert fsdp == pytest.approx(calls * 1e-5 + moved / 1e10, rel=0.02)
+
+
+@pytest.mark.parametrize("plan, per_tensor, per_unit", [
+    (sk.Plan(sk.Mesh(tp=2, dp=2), rules=GPT_RULES), 1, 2),  # FSDP2's replicate: a copy per tensor, 2 per unit
+    (sk.Plan(sk.Mesh(dp=4), fsdp=sk.FSDPOptions(param_dtype="bfloat16")), 2, 3),  # and a cast each, one cast back
+    (sk.Plan(sk.Mesh(dp=4)), 2, 0)])  # DDP itself: its bucket's mul and copy_ per gradient
+def test_plans_fsdp2s_replicate_runs_pay_its_copies_not_ddps(gpt, plan, per_tensor, per_unit):
+    """tp with a data axis and mixed precision run on FSDP2's replicate (``memory.ddp`` says so), whose
+    copies are its own: each parameter copied to its unsharded tensor at the forward (cast first under
+    bfloat16), the gradients chunk_cat and copied once per unit (cast back); not DDP's 2 per gradient."""
+    s = Setting.of(plan)
+    costs = Costs.of(gpt, SEQ, s.tp, None, rules=GPT_RULES)
+    n = costs.numbers
+    tensors = len(n.embedding_pieces) + len(n.head_pieces) + n.layers * len(n.block_pieces)
+    free = dataclasses.replace(_copies_only(), memory_bandwidth=1e30)
+    assert time_of(costs, s, BATCH, free)["dp"] == pytest.approx((tensors * per_tensor + per_unit) * 1e-5, rel=1e-6)
+    parts = estimate(gpt, plan, batch_size=BATCH, seq_len=SEQ, hardware=free).step_time_parts
+    assert parts["dp"] == pytest.approx((tensors * per_tensor + per_unit) * 1e-5, rel=1e-6)

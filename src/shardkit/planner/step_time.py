@@ -40,8 +40,9 @@ are consecutive and fit in one, else across nodes:
   forward, another backward (with resharding) and a reduce-scatter (HSDP adds an all-reduce of
   the shard); ``overlap`` of it runs while the backward computes (DDP: the last micro-batch's
   backward only, the one that makes the gradients), except the last bucket / the first unit's gather;
-  and their own copies, not hidden (DDP's into and out of its buckets, :data:`DDP_COPIES`; FSDP2's
-  copy-in and copy-out of each gather and reduce-scatter, :data:`FSDP_COPIES`);
+  and the wrapper's own copies, not hidden (:func:`wrapper_copies`: DDP's into and out of its buckets,
+  or FSDP2's around each gather and reduce-scatter, or, for plans FSDP2's ``replicate`` runs, its
+  copies of each parameter and of the gradients; casts under mixed precision);
 - ``pp``: point-to-point of each micro-batch's hidden states, forward and backward: the fill's
   and the drain's ``p - 1`` transfers each way on the critical path, ``overlap`` of the
   steady state's behind the compute (the sends are asynchronous); with an
@@ -73,7 +74,7 @@ import math
 from .costs import OPTIMIZER_STATES, Costs, Numbers, Setting
 from .expert_costs import Exchange, exchanges
 from .hardware import Hardware, Link, ring_terms
-from .memory import blocks_per_device, tokens_per_microbatch
+from .memory import blocks_per_device, ddp, tokens_per_microbatch
 from .space import AXES
 
 #: What ring attention (runtime/ring_attention.py) adds to a block's attention per micro-batch, over the
@@ -87,12 +88,21 @@ RING_OPS = ((14, 0), (15, -4))
 RING_TRAFFIC = ((11.1, 6.3), (32.2, -8.2))
 #: DDP's own work per gradient tensor, ``(operator calls, passes over its bytes)``: scaled by ``1/world``
 #: into its bucket (``mul``) and copied back after the all-reduce (``copy_``), each reading and writing
-#: it; counted with a dispatch mode on torch 2.13 (the reference GPT at dp=2: 69 of each for 69 tensors).
+#: it. ``tests/test_wrapper_copies.py`` counts them as a step runs (dp=2 on gloo, torch 2.13).
 DDP_COPIES = (2, 4)
-#: FSDP2's own operator calls per unit and collective: a gather's ``all_gather_copy_in`` and
-#: ``split_with_sizes_copy``, a reduce-scatter's ``chunk_cat`` and the copy of this rank's share; each
-#: reads and writes the shard and the whole unit once (counted with a dispatch mode on torch 2.13).
-FSDP_COPIES = 2
+#: FSDP2's ``fully_shard``: its own operator calls per unit and collective, each reading and writing what it
+#: copies once: an all-gather's ``all_gather_copy_in`` (the shard into the send buffer) and
+#: ``split_with_sizes_copy`` (the gathered unit out to the parameters); a reduce-scatter's ``chunk_cat``
+#: (the gradients into the send buffer). NCCL writes this rank's share of the reduction in place; gloo
+#: copies it out of an all-reduce when the call is waited on, the collective's own work (timed with it by
+#: ``shardkit calibrate``), not the wrapper's. Counted by ``tests/test_wrapper_copies.py``.
+FSDP_COPIES = {"all_gather": 2, "reduce_scatter": 1}
+#: FSDP2's ``replicate`` (its shard group is one rank), ``(calls per parameter tensor and forward, calls
+#: per unit and step)``: each parameter copied to its unsharded tensor as the forward starts (``copy_``),
+#: and the gradients copied into the reduce-scatter's send buffer (``chunk_cat``) and out to its output
+#: (``copy_``: a reduce-scatter of one rank) before the all-reduce; each copy reads and writes its tensor
+#: once. Counted by ``tests/test_wrapper_copies.py``.
+REPLICATE_COPIES = (1, 2)
 #: DDP's default bucket: gradients are all-reduced in pieces of this many bytes.
 DDP_BUCKET_BYTES = 25 * 2**20
 #: Bytes the backward of a memory-bound operator moves per byte its forward moves: an elementwise
@@ -198,10 +208,9 @@ def time_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer: 
         if s.dp > 1:
             comm += _collective("all_reduce", stored * reduce, s.dp, _link(hw, shape, ("dp",), "all_reduce"),
                                 calls=units)
-        # FSDP2's own copies, not hidden: each gather copies the shard in and the unit out, each reduce-scatter
-        # the gradients in (chunk_cat) and this rank's share out
-        parts["fsdp"] = _exposed(comm, compute, hw) + gather / units + units * (gathers + 1) * FSDP_COPIES * \
-            hw.op_overhead + 2 * (stage_params + stored) * (gathers * itemsize + reduce) / hw.memory_bandwidth
+        calls, moved = wrapper_copies(s, tensors, units, stage_params, stored, gathers, (n.itemsize, itemsize, reduce))
+        parts["fsdp"] = _exposed(comm, compute, hw) + gather / units + calls * hw.op_overhead \
+            + moved / hw.memory_bandwidth
     elif s.dp * s.sp * s.ep > 1:  # DDP (or replicate) over every data rank (sp's too); the experts but over ep
         size = dense * reduce
         buckets = max(1, math.ceil(size / DDP_BUCKET_BYTES))
@@ -212,10 +221,11 @@ def time_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer: 
                                 calls=max(1, math.ceil(experts * reduce / DDP_BUCKET_BYTES)))
         # only the last micro-batch's backward produces the gradients to reduce: the buckets but the last hide
         # behind it, not behind the whole step's compute (accumulation steps skip the reduction)
-        # DDP's own work, not hidden: each gradient scaled into its bucket and copied back (DDP_COPIES)
-        calls, passes = DDP_COPIES
+        # the wrapper's own copies, not hidden: DDP's, or FSDP2's replicate's (the model a unit, each experts module one)
+        calls, moved = wrapper_copies(s, tensors, 1 + (blocks * n.moe_modules if experts else 0), stage_params,
+                                      stage_params, 1, (n.itemsize, itemsize, reduce))
         parts["dp"] = _exposed(comm - comm / buckets, compute * 2 / 3 / m, hw) + comm / buckets \
-            + tensors * calls * hw.op_overhead + passes * stage_params * reduce / hw.memory_bandwidth
+            + calls * hw.op_overhead + moved / hw.memory_bandwidth
         syncs += 1  # the step waits for the last bucket
     # expert parallel: per MoE layer the exchanges of expert_costs.exchanges, on the critical path
     if s.ep > 1 and n.moe_modules:
@@ -251,6 +261,36 @@ def time_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer: 
         parts["skew"] = skew_seconds(hw, syncs, parts["compute"] + parts["bubble"] + parts["optimizer"]
                                      + parts.get("dtensor", 0.0))
     return parts
+
+
+def wrapper_copies(s: Setting, tensors: float, units: float, whole: float, stored: float, gathers: float,
+                   sizes: tuple[int, int, int]) -> tuple[float, float]:
+    """``(operator calls, bytes read and written)`` of the data-parallel wrapper's own copies in a step on one
+    device: DDP's (:data:`DDP_COPIES`; where :func:`~shardkit.planner.memory.ddp` says the runtime runs it),
+    else FSDP2's ``fully_shard`` (``fsdp``: :data:`FSDP_COPIES`, ``gathers`` all-gathers of each of ``units``
+    units) or ``replicate`` (:data:`REPLICATE_COPIES`; each forward of an accumulated step unshards again, a
+    pipeline's schedule keeps the parameters unsharded between its micro-batches). ``tensors`` parameter
+    tensors of ``whole`` elements on the device, ``stored`` of them kept here; ``sizes``: the itemsizes of the
+    parameters', the compute and the reduce dtype. FSDP2 casts, one call reading one dtype and writing the
+    other: the parameters to a compute dtype of their own before each gather (``fully_shard``: the shard, one
+    ``_foreach_copy_``; ``replicate``: each tensor, ``_to_copy``), the reduced gradients back to the
+    parameters' dtype after each reduction (``_to_copy``), and, over several micro-batches, each gradient to
+    a reduce dtype of its own once a step, to accumulate in it (``_to_copy``)."""
+    param, compute, reduce = sizes
+    if ddp(s):
+        calls, passes = DDP_COPIES
+        return tensors * calls, passes * whole * reduce
+    cast, back = compute != param, reduce != param
+    accumulated = s.microbatches * s.accumulation > 1 and reduce != compute
+    calls, moved = accumulated * tensors, accumulated * whole * (compute + reduce)
+    if s.fsdp > 1:
+        calls += units * (gathers * (FSDP_COPIES["all_gather"] + cast) + FSDP_COPIES["reduce_scatter"] + back)
+        return calls, moved + gathers * (stored * (cast * param + (2 + cast) * compute) + 2 * whole * compute) \
+            + whole * (compute + reduce) + back * stored * (reduce + param)
+    per_tensor, per_unit = REPLICATE_COPIES
+    calls += s.accumulation * tensors * (per_tensor + cast) + units * (per_unit + back)
+    return calls, moved + s.accumulation * whole * (cast * param + (2 + cast) * compute) \
+        + whole * (compute + 3 * reduce) + back * whole * (reduce + param)
 
 
 def skew_seconds(hw: Hardware, syncs: float, work: float) -> float:
@@ -385,6 +425,6 @@ def _collective(name: str, size: float, n: int, link: Link, calls: int = 1) -> f
     return link.seconds(size, factor=factor, steps=steps * calls)
 
 
-__all__ = ["BACKWARD_TRAFFIC", "DDP_BUCKET_BYTES", "DDP_COPIES", "FSDP_COPIES", "OPTIMIZER_OPS", "RING_OPS",
-           "RING_TRAFFIC", "all_to_all_seconds", "dtensor_ops", "layer_exchanges", "ring_work", "skew_seconds",
-           "time_of"]
+__all__ = ["BACKWARD_TRAFFIC", "DDP_BUCKET_BYTES", "DDP_COPIES", "FSDP_COPIES", "OPTIMIZER_OPS", "REPLICATE_COPIES",
+           "RING_OPS", "RING_TRAFFIC", "all_to_all_seconds", "dtensor_ops", "layer_exchanges", "ring_work",
+           "skew_seconds", "time_of", "wrapper_copies"]
