@@ -10,6 +10,7 @@ import pytest
 
 import shardkit as sk
 from shardkit.models.gpt import GPT_RULES, GPTConfig, build_small_gpt
+from shardkit.planner import step_time
 from shardkit.planner.costs import Costs, Setting
 from shardkit.planner.estimate import estimate
 from shardkit.planner.hardware import Link
@@ -186,7 +187,7 @@ def test_data_parallel_pays_its_own_copies(gpt):
     hw = _copies_only()
     costs = Costs.of(gpt, SEQ, 1, None)
     n = costs.numbers
-    params = n.layers * n.block_params + max(n.embedding_params, n.head_params)  # a stage's, as the estimate counts
+    params = n.layers * n.block_params + n.embedding_params + n.head_params  # the one device holds them all
     tensors = len(n.embedding_pieces) + len(n.head_pieces) + n.layers * len(n.block_pieces)
     ddp = time_of(costs, Setting.of(sk.Plan(sk.Mesh(dp=4))), BATCH, hw)["dp"]
     assert DDP_COPIES == (2, 4)
@@ -198,6 +199,26 @@ def test_data_parallel_pays_its_own_copies(gpt):
         calls = units * (gathers * FSDP_COPIES["all_gather"] + FSDP_COPIES["reduce_scatter"])
         moved = gathers * 2 * (params / 4 + params) * 4 + 2 * params * 4
         assert fsdp == pytest.approx(calls * 1e-5 + moved / 1e10, rel=0.02)
+
+
+def test_fsdp2s_replicate_reduces_its_one_unit_in_the_open_ddp_its_buckets_behind_the_backward(gpt, monkeypatch):
+    """Only the wrappers' all-reduce left (copies free, every overlap perfect): DDP hides all its buckets but
+    the last behind the backward; FSDP2's replicate (mixed precision here) all-reduces the whole model as one
+    unit once the backward has ended, every byte of it on the critical path, in one call."""
+    link = Link(bandwidth=1e9, latency=1e-4)
+    links = {c: link for c in ("all_reduce", "all_gather", "reduce_scatter", "p2p")}
+    hw = dataclasses.replace(A100, intra_node=links, inter_node=links, op_overhead=0.0, memory_bandwidth=1e30,
+                             overlap=1.0)
+    n = Costs.of(gpt, SEQ, 1, None).numbers
+    params = n.layers * n.block_params + n.embedding_params + n.head_params
+    for dtype, itemsize in (("bfloat16", 2), ("float16", 2)):
+        s = Setting.of(sk.Plan(sk.Mesh(dp=4), fsdp=sk.FSDPOptions(param_dtype=dtype)))
+        whole = link.latency * 2 * 3 + 2 * 3 / 4 * params * itemsize / link.bandwidth  # a ring's, in one call
+        assert time_of(Costs.of(gpt, SEQ, 1, None), s, BATCH, hw)["dp"] == pytest.approx(whole, rel=1e-6)
+    monkeypatch.setattr(step_time, "DDP_BUCKET_BYTES", params * 4 // 4 + 1)  # 4 buckets of float32 gradients
+    ddp = time_of(Costs.of(gpt, SEQ, 1, None), Setting.of(sk.Plan(sk.Mesh(dp=4))), BATCH, hw)["dp"]
+    whole = link.latency * 2 * 3 * 4 + 2 * 3 / 4 * params * 4 / link.bandwidth
+    assert whole / 4 <= ddp < whole  # the last bucket in the open, the others behind the backward
 
 
 @pytest.mark.parametrize("plan, per_tensor, per_unit", [

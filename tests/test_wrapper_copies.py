@@ -21,18 +21,27 @@ from shardkit.models.gpt import build_tiny_gpt, gpt_loss
 from shardkit.planner.costs import Setting
 from shardkit.planner.counters import OpCounter
 from shardkit.planner.memory import ddp
-from shardkit.planner.step_time import DDP_COPIES, FSDP_COPIES, REPLICATE_COPIES, wrapper_copies
+from shardkit.planner.step_time import (
+    DDP_COPIES,
+    FSDP_COPIES,
+    REPLICATE_COPIES,
+    fsdp_gathers,
+    wrapper_copies,
+)
 from shardkit.runtime.accumulation import gradient_sync_deferred
 
 BF16 = "bfloat16"
-CASES = {  # the runtime runs DDP for the first, FSDP2's fully_shard for the next two, its replicate for the rest
+CASES = {  # the runtime runs DDP (the first and last), FSDP2's fully_shard or its replicate
     "ddp": sk.Plan(sk.Mesh(dp=2)),
     "fsdp": sk.Plan(sk.Mesh(fsdp=2)),
     "fsdp bf16": sk.Plan(sk.Mesh(fsdp=2), fsdp=sk.FSDPOptions(param_dtype=BF16)),
     "replicate, reduced in bf16": sk.Plan(sk.Mesh(dp=2), fsdp=sk.FSDPOptions(reduce_dtype=BF16)),
     "replicate bf16": sk.Plan(sk.Mesh(dp=2), fsdp=sk.FSDPOptions(param_dtype=BF16)),
+    "fsdp no reshard": sk.Plan(sk.Mesh(fsdp=2), fsdp=sk.FSDPOptions(reshard_after_forward=False)),
+    "ddp, float32 written": sk.Plan(sk.Mesh(dp=2), fsdp=sk.FSDPOptions(param_dtype="float32")),  # no mixed precision
 }
-ACCUMULATED = "replicate, reduced in bf16"  # also counted over 2 micro-batches
+ACCUMULATED = "replicate, reduced in bf16"  # these two also counted over 2 micro-batches
+REGATHERED = "fsdp no reshard"
 
 
 class _Copies(OpCounter):
@@ -120,7 +129,7 @@ def _wrapper_counts(ctx, cases: dict) -> dict:
                        "units": sum(isinstance(m, FSDPModule) for m in model.modules()),
                        "whole": sum(p.numel() for p in params),
                        "stored": sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in params)}
-        if name == ACCUMULATED:
+        if name in (ACCUMULATED, REGATHERED):
             found[name]["accumulated"] = _difference(_count(model, x, y, 2), bases[dtype][1])
     whole, share = torch.ones(64), torch.empty(32)
     with _Copies() as bare:
@@ -198,3 +207,14 @@ def test_accumulated_micro_batches_unshard_again_and_cast_to_the_reduce_dtype_on
     accumulated = case["accumulated"]
     assert accumulated["calls"] == {"copy_": 2 * 37 + 1, "_to_copy": 37 + 1, "chunk_cat": 1}
     assert sum(accumulated["calls"].values()) == _planned(ACCUMULATED, case, accumulation=2)[0]
+
+
+def test_each_micro_batch_gathers_the_units_again_as_the_planner_counts(counts):
+    """FSDP2 reshards each unit after its backward, so without resharding after the forward an accumulated
+    step's second micro-batch gathers every unit again (3 units, 2 micro-batches: 6 all-gathers, not 3):
+    ``fsdp_gathers``, which prices the gathers and their copies, counts the same."""
+    case = counts[REGATHERED]
+    gathered = case["accumulated"]["collectives"]["_allgather_base_"] / case["units"]
+    assert case["units"] == 3 and gathered == 2
+    assert fsdp_gathers(replace(Setting.of(CASES[REGATHERED]), accumulation=2)) == gathered
+    assert fsdp_gathers(Setting.of(CASES[REGATHERED])) == case["collectives"]["_allgather_base_"] / case["units"] == 1

@@ -57,6 +57,12 @@ class Setting:
         return self.fsdp * self.sp * self.ep if self.fsdp > 1 else 1
 
     @property
+    def mixed_precision(self) -> bool:
+        """Whether compute or gradient reduction runs below float32 (the runtime's rule,
+        ``FSDPOptions.mixed_precision``: an explicit float32 is no mixed precision)."""
+        return bool({self.compute_dtype, self.reduce_dtype} - {None, torch.float32})
+
+    @property
     def expert_shards(self) -> int:
         """Ways FSDP2 shards an expert parameter, after ``ep`` split its experts: ``fsdp`` times ``sp``."""
         return self.fsdp * self.sp if self.fsdp > 1 else 1

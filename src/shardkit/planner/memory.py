@@ -130,7 +130,7 @@ def ddp(s: Setting) -> bool:
     which sees a :class:`Setting` and never imports the runtime, states the same rule on what a
     Setting holds, for a model whose parameters are all used."""
     return s.zero == 1 or (s.fsdp == 1 and s.dp * s.sp > 1 and s.ep == 1 and s.tp == 1 and s.pp == 1
-                           and s.compute_dtype is None and s.reduce_dtype is None)
+                           and not s.mixed_precision)
 
 
 def step_phases(n: Numbers, s: Setting, tokens: float, first: bool, last: bool, params: int,

@@ -149,7 +149,7 @@ def time_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer: 
     parts = {"compute": compute, "bubble": _shared_bubble(s, hw, compute + dtensor) if hw.shared_compute
              else _bubble(s) * (compute + dtensor)}
     hidden_bytes = tokens * n.hidden * itemsize
-    stage_params = blocks * n.block_params_at(s.ep) + max(n.embedding_params, n.head_params)
+    stage_params = _stage(hw, s, blocks, n.embedding_params, n.head_params, n.block_params_at(s.ep))
     experts = blocks * (n.expert_params // s.ep) if s.ep > 1 else 0  # E / ep of each MoE layer, FSDP units apart
     dense = stage_params - experts
     # the optimizer reads each parameter, gradient and state and writes the parameter and states
@@ -202,7 +202,7 @@ def time_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer: 
                                   _link(hw, shape, ("fsdp", "sp"), "all_gather"), calls=blocks * n.moe_modules)
             scatter += _collective("reduce_scatter", experts * reduce, s.expert_shards,
                                    _link(hw, shape, ("fsdp", "sp"), "reduce_scatter"), calls=blocks * n.moe_modules)
-        gathers = (2 if s.reshard else 1) * (m if s.reshard and m > 1 else 1)
+        gathers = fsdp_gathers(s)
         comm = gathers * gather + scatter
         syncs += units * (gathers + 1)
         if s.dp > 1:
@@ -212,20 +212,21 @@ def time_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer: 
         parts["fsdp"] = _exposed(comm, compute, hw) + gather / units + calls * hw.op_overhead \
             + moved / hw.memory_bandwidth
     elif s.dp * s.sp * s.ep > 1:  # DDP (or replicate) over every data rank (sp's too); the experts but over ep
-        size = dense * reduce
-        buckets = max(1, math.ceil(size / DDP_BUCKET_BYTES))
+        size, units = dense * reduce, 1 + (blocks * n.moe_modules if experts else 0)
+        # DDP all-reduces its buckets, FSDP2's replicate each unit (the model, each experts module) flat
+        buckets = max(1, math.ceil(size / DDP_BUCKET_BYTES)) if ddp(s) else 1
         comm = _collective("all_reduce", size, s.dp * s.sp * s.ep, _link(hw, shape, ("dp", "sp", "ep"), "all_reduce"),
                            calls=buckets)
         if experts and s.dp * s.sp > 1:
             comm += _collective("all_reduce", experts * reduce, s.dp * s.sp, _link(hw, shape, ("dp", "sp"), "all_reduce"),
-                                calls=max(1, math.ceil(experts * reduce / DDP_BUCKET_BYTES)))
-        # only the last micro-batch's backward produces the gradients to reduce: the buckets but the last hide
-        # behind it, not behind the whole step's compute (accumulation steps skip the reduction)
-        # the wrapper's own copies, not hidden: DDP's, or FSDP2's replicate's (the model a unit, each experts module one)
-        calls, moved = wrapper_copies(s, tensors, 1 + (blocks * n.moe_modules if experts else 0), stage_params,
-                                      stage_params, 1, (n.itemsize, itemsize, reduce))
-        parts["dp"] = _exposed(comm - comm / buckets, compute * 2 / 3 / m, hw) + comm / buckets \
-            + calls * hw.op_overhead + moved / hw.memory_bandwidth
+                                calls=max(1, math.ceil(experts * reduce / DDP_BUCKET_BYTES)) if ddp(s) else units - 1)
+        # the wrapper's own copies, not hidden: DDP's, or FSDP2's replicate's
+        calls, moved = wrapper_copies(s, tensors, units, stage_params, stage_params, 1, (n.itemsize, itemsize, reduce))
+        # only the last micro-batch's backward produces the gradients to reduce (accumulation steps skip the
+        # reduction): DDP's buckets but the last hide behind it; FSDP2's replicate reduces its units once the
+        # backward has ended (a pipeline's after its last micro-batch), in the open
+        exposed = _exposed(comm - comm / buckets, compute * 2 / 3 / m, hw) + comm / buckets if ddp(s) else comm
+        parts["dp"] = exposed + calls * hw.op_overhead + moved / hw.memory_bandwidth
         syncs += 1  # the step waits for the last bucket
     # expert parallel: per MoE layer the exchanges of expert_costs.exchanges, on the critical path
     if s.ep > 1 and n.moe_modules:
@@ -291,6 +292,20 @@ def wrapper_copies(s: Setting, tensors: float, units: float, whole: float, store
     calls += s.accumulation * tensors * (per_tensor + cast) + units * (per_unit + back)
     return calls, moved + s.accumulation * whole * (cast * param + (2 + cast) * compute) \
         + whole * (compute + 3 * reduce) + back * whole * (reduce + param)
+
+
+def fsdp_gathers(s: Setting) -> int:
+    """All-gathers of each FSDP unit in a step: each micro-batch gathers it for its forward and, resharded
+    after it, again for its backward; FSDP2 reshards after each backward (an accumulated step's micro-batches
+    gather again), but a pipeline's schedule keeps its units gathered until its last micro-batch.
+
+    >>> fsdp_gathers(Setting(fsdp=4, accumulation=2, reshard=False))
+    2
+    >>> fsdp_gathers(Setting(fsdp=4, pp=2, microbatches=4, reshard=False))
+    1
+    """
+    m = s.microbatches * s.accumulation
+    return (2 if s.reshard else 1) * (m if s.reshard or s.pp == 1 else 1)
 
 
 def skew_seconds(hw: Hardware, syncs: float, work: float) -> float:
@@ -427,4 +442,4 @@ def _collective(name: str, size: float, n: int, link: Link, calls: int = 1) -> f
 
 __all__ = ["BACKWARD_TRAFFIC", "DDP_BUCKET_BYTES", "DDP_COPIES", "FSDP_COPIES", "OPTIMIZER_OPS", "REPLICATE_COPIES",
            "RING_OPS", "RING_TRAFFIC", "all_to_all_seconds", "dtensor_ops", "layer_exchanges", "ring_work",
-           "skew_seconds", "time_of", "wrapper_copies"]
+           "skew_seconds", "fsdp_gathers", "time_of", "wrapper_copies"]
