@@ -79,6 +79,8 @@ def run_plan(ctx, steps: int, memory: bool) -> dict:
     if memory:
         return {"peak": peak.peak_bytes()}
     times, cpu = [], []
+    dist.barrier()
+    machine, own = _machine_busy(), time.process_time()
     for _ in range(steps):
         dist.barrier()
         start, cpu_start = clock(), time.process_time()
@@ -88,7 +90,21 @@ def run_plan(ctx, steps: int, memory: bool) -> dict:
         cpu.append(time.process_time() - cpu_start)
         dist.barrier()
         times.append(clock() - start)
-    return {"step": statistics.median(times), "cpu": statistics.median(cpu)}
+    return {"step": statistics.median(times), "cpu": statistics.median(cpu),
+            "machine": (_machine_busy() - machine) / steps, "own": (time.process_time() - own) / steps}
+
+
+def _machine_busy() -> float:
+    """CPU seconds every process of the machine has run so far, with what a hypervisor stole (``/proc/stat``;
+    0 where there is none): less the world's own, what other jobs took from the cores during its steps."""
+    import os
+
+    try:
+        with open("/proc/stat") as stat:
+            fields = [int(x) for x in stat.readline().split()[1:]]
+    except OSError:
+        return 0.0
+    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
 
 
 def _spearman(xs: list[float], ys: list[float]) -> float:
@@ -139,7 +155,7 @@ def local_world(steps: int, memory: bool = True, save: str | None = None) -> Non
     plans = dict(MEMORY_PLANS)
     plans["fsdp=2 tp=2 sp"] = sk.Plan(sk.Mesh(fsdp=2, tp=2), rules=GPT_RULES, sequence_parallel=True)
     plans["tp=4"] = sk.Plan(sk.Mesh(tp=4), rules=GPT_RULES)
-    measured: list[dict] = [{"step": float("inf"), "cpu": float("inf"), "peak": 0} for _ in candidates]
+    measured: list[dict] = [{"step": float("inf"), "cpu": float("inf"), "others": 0.0, "peak": 0} for _ in candidates]
     cores = min(WORLD, os.cpu_count() or 1)
     with sk.LocalWorld(WORLD) as world:
         # every plan in turn, twice: interference from other work on the machine hits each plan alike,
@@ -150,11 +166,15 @@ def local_world(steps: int, memory: bool = True, save: str | None = None) -> Non
                 step = max(r["step"] for r in results)
                 # the world's CPU seconds over the cores it runs on: a step's time on a machine of its own
                 cpu = sum(r["cpu"] for r in results) / cores
+                # what other jobs took from the cores during the steps, per step (rank 0 read the machine's)
+                others = max(0.0, results[0]["machine"] - sum(r["own"] for r in results)) / cores
+                if step < measured[index]["step"]:
+                    measured[index]["others"] = others
                 measured[index]["step"] = min(measured[index]["step"], step)
                 measured[index]["cpu"] = min(measured[index]["cpu"], cpu)
                 console.print(f"  round {round_ + 1}, candidate {index + 1}/{len(candidates)} {_describe(c.plan)}: "
                               f"predicted {c.estimate.step_time * 1e3:.0f} ms, measured {step * 1e3:.0f} ms, "
-                              f"CPU / cores {cpu * 1e3:.0f} ms")
+                              f"CPU / cores {cpu * 1e3:.0f} ms, other jobs' CPU / cores {others * 1e3:.0f} ms")
         memory_rows = []
         if memory:
             for index, c in enumerate(candidates):
@@ -178,7 +198,7 @@ def _save(folder: str, hw: sk.Hardware, candidates: list, measured: list[dict]) 
 
     Path(folder).mkdir(parents=True, exist_ok=True)
     hw.save(Path(folder) / "hardware.yaml")
-    rows = {_describe(c.plan): {"step": m["step"], "cpu": m["cpu"]} for c, m in zip(candidates, measured)}
+    rows = {_describe(c.plan): {k: m[k] for k in ("step", "cpu", "others")} for c, m in zip(candidates, measured)}
     (Path(folder) / "measured.json").write_text(json.dumps(rows, indent=1))
     console.print(f"saved to {folder}: replay with planner.py --replay {folder}")
 
@@ -194,7 +214,7 @@ def replay(folder: str) -> None:
     candidates = autoshard(sk.meta_model(build), devices=WORLD, hardware=hw, global_batch=BATCH,
                            seq_len=CONFIG.seq_len, top=1000, param_dtype=None)
     kept = [c for c in candidates if _describe(c.plan) in saved]
-    _step_table(kept, [{**saved[_describe(c.plan)], "peak": 0} for c in kept])
+    _step_table(kept, [{"others": 0.0, **saved[_describe(c.plan)], "peak": 0} for c in kept])
 
 
 def _step_table(candidates: list, measured: list[dict]) -> None:
@@ -213,8 +233,9 @@ def _step_table(candidates: list, measured: list[dict]) -> None:
                       format_bytes(c.estimate.memory["total"] - c.estimate.memory["overhead"], digits=1))
     console.print(table)
     console.print(f"chosen plan's measured throughput / best measured: {best / steps_measured[0]:.2f}")
-    for what, key in (("wall time", "step"), ("CPU time / cores", "cpu")):
-        values = [m[key] for m in measured]
+    for what, key in (("wall time", "step"), ("CPU time / cores", "cpu"),
+                      ("wall time less other jobs' CPU / cores", "alone")):
+        values = [m["step"] - m["others"] if key == "alone" else m[key] for m in measured]
         errors = [abs(p - v) / v for p, v in zip(predicted, values)]
         console.print(f"against the {what}: Spearman(predicted, measured) = {_spearman(predicted, values):.2f}; "
                       f"mean absolute error {100 * statistics.mean(errors):.0f}% (largest {100 * max(errors):.0f}%) "
