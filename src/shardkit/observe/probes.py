@@ -245,7 +245,7 @@ def overhead_job(ctx, seconds: float) -> tuple[int, float]:
 
 #: Compute seconds between two blocking collectives the skew probe sets up (:func:`skew_job`), each
 #: measured :data:`SKEW_PAIRS` times: longer than a CPU scheduler's slices, shorter than a step.
-SKEW_CHUNKS, SKEW_PAIRS = (0.01, 0.04), 3
+SKEW_CHUNKS, SKEW_PAIRS = (0.01, 0.04), 5
 
 
 def skew_job(ctx, seconds: float) -> list[tuple[float, float]]:
