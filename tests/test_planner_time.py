@@ -182,7 +182,7 @@ def _copies_only() -> sk.Hardware:
 def test_data_parallel_pays_its_own_copies(gpt):
     """DDP scales each gradient into its bucket and copies it back (2 calls, 4 passes); FSDP2 copies each
     unit's shard in and the unit out per all-gather, the gradients in per reduce-scatter (2 and 1 calls)."""
-    from shardkit.planner.step_time import DDP_COPIES, FSDP_COPIES
+    from shardkit.planner.wrapper_costs import DDP_COPIES, FSDP_COPIES
 
     hw = _copies_only()
     costs = Costs.of(gpt, SEQ, 1, None)

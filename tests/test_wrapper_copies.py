@@ -1,6 +1,6 @@
 """The data-parallel wrappers' own copies, counted as a training step runs (issue 17 §5): the operator
 calls and bytes DDP and FSDP2 (``fully_shard``, ``replicate``) dispatch beyond the plain model's own
-forward and backward, against what the step time prices for them (``step_time.wrapper_copies``:
+forward and backward, against what the step time prices for them (``wrapper_costs.wrapper_copies``:
 ``DDP_COPIES``, ``FSDP_COPIES``, ``REPLICATE_COPIES``). One shared world of 2 gloo processes, one job."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from shardkit.models.gpt import build_tiny_gpt, gpt_loss
 from shardkit.planner.costs import Setting
 from shardkit.planner.counters import OpCounter
 from shardkit.planner.memory import ddp
-from shardkit.planner.step_time import (
+from shardkit.planner.wrapper_costs import (
     DDP_COPIES,
     FSDP_COPIES,
     REPLICATE_COPIES,
