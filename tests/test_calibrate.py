@@ -200,14 +200,15 @@ def test_measurements_make_a_one_node_hardware(monkeypatch):
     matmul = {"float32": (256, 3e10), "bfloat16": (512, 5e10), "float16": None}
     monkeypatch.setattr(calibrate_module, "LocalWorld", lambda *a, **k: contextlib.nullcontext())
     overlap = Overlap(compute=2.0, communication=1.0, both=2.5)
-    monkeypatch.setattr(calibrate_module, "_run", lambda *args: (matmul, fits, 8e9, (13, 2e-5), overlap, (7e-5, 3e-4),
-                                                                   0.02))
+    monkeypatch.setattr(calibrate_module, "_run", lambda *args: (matmul, fits, 8e9, ("float32", 1.5e10), (13, 2e-5),
+                                                                   overlap, (7e-5, 3e-4), 0.02))
     monkeypatch.setattr(calibrate_module, "_devices", lambda world, per_node: (
         "cpu", 2**30, f"memory: available RAM (MemAvailable) / {per_node} processes", "gloo"))
     result = measure(3)
     hw = result.hardware
     assert (hw.memory_bandwidth, hw.op_overhead, hw.overlap, hw.dtensor_overhead, hw.dtensor_collective, hw.skew) == (
         8e9, 2e-5, 0.5, 7e-5, 3e-4, 0.02)
+    assert hw.attention_efficiency == 0.5  # the attention kernel's rate over its dtype's matrix products
     assert result.ops_per_step == 13 and result.overlap is overlap
     assert hw.flops == {"float32": 3e10, "bfloat16": 5e10, "float16": 5e10}
     assert hw.devices_per_node == 3 and hw.inter_node == hw.intra_node == {c: link for c in COLLECTIVES}
@@ -289,11 +290,11 @@ def test_calibrate_writes_a_loadable_file_of_measured_figures(calibrated):
         assert fit.times[-1] >= probes.GROWTH * fit.times[0] or fit.sizes[-1] * 4 > probes.MAX_MESSAGE_BYTES
         assert fit.link == hw.link(collective, False) == fit_alpha_beta(fit.sizes, fit.times, factor, steps)
         assert fit.residual == fit_residual(fit.link, fit.sizes, fit.times, factor, steps)
-    assert [p[0] for p in progress] == list(range(len(progress))) and progress[-1] == (14, 14, "done")
+    assert [p[0] for p in progress] == list(range(len(progress))) and progress[-1] == (15, 15, "done")
     # the three cost-model fields: measured, in range, and what was measured
     assert 1e8 < hw.memory_bandwidth < 1e13  # bytes/s of one process's add, CPU RAM to caches
     assert 1e-7 < hw.op_overhead < 1e-3 and 0 <= hw.dtensor_overhead < 1e-2  # the difference of two timings
-    assert 0 <= hw.dtensor_collective < 0.1
+    assert 0 <= hw.dtensor_collective < 0.1 and 0.01 < hw.attention_efficiency <= 1
     assert 0 <= hw.skew < 1.0 and "skew" in stdout  # seconds per sqrt(second): a wait of under 0.2 s after 40 ms
     assert set(calibration.fits) == set(COLLECTIVES) and "gloo reduce_scatter" in stdout  # measured, not a ring's
     forward: list[float] = []
@@ -306,7 +307,7 @@ def test_calibrate_writes_a_loadable_file_of_measured_figures(calibrated):
     assert calibration.seconds < 60  # about 13 s; a sweep that no longer stops in time fails
     for row in ("matmul float32", "gloo all_reduce", "gloo all_gather", "gloo p2p", "fit residual", "memory",
                 "memory bandwidth", "op overhead", f"{calibration.ops_per_step} aten ops", f"{hw.overlap:.0%}",
-                "DTensor op overhead", "DTensor collective"):
+                "DTensor op overhead", "DTensor collective", "attention"):
         assert row in stdout
     assert f"wrote {out}" in stdout
 

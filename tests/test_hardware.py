@@ -36,7 +36,7 @@ def _leaves(data: dict, prefix: str = "") -> list[str]:
 BASE = PRESETS["h100-80g"].to_dict()
 LEAVES = _leaves(BASE)
 # fields files written before them lack
-NEWER = ("matmul_latency", "dtensor_overhead", "dtensor_collective", "skew", "cores_per_node")
+NEWER = ("matmul_latency", "attention_efficiency", "dtensor_overhead", "dtensor_collective", "skew", "cores_per_node")
 
 
 def _edited(path: str, value=None, delete: bool = False) -> dict:
@@ -119,6 +119,7 @@ def test_a_file_written_before_the_newer_fields_loads(tmp_path):
     hw = Hardware.load(path)
     assert (hw.matmul_latency, hw.dtensor_overhead, hw.dtensor_collective, hw.skew, hw.cores_per_node) == (
         0.0, PRESETS["h100-80g"].dtensor_overhead, PRESETS["h100-80g"].dtensor_collective, 0.0, 0) \
+        and hw.attention_efficiency == 1.0 \
         and hw.memory == BASE["memory"]
 
 
@@ -211,6 +212,7 @@ NOT_POSITIVE = [
     ("inter_node.p2p.latency", -1e-6, "field 'inter_node.p2p.latency' must be a finite number >= 0, got -1e-06"),
     ("matmul_efficiency", 0, "field 'matmul_efficiency' must be > 0, got 0"),
     ("matmul_efficiency", 1.5, "field 'matmul_efficiency' must be a fraction in (0, 1], got 1.5"),
+    ("attention_efficiency", 1.5, "field 'attention_efficiency' must be a fraction in (0, 1], got 1.5"),
     ("memory_bandwidth", 0, "field 'memory_bandwidth' must be > 0, got 0"),
     ("memory_bandwidth", -2e12, "field 'memory_bandwidth' must be a finite number >= 0, got -2000000000000.0"),
     ("memory_bandwidth", float("inf"), "field 'memory_bandwidth' must be a finite number >= 0, got inf"),

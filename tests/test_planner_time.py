@@ -179,6 +179,20 @@ def _copies_only() -> sk.Hardware:
     return dataclasses.replace(A100, intra_node=links, inter_node=links, op_overhead=1e-5, memory_bandwidth=1e10)
 
 
+@pytest.mark.parametrize("recompute, runs", [("none", 3), ("selective", 4), ("full", 4)])
+def test_the_attention_core_runs_at_the_fused_kernels_own_rate(gpt, recompute, runs):
+    """At half the matmul rate the attention core's FLOPs (forward, backward twice, once more under
+    recompute) take twice as long; nothing else in the step moves."""
+    costs = Costs.of(gpt, SEQ, 1, None)
+    n = costs.numbers
+    s = Setting.of(sk.Plan(sk.Mesh(dp=1), recompute=recompute))
+    whole, half = (time_of(costs, s, BATCH, dataclasses.replace(A100, attention_efficiency=e)) for e in (1.0, 0.5))
+    core = BATCH * SEQ * n.layers * runs * n.core_flops / (A100.peak_flops("float32") * A100.matmul_efficiency)
+    assert half["compute"] - whole["compute"] == pytest.approx(core, rel=1e-6)
+    assert {k: v for k, v in half.items() if k not in ("compute", "skew")} == \
+        {k: v for k, v in whole.items() if k not in ("compute", "skew")}
+
+
 def test_data_parallel_pays_its_own_copies(gpt):
     """DDP scales each gradient into its bucket and copies it back (2 calls, 4 passes); FSDP2 copies each
     unit's shard in and the unit out per all-gather, the gradients in per reduce-scatter (2 and 1 calls)."""

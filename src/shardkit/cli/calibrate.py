@@ -104,6 +104,8 @@ def _table(calibration: Calibration):
     table.add_row("memory bandwidth", f"{format_bytes(hw.memory_bandwidth)}/s", "", "",
                   f"layer norm, GeLU, add on {format_bytes(bandwidth_bytes(backend))}, forward+backward: "
                   f"bytes booked / time")
+    table.add_row("attention", f"{hw.attention_efficiency:.0%}", "", "",
+                  "SDPA's causal attention forward+backward, its FLOPs / time, of the matmul rate")
     table.add_row("op overhead", format_seconds(hw.op_overhead), "", "",
                   f"Linear(4, 4) forward+backward / {calibration.ops_per_step} aten ops")
     table.add_row("DTensor op overhead", format_seconds(hw.dtensor_overhead), "", "",

@@ -24,6 +24,10 @@ a training step there sees:
   the backward at ``BACKWARD_TRAFFIC`` times the forward's) over the best time, the slowest
   process's (:func:`~shardkit.observe.probes.bandwidth_job`: on a CPU these operators are bound by
   their arithmetic, not by the memory's streaming bandwidth, 2-4x lower than a large add's).
+- **attention**: every process runs SDPA's causal attention forward and backward at once
+  (:data:`~shardkit.observe.probes.ATTENTION_SHAPES`); its FLOPs as the planner counts them over the
+  time, over the same dtype's matmul figure, is ``attention_efficiency`` (a CPU's flash kernel and a
+  GPU's reach less than a large product's rate).
 - **op overhead**: a tiny training step, ``Linear(4, 4)`` forward, ``.sum()`` and backward on a
   4 x 4 input, timed on every process at once; its seconds divided by the number of aten ops it
   calls that launch a kernel (counted as the planner counts a model's, with
@@ -180,7 +184,7 @@ def measure(world_size: int | None = None, *, matmul_sizes: Sequence[int] | None
     assert world_size is not None
     start = clock()
     report = progress or (lambda done, total, what: None)
-    total = len(DTYPES) + len(COLLECTIVES) + 7
+    total = len(DTYPES) + len(COLLECTIVES) + 8
     report(0, total, "joining the torchrun world" if torchrun else f"starting {world_size} processes")
     measured = dict(matmul_sizes=matmul_sizes, message_sizes=message_sizes, seconds=seconds_per_size,
                     report=report, total=total)
@@ -199,7 +203,7 @@ def _calibration(world: LocalWorld | None, launcher: str, world_size: int, per_n
     """Measure ``world`` (``None``: the torchrun world) and make its :class:`Calibration`."""
     device, memory, memory_note, backend = _devices(world, per_node)
     sizes = tuple(matmul_sizes or (GPU_MATMUL_SIZES if backend == "nccl" else MATMUL_SIZES))
-    matmul, fits, bandwidth, (ops_per_step, op_overhead), overlap, (dtensor_overhead, dtensor_collective), skew = _run(
+    matmul, fits, bandwidth, attention, (ops_per_step, op_overhead), overlap, dtensors, skew = _run(
         world, world_size, backend, sizes, message_sizes, seconds, report, total)
     notes = []
     if matmul["float16"] is None:
@@ -209,12 +213,15 @@ def _calibration(world: LocalWorld | None, launcher: str, world_size: int, per_n
         notes.append(f"{world_size // per_node} machines: inter_node and intra_node are both the world's links as "
                      f"measured (the slowest, between machines)")
     flops = {d: (matmul[d] or matmul["bfloat16"])[1] for d in DTYPES}
+    attention_dtype, attention_flops = attention  # the fused kernel's rate over its dtype's matrix products
+    dtensor_overhead, dtensor_collective = dtensors
     cores = os.cpu_count() or 1
     shared = device == "cpu" and per_node > cores  # processes sharing the machine's cores
     links = {c: fits[c].link for c in COLLECTIVES}
     hardware = Hardware(name=name or world_name(launcher, world_size, backend, device), memory=memory, flops=flops,
                         devices_per_node=per_node, intra_node=links, inter_node=links, memory_bandwidth=bandwidth,
                         matmul_efficiency=1.0, reserved=0, op_overhead=op_overhead, overlap=overlap.fraction,
+                        attention_efficiency=min(1.0, attention_flops / flops[attention_dtype]),
                         shared_compute=shared, cores_per_node=cores if shared else 0,
                         dtensor_overhead=dtensor_overhead, dtensor_collective=dtensor_collective, skew=skew)
     report(total, total, "done")
@@ -247,8 +254,8 @@ def _from_rank_0(calibration: Calibration) -> Calibration:
 
 def _run(world: LocalWorld | None, world_size: int, backend: str, matmul_sizes: Sequence[int],
          message_sizes: Sequence[int], seconds: float, report: Progress,
-         total: int) -> tuple[dict[str, tuple[int, float] | None], dict[str, Fit], float, tuple[int, float],
-                              Overlap, tuple[float, float], float]:
+         total: int) -> tuple[dict[str, tuple[int, float] | None], dict[str, Fit], float, tuple[str, float],
+                              tuple[int, float], Overlap, tuple[float, float], float]:
     done = 1
     matmul: dict[str, tuple[int, float] | None] = {}
     for dtype in DTYPES:
@@ -274,17 +281,19 @@ def _run(world: LocalWorld | None, world_size: int, backend: str, matmul_sizes: 
     report(done, total, "memory bandwidth")
     bandwidth = launch(probes.bandwidth_job, world=world, nbytes=bandwidth_bytes(backend),
                        seconds=seconds)[0]
-    report(done + 1, total, "operator overhead")
+    report(done + 1, total, "attention")
+    attention = launch(probes.attention_job, world=world, seconds=seconds)[0]
+    report(done + 2, total, "operator overhead")
     overhead = launch(probes.overhead_job, world=world, seconds=seconds)[0]
-    report(done + 2, total, "DTensor operator overhead")
+    report(done + 3, total, "DTensor operator overhead")
     dtensor = launch(dtensor_probes.dtensor_overhead_job, world=world, seconds=seconds)[0][1]
-    report(done + 3, total, "DTensor collective overhead")
+    report(done + 4, total, "DTensor collective overhead")
     dtensor_collective = launch(dtensor_probes.dtensor_collective_job, world=world, seconds=seconds, dtensor_overhead=dtensor)[0]
-    report(done + 4, total, "overlap of all-reduce and matmul")
+    report(done + 5, total, "overlap of all-reduce and matmul")
     overlap = launch(probes.overlap_job, world=world, seconds=2 * seconds, rounds=2)[0]
-    report(done + 5, total, "skew at blocking collectives")
+    report(done + 6, total, "skew at blocking collectives")
     skew = fit_skew(launch(probes.skew_job, world=world, seconds=2 * seconds)[0])
-    return matmul, fits, bandwidth, overhead, overlap, (dtensor, dtensor_collective), skew
+    return matmul, fits, bandwidth, attention, overhead, overlap, (dtensor, dtensor_collective), skew
 
 
 def _best_matmul(per_rank: list[list[tuple[int, float]] | None]) -> tuple[int, float] | None:

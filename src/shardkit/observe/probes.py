@@ -224,6 +224,34 @@ def bandwidth_job(ctx, nbytes: int, seconds: float) -> float:
                                                                          busy=True)
 
 
+#: The attention probe's query, key and value shape (batch, heads, sequence, head dim) and dtype, by device.
+ATTENTION_SHAPES = {"cpu": ((2, 8, 256, 64), "float32"), "cuda": ((4, 16, 2048, 128), "bfloat16")}
+
+
+def attention_job(ctx, seconds: float) -> tuple[str, float]:
+    """``(dtype, FLOP/s)`` of SDPA's causal attention (the fused kernel torch picks) forward and backward on
+    :data:`ATTENTION_SHAPES`, every rank at once, on the clock of compute alone (:func:`_seconds_per_step`),
+    the slowest rank's; its FLOPs as the planner counts a model's attention core: torch's counter on the
+    forward (:data:`~shardkit.planner.counters.EXTRA_FLOPS` for the CPU's kernel), the backward twice it.
+    Over the same dtype's matrix products, ``Hardware.attention_efficiency``."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from ..planner.counters import EXTRA_FLOPS
+
+    device = ctx.device
+    shape, dtype = ATTENTION_SHAPES["cuda" if device.type == "cuda" else "cpu"]
+    q, k, v = (torch.randn(shape, device=device, dtype=getattr(torch, dtype), requires_grad=True) for _ in range(3))
+    grad = torch.randn(shape, device=device, dtype=q.dtype)
+
+    def forward() -> torch.Tensor:
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    with FlopCounterMode(display=False, custom_mapping=EXTRA_FLOPS) as counter:
+        forward()
+    return dtype, 3 * counter.get_total_flops() / _seconds_per_step(lambda: forward().backward(grad), device,
+                                                                   seconds, busy=True)
+
+
 def overhead_job(ctx, seconds: float) -> tuple[int, float]:
     """``(aten ops per step, seconds per op)`` of a tiny training step, ``Linear(4, 4)`` forward,
     ``.sum()`` and backward on a 4 x 4 input, every rank stepping at once: the best of
@@ -357,6 +385,6 @@ def _p2p(tensors: tuple[torch.Tensor, torch.Tensor], rank: int, world: int) -> N
 _OPS = {"all_reduce": _all_reduce, "all_gather": _all_gather, "reduce_scatter": _reduce_scatter, "p2p": _p2p}
 
 
-__all__ = ["GROWTH", "MAX_MESSAGE_BYTES", "OVERLAP_MATMUL", "OVERLAP_MESSAGE", "Overlap", "bandwidth_job",
+__all__ = ["GROWTH", "MAX_MESSAGE_BYTES", "OVERLAP_MATMUL", "OVERLAP_MESSAGE", "ATTENTION_SHAPES", "Overlap", "attention_job", "bandwidth_job",
            "collective_job", "device_job", "matmul_job", "overhead_job", "overlap_job", "ready",
            "SKEW_CHUNKS", "seconds_per_steps", "skew_job"]

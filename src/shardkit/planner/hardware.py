@@ -51,14 +51,14 @@ DTYPES = FLOATING
 #: The suffixes of hardware files.
 SUFFIXES = (".json", ".yaml", ".yml")
 _FIELDS = ("name", "memory", "flops", "devices_per_node", "intra_node", "inter_node", "matmul_efficiency",
-           "matmul_latency", "memory_bandwidth", "op_overhead", "dtensor_overhead", "dtensor_collective", "skew",
+           "matmul_latency", "attention_efficiency", "memory_bandwidth", "op_overhead", "dtensor_overhead", "dtensor_collective", "skew",
            "overlap", "shared_compute", "cores_per_node", "reserved")
 #: Fields added after files were first written: a file without them reads as the value given here
 #: (a file of ``shardkit calibrate`` written before had no DTensor probe: the presets' figure).
 _DTENSOR_OVERHEAD = 1e-5  # the presets' (the comments of the presets below)
 _DTENSOR_COLLECTIVE = 1e-4
-_OPTIONAL = {"matmul_latency": 0.0, "dtensor_overhead": _DTENSOR_OVERHEAD, "dtensor_collective": _DTENSOR_COLLECTIVE,
-             "skew": 0.0, "cores_per_node": 0}
+_OPTIONAL = {"matmul_latency": 0.0, "attention_efficiency": 1.0, "dtensor_overhead": _DTENSOR_OVERHEAD,
+             "dtensor_collective": _DTENSOR_COLLECTIVE, "skew": 0.0, "cores_per_node": 0}
 _LINK_FIELDS = ("bandwidth", "latency")
 _NESTED = {"flops": DTYPES, "intra_node": COLLECTIVES, "inter_node": COLLECTIVES}  # mapping fields: their keys
 
@@ -74,7 +74,9 @@ class Hardware:
       (1.0 for a calibrated machine, whose ``flops`` are measured); ``matmul_latency``: seconds
       of fixed device time per matrix product, so that a product of ``F`` FLOPs takes
       ``F / (peak x matmul_efficiency) + matmul_latency``: its efficiency grows with its size
-      (:meth:`matmul_efficiency_at`);
+      (:meth:`matmul_efficiency_at`); ``attention_efficiency``: the fraction of that rate a fused
+      attention kernel (SDPA's flash or memory-efficient one) reaches, forward and backward, on its
+      FLOPs as torch counts them (1.0 in the presets; measured by ``shardkit calibrate``);
     - ``memory_bandwidth``: bytes/s one device reads and writes in a large elementwise op (no
       efficiency is applied to it: a preset's is the datasheet's, a calibrated one's measured);
     - ``op_overhead``: seconds of fixed cost per operator call, the part of it not hidden by
@@ -101,7 +103,8 @@ class Hardware:
 
     ``op_overhead``, ``dtensor_overhead``, ``dtensor_collective``, ``matmul_latency``, ``skew``, ``overlap``,
     ``shared_compute`` and ``cores_per_node`` default to an ideal device's 0.0, 0.0, 0.0, 0.0, 0.0, 1.0, false
-    and 0 in Python (files require every field but ``matmul_latency``, ``dtensor_overhead``,
+    and 0 in Python, ``attention_efficiency`` to 1.0 (files require every field but ``matmul_latency``,
+    ``attention_efficiency``, ``dtensor_overhead``,
     ``dtensor_collective``, ``skew`` and ``cores_per_node``, which files written before them lack:
     :data:`_OPTIONAL`); ``memory_bandwidth`` has no default, as devices differ by 100x.
 
@@ -122,6 +125,7 @@ class Hardware:
     op_overhead: float = 0.0
     overlap: float = 1.0
     matmul_latency: float = 0.0
+    attention_efficiency: float = 1.0
     dtensor_overhead: float = 0.0
     dtensor_collective: float = 0.0
     skew: float = 0.0
@@ -190,6 +194,7 @@ class Hardware:
             "inter_node": _links_to_dict(self.inter_node),
             "matmul_efficiency": self.matmul_efficiency,
             "matmul_latency": self.matmul_latency,
+            "attention_efficiency": self.attention_efficiency,
             "memory_bandwidth": self.memory_bandwidth,
             "op_overhead": self.op_overhead,
             "dtensor_overhead": self.dtensor_overhead,
@@ -287,6 +292,8 @@ def _scalar_problems(values: Mapping[str, Any]) -> list[str]:
         "devices_per_node": lambda v: _integer(v, "devices_per_node", 1, "devices"),
         "matmul_efficiency": lambda v: positive_number(v, "matmul_efficiency") or (
             None if v <= 1 else f"field 'matmul_efficiency' must be a fraction in (0, 1], got {v!r}"),
+        "attention_efficiency": lambda v: positive_number(v, "attention_efficiency") or (
+            None if v <= 1 else f"field 'attention_efficiency' must be a fraction in (0, 1], got {v!r}"),
         "memory_bandwidth": lambda v: positive_number(v, "memory_bandwidth"),
         "op_overhead": lambda v: number(v, "op_overhead", 0.0),
         "dtensor_overhead": lambda v: number(v, "dtensor_overhead", 0.0),

@@ -7,8 +7,8 @@ alpha-beta per collective on the link its group spans: within a node when the gr
 are consecutive and fit in one, else across nodes:
 
 - ``compute``: per micro-batch, matmul FLOPs over ``peak FLOP/s x matmul_efficiency`` in the
-  compute dtype plus ``matmul_latency`` per matrix product (a product's efficiency grows with its
-  size: ``Hardware.matmul_efficiency_at``), plus the bytes the other operators read and write over
+  compute dtype (the attention core's at ``attention_efficiency`` of it) plus ``matmul_latency``
+  per matrix product (a product's efficiency grows with its size: ``Hardware.matmul_efficiency_at``), plus the bytes the other operators read and write over
   ``memory_bandwidth``, plus operator calls x ``op_overhead``; the backward costs twice the
   forward's FLOPs, products and calls and :data:`BACKWARD_TRAFFIC` times its bytes, recompute runs
   the forward (``full``) or the attention core (``selective``: its share of the block's FLOPs,
@@ -127,7 +127,9 @@ def time_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer: 
     traffic *= itemsize / n.itemsize  # measured in the parameters' dtype, moved in the compute dtype
     products = _forward_backward(hw, s, blocks, n.embedding_products, n.head_products, n.block_products,
                                  {"none": 0, "selective": n.core_products, "full": n.block_products}[s.recompute])
-    compute = m * (tokens * (flops / flops_rate + traffic / hw.memory_bandwidth) + ops * hw.op_overhead
+    # the attention core's FLOPs (forward, backward twice, again under recompute) at the fused kernel's own rate
+    core = blocks * (3 + (s.recompute != "none")) * n.core_flops * (1 / hw.attention_efficiency - 1)
+    compute = m * (tokens * ((flops + core) / flops_rate + traffic / hw.memory_bandwidth) + ops * hw.op_overhead
                    + products * hw.matmul_latency)
     dtensor = m * dtensor_ops(n, s, hw, blocks) * hw.dtensor_overhead
     parts = {"compute": compute, "bubble": _shared_bubble(s, hw, compute + dtensor) if hw.shared_compute
