@@ -236,6 +236,22 @@ def _mod_tracker() -> Any:
     return _UnhookedModTracker()
 
 
+def _refile_gradients(tracker: Any, model: nn.Module) -> None:
+    """File what each parameter holds as its ``.grad`` at the step's end as a gradient. torch's
+    ``MemTracker`` files a gradient when autograd accumulates it; a gradient set after the
+    backward is filed by the op that made it (an activation outside the backward): a pipeline's
+    tied copies' (``runtime/pipeline_ties.py`` lays a vocab-split embedding's whole gradient out
+    as the rank's rows, a copy, at the step's end). FSDP2's tracker files its sharded gradients."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import _MemRefType
+
+    if isinstance(tracker, FSDPMemTracker):
+        return
+    for param in model.parameters():
+        if param.grad is not None:
+            tracker._update_and_maybe_create_winfos(param.grad, _MemRefType.GRAD)
+
+
 #: reduce-scatter ops that take a whole input tensor (or a list of them): their kind in ``comm._OPS``
 _REDUCE_SCATTER_KINDS = ("reduce_scatter_tensor", "reduce_scatter_tensor_coalesced")
 
@@ -375,6 +391,7 @@ class StepCost:
         if self._handle is not None:
             self._handle.remove()
         self._log.__exit__(*exc)
+        _refile_gradients(self._tracker, self._model)
         current = self._tracker.get_tracker_snapshot("current")
         self._end = _by_component(next(iter(current.values()), {}))
         self._peak = max((snap.get("Total", 0) for snap in self._tracker.get_tracker_snapshot("peak").values()),

@@ -308,8 +308,10 @@ def memory_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer
         # a receive buffer per micro-batch for each stage's inputs (but the first's) and their gradients (but the last's)
         buffers = int((2 * s.virtual - first - last) * s.microbatches * tokens * n.hidden * compute) if s.pp > 1 else 0
         # with no data axis, a vocab-split embedding's gradient is its rows of the whole one DTensor's dense backward
-        # makes (a view: the whole is kept); a data axis's FSDP2 or replicate reduces it into a tensor of its own
-        whole_grad = whole_embedding_excess(n, s.tp) * master if first and s.data * s.sp == 1 else 0
+        # makes (a view: the whole is kept); a data axis's FSDP2 or replicate reduces it into a tensor of its own, and
+        # so does a pipeline's sum of tied copies on a stage without the head (it lays the copy's gradient out as its rows)
+        tie_summed = n.tied and s.pp > 1 and not last
+        whole_grad = whole_embedding_excess(n, s.tp) * master if first and s.data * s.sp == 1 and not tie_summed else 0
         memory = {"parameters": stored, "gradients": stored + whole_grad, "optimizer": states * optimized}
         memory.update({part: int(max(p[part] for p in phases)) for part in STEP_KEYS})
         memory["buffers"] = buffers
