@@ -133,6 +133,13 @@ def ddp(s: Setting) -> bool:
                            and s.compute_dtype is None and s.reduce_dtype is None)
 
 
+def replicated(s: Setting) -> bool:
+    """Whether the plan's data parallelism is FSDP2's ``replicate`` (``runtime/parallelize.py``): replication
+    with no sharding and no expert axis where DDP does not serve (:func:`ddp`): tensor parallel, a pipeline,
+    mixed precision. It wraps the whole model (a pipeline stage's) as one unit."""
+    return s.shards == 1 and s.dp * s.sp > 1 and s.ep == 1 and not ddp(s)
+
+
 def step_phases(n: Numbers, s: Setting, tokens: float, first: bool, last: bool, params: int,
                 compute: int, reduce: int, scale: float) -> dict[str, dict[str, float]]:
     """What a training step adds to a device's state, at each moment that can be its peak: bytes
@@ -260,12 +267,40 @@ def step_phases(n: Numbers, s: Setting, tokens: float, first: bool, last: bool, 
         dense = whole if vocab_split(n.embedding_pieces, n, s.tp) else largest
         phases["embedding"] = {"gathered": 0.0, "activations": held * (inflight - 1) / inflight,
                                "temporaries": (dense + n.hidden * tokens) * compute}
+    if replicated(s) and s.accumulation == 1 and s.pp == 1:
+        _replicate_phases(phases, n, s, tokens, first, params, compute, reduce)
+    if s.accumulation == 1 and s.pp == 1:
+        # a step starts with no gradients (``zero_grad(set_to_none=True)``): a phase's ``gradients`` are the state's
+        # allocated then (:func:`memory_of` counts all of them elsewhere). FSDP2 makes its sharded gradients at each
+        # unit's reduce-scatter, replicate at its one reduce (its output); plain tensors get their ``.grad`` in the
+        # backward: by a block's, the head's and the block's
+        made = 0 if fsdp or replicated(s) else (head + unit) * n.itemsize
+        for name, phase in phases.items():
+            if name in ("forward", "forward start", "loss", "head") or replicated(s):
+                phase["gradients"] = 0
+        phases["blocks"]["gradients"] = made
     # DDP's gradient buckets: a flat copy of every gradient (its gradients are no views of them), made with
     # DDP and kept; torch's tracker first sees them in the backward, as temporaries
     bucket = params * n.itemsize if ddp(s) else 0
     for phase in phases.values():
         phase["temporaries"] += bucket
     return phases
+
+
+def _replicate_phases(phases: dict[str, dict[str, float]], n: Numbers, s: Setting, tokens: float, first: bool,
+                      params: int, compute: int, reduce: int) -> None:
+    """FSDP2's ``replicate`` in ``phases`` (one step, no accumulation): its one unit, the whole model, is
+    gathered (its parameters unsharded, in the compute dtype) from the forward to the post-backward; its
+    gradients, unsharded, are temporaries until then (the embedding's backward holds every other's, and a
+    vocab-split embedding's whole); the post-backward files them gathered beside the parameters, then copies
+    them into the reduce's input (the reduce dtype) and the output it all-reduces, the gradients freed."""
+    whole = (params + whole_embedding_excess(n, s.tp) * first) * compute
+    for phase in phases.values():
+        phase["gathered"] += params * compute
+    if "embedding" in phases:
+        phases["embedding"]["temporaries"] = whole + n.hidden * tokens * compute
+    phases["post-backward"] = {"gathered": params * compute + whole, "activations": 0.0, "temporaries": 0.0}
+    phases["reduce"] = {"gathered": 0.0, "activations": 0.0, "temporaries": 2 * params * reduce}
 
 
 def memory_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer: str = "adamw",
@@ -315,8 +350,9 @@ def memory_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer
         memory = {"parameters": stored, "gradients": stored + whole_grad, "optimizer": states * optimized}
         memory.update({part: int(max(p[part] for p in phases)) for part in STEP_KEYS})
         memory["buffers"] = buffers
-        held = memory["parameters"] + memory["gradients"] + memory["optimizer"] + buffers \
-            + int(max(sum(p.values()) for p in phases))
+        # the state and the step's largest phase, with the gradients allocated then (all, unless the phase says)
+        held = memory["parameters"] + memory["optimizer"] + buffers \
+            + int(max(sum(p[part] for part in STEP_KEYS) + p.get("gradients", memory["gradients"]) for p in phases))
         memory["overhead"] = int(ALLOCATOR_OVERHEAD * held) + hw.reserved
         memory["total"] = held + memory["overhead"]
         if best is None or memory["total"] > best["total"]:
@@ -326,5 +362,5 @@ def memory_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer
 
 
 __all__ = ["ALLOCATOR_OVERHEAD", "MEMORY_KEYS", "STEP_KEYS", "backward_transient", "block_saved", "blocks_per_device", "ddp",
-           "memory_of", "step_phases", "stored_block", "stored_experts", "tokens_per_microbatch", "vocab_split",
+           "memory_of", "replicated", "step_phases", "stored_block", "stored_experts", "tokens_per_microbatch", "vocab_split",
            "whole_embedding_excess"]
