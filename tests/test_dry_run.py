@@ -22,16 +22,21 @@ PLANS = {
     "pp x tp": sk.Plan(sk.Mesh(pp=2, tp=2), rules=LLAMA_RULES, pipeline=sk.Pipeline(microbatches=2)),
     "fsdp x tp, bfloat16 compute": sk.Plan(sk.Mesh(fsdp=2, tp=2), rules=LLAMA_RULES, recompute="full",
                                            fsdp=sk.FSDPOptions(param_dtype="bfloat16", reduce_dtype="float32")),
+    # replication with tensor parallel: FSDP2's replicate, its one unit the whole model (no DDP)
+    "dp x tp": sk.Plan(sk.Mesh(dp=2, tp=2), rules=LLAMA_RULES),
+    # a pipeline's tied embedding split by its rows on the first stage, its copy the last stage's head
+    "pp x tp, tied": sk.Plan(sk.Mesh(pp=2, tp=2), rules=LLAMA_RULES, pipeline=sk.Pipeline(microbatches=2)),
 }
 #: the ranks dry-run per plan: both pipeline stages (the last's input shapes from the first's rank, run
 #: first in a fake world of its own; other fsdp coordinates than the rank it feeds)
 RANKS = {"fsdp x tp, recompute": (0, 3), "pp x fsdp": (1, 2), "zero=1": (1,), "fsdp x tp, bfloat16 compute": (0, 3),
-         "pp x tp": (1, 2)}
+         "pp x tp": (1, 2), "dp x tp": (0, 3), "pp x tp, tied": (0, 3)}
 #: the model of each plan (the tiny Llama unless named): with a vocabulary of 4096, gloo's copy of the root's
 #: reduce-scatter input (its float32 gradients), which the measurement leaves out as NCCL makes none
 #: (observe/step_cost.py), would put the bfloat16 plan's peak there, 1,034,500 bytes over the dry run's: more
 #: than the late frees' bound below (798,208)
-BUILDS = {"fsdp x tp, bfloat16 compute": partial(build_llama, tiny_llama_config(vocab_size=4096))}
+BUILDS = {"fsdp x tp, bfloat16 compute": partial(build_llama, tiny_llama_config(vocab_size=4096)),
+          "pp x tp, tied": partial(build_llama, tiny_llama_config(tie_word_embeddings=True))}
 
 
 def _real_steps(ctx, names):
@@ -74,8 +79,10 @@ def test_a_dry_run_gives_the_bytes_and_collectives_of_a_real_four_process_run(re
         if name == "zero=1":  # DDP's bucket all-reduces, ZeRO's broadcasts; each rank keeps ~1/4 of the state
             assert {c.kind for c in collectives} >= {"all_reduce", "broadcast"}
             assert memory["optimizer"] < 0.4 * 2 * memory["parameters"]
-        elif name == "pp x tp":  # tensor parallel's all-reduces and the stages' point-to-point, no FSDP2
+        elif name.startswith("pp x tp"):  # tensor parallel's all-reduces and the stages' point-to-point, no FSDP2
             assert {c.kind for c in collectives} >= {"all_reduce", "send", "recv"} and memory["gathered"] == 0
+        elif name == "dp x tp":  # replicate's one unit gathered (over a group of one: no collective) and all-reduced
+            assert {c.kind for c in collectives} >= {"all_reduce"} and memory["gathered"] >= memory["parameters"]
         else:
             assert {c.kind for c in collectives} >= {"all_gather_into_tensor", "reduce_scatter_tensor"}
     if PLANS[name].pipeline:  # the last stage's rank holds the head: its logits' gradients outgrow the first's

@@ -225,8 +225,11 @@ def step_phases(n: Numbers, s: Setting, tokens: float, first: bool, last: bool, 
     root_grads = head * compute if fsdp and last else 0
     later_root_grads = 0 if accumulated else root_grads
     transient = grads + backward_transient(n) * tokens * scale
+    # an LM head tied to the embedding on this device, unsplit, with plain gradients (no FSDP2): autograd holds its
+    # weight's gradient, a temporary, from the head's backward until the embedding's adds to it
+    tied = whole * compute if n.tied and first and last and not fsdp and not replicated(s) and not split_head else 0
     phases["blocks"] = {"gathered": gathered_root + live + (scatter if not accumulated else 0),
-                        "activations": held + rebuilt, "temporaries": transient + root_grads}
+                        "activations": held + rebuilt, "temporaries": transient + root_grads + tied}
     if accumulated:
         phases["blocks, accumulated"] = {"gathered": gathered_root + live + accumulated,
                                          "activations": later + rebuilt, "temporaries": transient}
@@ -266,7 +269,7 @@ def step_phases(n: Numbers, s: Setting, tokens: float, first: bool, last: bool, 
         largest = max((size * rest for size, rest in n.embedding_pieces), default=0)
         dense = whole if vocab_split(n.embedding_pieces, n, s.tp) else largest
         phases["embedding"] = {"gathered": 0.0, "activations": held * (inflight - 1) / inflight,
-                               "temporaries": (dense + n.hidden * tokens) * compute}
+                               "temporaries": (dense + n.hidden * tokens) * compute + 2 * tied}  # tied: and their sum
     if replicated(s) and s.accumulation == 1 and s.pp == 1:
         _replicate_phases(phases, n, s, tokens, first, params, compute, reduce)
     if s.accumulation == 1 and s.pp == 1:
@@ -292,9 +295,10 @@ def _replicate_phases(phases: dict[str, dict[str, float]], n: Numbers, s: Settin
     """FSDP2's ``replicate`` in ``phases`` (one step, no accumulation): its one unit, the whole model, is
     gathered (its parameters unsharded, in the compute dtype) from the forward to the post-backward; its
     gradients, unsharded, are temporaries until then (the embedding's backward holds every other's, and a
-    vocab-split embedding's whole); the post-backward files them gathered beside the parameters, then copies
-    them into the reduce's input (the reduce dtype) and the output it all-reduces, the gradients freed."""
-    whole = (params + whole_embedding_excess(n, s.tp) * first) * compute
+    vocab-split embedding's whole, unless tied: the head's rows of it are added); the post-backward files them
+    gathered beside the parameters, then copies them into the reduce's input (the reduce dtype) and the output
+    it all-reduces, the gradients freed."""
+    whole = (params + whole_embedding_excess(n, s.tp) * (first and not n.tied)) * compute
     for phase in phases.values():
         phase["gathered"] += params * compute
     if "embedding" in phases:
