@@ -276,12 +276,18 @@ def step_phases(n: Numbers, s: Setting, tokens: float, first: bool, last: bool, 
         # a step starts with no gradients (``zero_grad(set_to_none=True)``): a phase's ``gradients`` are the state's
         # allocated then (:func:`memory_of` counts all of them elsewhere). FSDP2 makes its sharded gradients at each
         # unit's reduce-scatter, replicate at its one reduce (its output); plain tensors get their ``.grad`` in the
-        # backward: by a block's, the head's and the block's
-        made = 0 if fsdp or replicated(s) else (head + unit) * n.itemsize
+        # backward: by a block's (its MLP's, the widest, first), the head's and the block's largest weight's; by the
+        # embedding's, all but the embedding's (its gradient is a temporary then)
+        plain = not fsdp and not replicated(s)
         for name, phase in phases.items():
-            if name in ("forward", "forward start", "loss", "head") or replicated(s):
+            if name in ("forward", "forward start", "loss", "head") or not plain:
                 phase["gradients"] = 0
-        phases["blocks"]["gradients"] = made
+        if plain:
+            largest = max((size * rest for size, rest in n.block_pieces), default=0)
+            phases["blocks"]["gradients"] = (head + largest) * n.itemsize
+        if plain and "embedding" in phases:
+            table = max((size * rest for size, rest in n.embedding_pieces), default=0)
+            phases["embedding"]["gradients"] = (params - table) * n.itemsize
     # DDP's gradient buckets: a flat copy of every gradient (its gradients are no views of them), made with
     # DDP and kept; torch's tracker first sees them in the backward, as temporaries
     bucket = params * n.itemsize if ddp(s) else 0
@@ -354,9 +360,15 @@ def memory_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer
         memory = {"parameters": stored, "gradients": stored + whole_grad, "optimizer": states * optimized}
         memory.update({part: int(max(p[part] for p in phases)) for part in STEP_KEYS})
         memory["buffers"] = buffers
+        # the optimizer's step: every gradient, DDP's buckets, and what Adam's per-parameter step makes beside its
+        # state (two tensors the size of the parameter it updates: the largest's); torch's tracker files them as
+        # optimizer state, so they show in the peak only
+        pieces = n.block_pieces + (n.embedding_pieces if first else ()) + ((n.head_pieces + copy) if last else ())
+        largest = max((-(-size // shards) * rest for size, rest in pieces), default=0) * master
+        stepping = memory["gradients"] + (params * n.itemsize if ddp(s) else 0) + (2 * largest if states == 2 else 0)
         # the state and the step's largest phase, with the gradients allocated then (all, unless the phase says)
-        held = memory["parameters"] + memory["optimizer"] + buffers \
-            + int(max(sum(p[part] for part in STEP_KEYS) + p.get("gradients", memory["gradients"]) for p in phases))
+        held = memory["parameters"] + memory["optimizer"] + buffers + int(max(
+            stepping, *(sum(p[part] for part in STEP_KEYS) + p.get("gradients", memory["gradients"]) for p in phases)))
         memory["overhead"] = int(ALLOCATOR_OVERHEAD * held) + hw.reserved
         memory["total"] = held + memory["overhead"]
         if best is None or memory["total"] > best["total"]:
