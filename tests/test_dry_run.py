@@ -9,6 +9,7 @@ from functools import partial
 import pytest
 
 import shardkit as sk
+from shardkit.models.gpt import GPT_RULES, build_tiny_gpt, gpt_loss
 from shardkit.models.hf import LLAMA_RULES, build_llama, build_tiny_llama, tiny_llama_config
 from shardkit.training.dry_run import RankCost
 from shardkit.training.measured_step import measure_step
@@ -35,8 +36,13 @@ RANKS = {"fsdp x tp, recompute": (0, 3), "pp x fsdp": (1, 2), "zero=1": (1,), "f
 #: reduce-scatter input (its float32 gradients), which the measurement leaves out as NCCL makes none
 #: (observe/step_cost.py), would put the bfloat16 plan's peak there, 1,034,500 bytes over the dry run's: more
 #: than the late frees' bound below (798,208)
+def build_tied_llama():
+    """The tiny Llama with its LM head tied to its embedding (a fresh config: context parallel marks its own)."""
+    return build_llama(tiny_llama_config(tie_word_embeddings=True))
+
+
 BUILDS = {"fsdp x tp, bfloat16 compute": partial(build_llama, tiny_llama_config(vocab_size=4096)),
-          "pp x tp, tied": partial(build_llama, tiny_llama_config(tie_word_embeddings=True))}
+          "pp x tp, tied": build_tied_llama}
 
 
 def _real_steps(ctx, names):
@@ -251,3 +257,30 @@ def test_the_estimate_gives_each_component_within_five_percent_under_accumulatio
     ratios = dry.ratios()
     assert {"gradients", "activations", "temporaries"} <= set(ratios)
     assert all(abs(ratio - 1) <= 0.05 for ratio in ratios.values()), ratios
+
+
+#: plans never compared before (issue 17 §5), each ``(plan, world, build, dry_run kwargs)``: replication over ``sp``
+#: (DDP; a tied head's gradient held through the backward), FSDP2's replicate under tensor parallel (its one unit
+#: gathered, its reduce), in bfloat16 too (on the reference GPT: transformers' norms save float32 whatever the compute
+#: dtype, which the estimate scales), a pipeline's tied vocab-split embedding, and DDP without accumulation (its
+#: buckets from its making, the gradients from the backward, the optimizer's step)
+REPLICATED = {
+    "sp": (sk.Plan(sk.Mesh(sp=2)), 2, build_tiny_llama, {}),
+    "dp x sp, tied": (sk.Plan(sk.Mesh(dp=2, sp=2)), 4, build_tied_llama, {}),
+    "dp x tp": (sk.Plan(sk.Mesh(dp=2, tp=2), rules=LLAMA_RULES), 4, build_tiny_llama, {}),
+    "dp x tp, bfloat16 compute": (sk.Plan(sk.Mesh(dp=2, tp=2), rules=GPT_RULES, fsdp=sk.FSDPOptions(
+        param_dtype="bfloat16", reduce_dtype="float32")), 4, build_tiny_gpt, dict(loss_fn=gpt_loss)),
+    "pp x tp, tied": (PLANS["pp x tp, tied"], 4, build_tied_llama, dict(ranks=(0, 2))),
+    "ddp": (sk.Plan(sk.Mesh(dp=2)), 2, build_tiny_llama, dict(optimizer="sgd")),
+}
+
+
+@pytest.mark.parametrize("name", list(REPLICATED))
+def test_the_estimate_gives_each_component_and_the_peak_within_five_percent_under_replication(name):
+    plan, world, build, kwargs = REPLICATED[name]
+    dry = sk.dry_run(build, plan, world_size=world, batch=4, seq_len=16, **kwargs)
+    for cost in dry.ranks:
+        ratios = dry.ratios(cost.rank)
+        ratios["peak"] = (cost.estimate["total"] - cost.estimate["overhead"]) / cost.memory["peak"]
+        assert {"gradients", "activations", "temporaries"} <= set(ratios)
+        assert all(abs(ratio - 1) <= 0.05 for ratio in ratios.values()), (cost.rank, ratios)

@@ -272,16 +272,23 @@ def step_phases(n: Numbers, s: Setting, tokens: float, first: bool, last: bool, 
                                "temporaries": (dense + n.hidden * tokens) * compute + 2 * tied}  # tied: and their sum
     if replicated(s) and s.accumulation == 1 and s.pp == 1:
         _replicate_phases(phases, n, s, tokens, first, params, compute, reduce)
-    if s.accumulation == 1 and s.pp == 1:
+    plain = not fsdp and not replicated(s)
+    fresh = s.accumulation == 1 and s.pp == 1  # every gradient made by the step's one backward
+    if fresh or (plain and s.pp > 1):
         # a step starts with no gradients (``zero_grad(set_to_none=True)``): a phase's ``gradients`` are the state's
         # allocated then (:func:`memory_of` counts all of them elsewhere). FSDP2 makes its sharded gradients at each
         # unit's reduce-scatter, replicate at its one reduce (its output); plain tensors get their ``.grad`` in the
         # backward: by a block's (its MLP's, the widest, first), the head's and the block's largest weight's; by the
-        # embedding's, all but the embedding's (its gradient is a temporary then)
-        plain = not fsdp and not replicated(s)
+        # embedding's, all but the embedding's (its gradient is a temporary then). A pipeline's first backward comes
+        # after its stage's forwards of the micro-batches in flight; a later one finds every gradient accumulated
         for name, phase in phases.items():
-            if name in ("forward", "forward start", "loss", "head") or not plain:
+            if name in ("forward", "forward start") or (fresh and (name in ("loss", "head") or not plain)):
                 phase["gradients"] = 0
+        if plain and s.pp > 1:  # (with no data axis a vocab-split embedding's whole, until a tie's sum at the end)
+            whole_grad = whole_embedding_excess(n, s.tp) if first and s.data * s.sp == 1 else 0
+            phases["blocks, later"] = {"gathered": 0.0, "activations": later + rebuilt,
+                                       "temporaries": phases["blocks"]["temporaries"],
+                                       "gradients": (params + whole_grad) * n.itemsize}
         if plain:
             largest = max((size * rest for size, rest in n.block_pieces), default=0)
             phases["blocks"]["gradients"] = (head + largest) * n.itemsize
