@@ -320,6 +320,20 @@ def _replicate_phases(phases: dict[str, dict[str, float]], n: Numbers, s: Settin
     phases["reduce"] = {"gathered": 0.0, "activations": 0.0, "temporaries": 2 * params * reduce}
 
 
+def step_peak(costs: Costs, s: Setting, batch_size: int) -> int:
+    """The most bytes a step adds at once on one device holding the whole model beside its state, with every
+    gradient allocated ahead (the largest phase of :func:`step_phases`, gradients aside): what
+    ``benchmarks/memory_model.py`` measures, a step accumulating into a warm-up's gradients."""
+    n = costs.numbers
+    master = n.itemsize
+    compute = s.compute_dtype.itemsize if s.compute_dtype is not None else master
+    reduce = s.reduce_dtype.itemsize if s.reduce_dtype is not None else compute
+    params = blocks_per_device(n, s) * n.block_params_at(s.ep) + n.embedding_params + n.head_params
+    phases = step_phases(n, s, tokens_per_microbatch(s, batch_size, costs.seq_len), True, True, params, compute,
+                         reduce, compute / master)
+    return int(max(sum(p[part] for part in STEP_KEYS) for p in phases.values()))
+
+
 def memory_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer: str = "adamw",
               position: tuple[bool, bool] | None = None) -> dict[str, int]:
     """Bytes on the most loaded device by component (:data:`MEMORY_KEYS`), and ``total``: the
@@ -385,5 +399,5 @@ def memory_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer
 
 
 __all__ = ["ALLOCATOR_OVERHEAD", "MEMORY_KEYS", "STEP_KEYS", "backward_transient", "block_saved", "blocks_per_device", "ddp",
-           "memory_of", "replicated", "step_phases", "stored_block", "stored_experts", "tokens_per_microbatch", "vocab_split",
+           "memory_of", "replicated", "step_peak", "step_phases", "stored_block", "stored_experts", "tokens_per_microbatch", "vocab_split",
            "whole_embedding_excess"]
