@@ -270,10 +270,11 @@ def step_phases(n: Numbers, s: Setting, tokens: float, first: bool, last: bool, 
         dense = whole if vocab_split(n.embedding_pieces, n, s.tp) else largest
         phases["embedding"] = {"gathered": 0.0, "activations": held * (inflight - 1) / inflight,
                                "temporaries": (dense + n.hidden * tokens) * compute + 2 * tied}  # tied: and their sum
-    if replicated(s) and s.accumulation == 1 and s.pp == 1:
+    if replicated(s) and s.accumulation == 1:
         _replicate_phases(phases, n, s, tokens, first, params, compute, reduce)
     plain = not fsdp and not replicated(s)
-    fresh = s.accumulation == 1 and s.pp == 1  # every gradient made by the step's one backward
+    # every gradient made by the step's one backward (replicate's at its one reduce, after a pipeline's last)
+    fresh = s.accumulation == 1 and (s.pp == 1 or replicated(s))
     if fresh or (plain and s.pp > 1):
         # a step starts with no gradients (``zero_grad(set_to_none=True)``): a phase's ``gradients`` are the state's
         # allocated then (:func:`memory_of` counts all of them elsewhere). FSDP2 makes its sharded gradients at each
@@ -317,6 +318,18 @@ def _replicate_phases(phases: dict[str, dict[str, float]], n: Numbers, s: Settin
     if "embedding" in phases:
         phases["embedding"]["temporaries"] = whole + n.hidden * tokens * compute
     phases["post-backward"] = {"gathered": params * compute + whole, "activations": 0.0, "temporaries": 0.0}
+    if s.pp > 1 and s.microbatches > 1:  # a pipeline: the gradients of its micro-batches but the last accumulate
+        # unsharded (gathered, the reduce dtype) until the last one's post-backward, beside every later moment (if
+        # every forward of the stage comes before its first backward: its last micro-batch's, one fewer in flight)
+        inflight = _inflight(s, 0 if first else s.pp - 1)
+        after = s.microbatches > inflight
+        for name, phase in phases.items():
+            phase["gathered"] += params * reduce if after and name != "post-backward" else 0
+        if not after:
+            blocks = phases["blocks"]
+            phases["blocks, later"] = {"gathered": blocks["gathered"] + params * reduce,
+                                       "temporaries": blocks["temporaries"],
+                                       "activations": blocks["activations"] * (inflight - 1) / inflight}
     phases["reduce"] = {"gathered": 0.0, "activations": 0.0, "temporaries": 2 * params * reduce}
 
 
