@@ -8,6 +8,10 @@ For the reference GPT (``gpt-tiny``) and a transformers Qwen2 built from a confi
 its place (the peak: the estimate's total less allocator overhead over the dry run's most bytes live at once).
 
     python benchmarks/dry_run_replication.py [--models gpt,qwen,qwen-tied] [--cases 'sp=2;dp=2,tp=2']
+
+``--ddp-buckets``: instead, whether a real 2-process gloo DDP run (torch's composable ``replicate``, as the
+runtime applies it to the reference GPT) keeps its gradient buckets through the next step's forward (weak
+references to their storages, taken by a communication hook), which the estimate counts in every phase.
 """
 
 from __future__ import annotations
@@ -74,11 +78,59 @@ def rows(name: str, case: str) -> list[str]:
     return out
 
 
+def _bucket_worker(rank: int) -> None:
+    import os
+    import weakref
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed._composable import replicate
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    from shardkit.models.gpt import build_tiny_gpt, gpt_loss
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29533")
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    model = build_tiny_gpt()
+    replicate(model)
+    seen: list = []
+
+    def hook(state, bucket):
+        storage = bucket.buffer().untyped_storage()
+        seen.append((weakref.ref(storage), storage.data_ptr(), storage.nbytes()))
+        return allreduce_hook(state, bucket)
+
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    tokens = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(0))
+    for step in range(4):
+        if step == 1:  # after DDP's first step (its buckets are rebuilt in the second)
+            replicate.state(model)._ddp.register_comm_hook(None, hook)
+        before = list(seen)
+        seen.clear()
+        logits = model(tokens[:, :-1])
+        alive = [ref() is not None for ref, _, _ in before]  # after this step's forward, before its backward
+        gpt_loss(logits, tokens[:, 1:]).backward()
+        same = sorted(p for _, p, _ in before) == sorted(p for _, p, _ in seen)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if rank == 0 and before:
+            print(f"step {step}: the previous step's {len(before)} bucket(s), {sum(n for *_, n in before):,} bytes "
+                  f"(parameters: {sum(p.nbytes for p in model.parameters()):,}): alive after this forward "
+                  f"{all(alive)}, the same storages reduced in this backward {same}")
+    dist.destroy_process_group()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="gpt,qwen,qwen-tied")
     parser.add_argument("--cases", default=";".join(CASES))
+    parser.add_argument("--ddp-buckets", action="store_true")
     args = parser.parse_args()
+    if args.ddp_buckets:
+        import torch.multiprocessing as mp
+
+        mp.spawn(_bucket_worker, nprocs=2)
+        return
     print("| model, mesh | rank | " + " | ".join(KEYS) + " |")
     print("| --- | --- | " + " | ".join("---:" for _ in KEYS) + " |")
     for case in args.cases.split(";"):
