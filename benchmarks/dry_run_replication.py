@@ -32,6 +32,14 @@ CASES = {
     "dp=2": (dict(dp=2), {}, 2, {}),
     "dp=2 sgd": (dict(dp=2), {}, 2, dict(optimizer="sgd")),
 }
+#: other plans of earlier comparisons (``--cases``): FSDP2, with accumulation, tensor parallel alone
+OTHERS = {
+    "fsdp=2": (dict(fsdp=2), {}, 2, {}),
+    "fsdp=2 accum": (dict(fsdp=2), {}, 2, dict(grad_accum=2)),
+    "dp=2 accum sgd": (dict(dp=2), {}, 2, dict(grad_accum=2, optimizer="sgd")),
+    "tp=2": (dict(tp=2), {}, 2, {}),
+    "fsdp=2,tp=2 bf16": (dict(fsdp=2, tp=2), dict(fsdp=BF16), 4, {}),
+}
 KEYS = ("parameters", "gradients", "optimizer", "gathered", "activations", "temporaries", "peak")
 
 
@@ -67,7 +75,7 @@ def model(name: str):
 def rows(name: str, case: str) -> list[str]:
     """One markdown row per dry-run rank: est/dry of each of :data:`KEYS`."""
     build, rules, loss = model(name)
-    mesh, extra, world, kwargs = CASES[case]
+    mesh, extra, world, kwargs = {**CASES, **OTHERS}[case]
     plan = sk.Plan(sk.Mesh(**mesh), rules=rules if "tp" in mesh else None, **extra)
     dry = sk.dry_run(build, plan, world_size=world, batch=4, seq_len=16, loss_fn=loss, **kwargs)
     out = []
