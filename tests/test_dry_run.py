@@ -19,6 +19,8 @@ PLANS = {
     "fsdp x tp, recompute": sk.Plan(sk.Mesh(fsdp=2, tp=2), rules=LLAMA_RULES, recompute="full"),
     "pp x fsdp": sk.Plan(sk.Mesh(pp=2, fsdp=2), pipeline=sk.Pipeline(microbatches=2)),
     "zero=1": sk.Plan(sk.Mesh(dp=4), zero=1),
+    # plain DDP: its buckets, kept from its making, counted from the step's start on both sides (stand-ins)
+    "ddp": sk.Plan(sk.Mesh(dp=4)),
     # no data axis: measured by torch's MemTracker (no FSDP2 module), each micro-batch's call of a stage a new one
     "pp x tp": sk.Plan(sk.Mesh(pp=2, tp=2), rules=LLAMA_RULES, pipeline=sk.Pipeline(microbatches=2)),
     "fsdp x tp, bfloat16 compute": sk.Plan(sk.Mesh(fsdp=2, tp=2), rules=LLAMA_RULES, recompute="full",
@@ -30,7 +32,7 @@ PLANS = {
 }
 #: the ranks dry-run per plan: both pipeline stages (the last's input shapes from the first's rank, run
 #: first in a fake world of its own; other fsdp coordinates than the rank it feeds)
-RANKS = {"fsdp x tp, recompute": (0, 3), "pp x fsdp": (1, 2), "zero=1": (1,), "fsdp x tp, bfloat16 compute": (0, 3),
+RANKS = {"fsdp x tp, recompute": (0, 3), "pp x fsdp": (1, 2), "zero=1": (1,), "ddp": (2,), "fsdp x tp, bfloat16 compute": (0, 3),
          "pp x tp": (1, 2), "dp x tp": (0, 3), "pp x tp, tied": (0, 3)}
 #: the model of each plan (the tiny Llama unless named): with a vocabulary of 4096, gloo's copy of the root's
 #: reduce-scatter input (its float32 gradients), which the measurement leaves out as NCCL makes none
@@ -49,7 +51,7 @@ def _real_steps(ctx, names):
     # after a whole first step, as training runs (the dry run makes what it leaves without running it); DDP's
     # second step rebuilds its gradient buckets (new buffers, their order broadcast), once: measure the third
     return [measure_step(ctx, sk.meta_model(BUILDS.get(name, build_tiny_llama)), PLANS[name].resolved(4), BATCH, SEQ,
-                         steps_before=2 if name == "zero=1" else 1)
+                         steps_before=2 if name in ("zero=1", "ddp") else 1)
             for name in names]
 
 
@@ -60,7 +62,8 @@ def real(world):
 
 @pytest.mark.parametrize("name", list(PLANS))
 def test_a_dry_run_gives_the_bytes_and_collectives_of_a_real_four_process_run(real, name):
-    priced = name == "fsdp x tp, recompute"  # the estimate beside it once (it analyses the model: seconds)
+    # the estimate beside it (it analyses the model: seconds): once, and against a real DDP run's peak
+    priced = name in ("fsdp x tp, recompute", "ddp")
     dry = sk.dry_run(BUILDS.get(name, build_tiny_llama), PLANS[name], world_size=4, batch=BATCH, seq_len=SEQ,
                      ranks=RANKS[name], estimate=priced)
     for cost in dry.ranks:
@@ -82,7 +85,11 @@ def test_a_dry_run_gives_the_bytes_and_collectives_of_a_real_four_process_run(re
         assert 0 <= memory["peak"] - cost.memory["peak"] <= late, (cost.rank, cost.memory, memory, late)
         assert cost.collectives == collectives, cost.rank
         assert memory["parameters"] > 0 and memory["optimizer"] > 0 and memory["activations"] > 0
-        if name == "zero=1":  # DDP's bucket all-reduces, ZeRO's broadcasts; each rank keeps ~1/4 of the state
+        if name == "ddp":  # its bucket all-reduces; the estimate's peak (buckets held all step) is the real run's
+            assert {c.kind for c in collectives} >= {"all_reduce"}
+            estimate = cost.estimate["total"] - cost.estimate["overhead"]
+            assert abs(estimate / memory["peak"] - 1) <= 0.05, (estimate, memory["peak"])
+        elif name == "zero=1":  # DDP's bucket all-reduces, ZeRO's broadcasts; each rank keeps ~1/4 of the state
             assert {c.kind for c in collectives} >= {"all_reduce", "broadcast"}
             assert memory["optimizer"] < 0.4 * 2 * memory["parameters"]
         elif name.startswith("pp x tp"):  # tensor parallel's all-reduces and the stages' point-to-point, no FSDP2

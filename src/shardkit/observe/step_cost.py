@@ -157,12 +157,13 @@ def _tracker(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Any:
             # (``sk.estimate`` counts them so), from their allocation
             if self._unsharding and reftype.name in ("ACT", "TEMP") and not self._in_ac:
                 reftype = _gathered_kind()
-            if self.bucket_stand_ins and self._func is torch.ops.aten.copy_.default:
+            if self.bucket_stand_ins and getattr(self._func, "_schema", None) is not None \
+                    and self._func._schema.is_mutable:  # DDP writes a gradient into its bucket (copy_, mul.out)
                 self._bucket_found(tensor)
             super()._track(reftype, tensor)
 
         def _bucket_found(self, tensor: torch.Tensor) -> None:
-            """DDP's first copy of a gradient into a bucket the tracker never saw: the bucket's stand-in,
+            """DDP's first write of a gradient into a bucket the tracker never saw: the bucket's stand-in,
             counted since the step began, is dropped (the bucket is filed as the stand-in was)."""
             storage = tensor.untyped_storage()
             if storage in self._WINFO:
@@ -378,7 +379,7 @@ class StepCost:
     ``buckets``: stand-ins of DDP's gradient buckets (tensors of their sizes: DDP keeps its own out of
     reach), temporaries from the start: DDP makes its buckets with itself and keeps them (a real 2-process
     run's buckets outlive each step, docs/benchmarks.md), where the tracker would first see each at the
-    backward's first copy into it; then the bucket replaces its stand-in.
+    backward's first write into it; then the bucket replaces its stand-in.
 
     >>> with StepCost(model, optimizer, plan.mesh) as cost:      # doctest: +SKIP
     ...     model.step(x, y, loss_fn); optimizer.step()
