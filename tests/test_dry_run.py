@@ -32,8 +32,8 @@ PLANS = {
 }
 #: the ranks dry-run per plan: both pipeline stages (the last's input shapes from the first's rank, run
 #: first in a fake world of its own; other fsdp coordinates than the rank it feeds)
-RANKS = {"fsdp x tp, recompute": (0, 3), "pp x fsdp": (1, 2), "zero=1": (1,), "ddp": (2,), "fsdp x tp, bfloat16 compute": (0, 3),
-         "pp x tp": (1, 2), "dp x tp": (0, 3), "pp x tp, tied": (0, 3)}
+RANKS = {"fsdp x tp, recompute": (0, 3), "pp x fsdp": (1, 2), "zero=1": (1,), "ddp": (2,),
+         "fsdp x tp, bfloat16 compute": (0, 3), "pp x tp": (1, 2), "dp x tp": (0, 3), "pp x tp, tied": (0, 3)}
 #: the model of each plan (the tiny Llama unless named): with a vocabulary of 4096, gloo's copy of the root's
 #: reduce-scatter input (its float32 gradients), which the measurement leaves out as NCCL makes none
 #: (observe/step_cost.py), would put the bfloat16 plan's peak there, 1,034,500 bytes over the dry run's: more

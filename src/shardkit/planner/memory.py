@@ -29,8 +29,11 @@ list with the reasons):
   micro-batch's hidden states (but the first stage), and one for their gradients (but the last).
 - ``overhead``: the allocator's slack, ``ALLOCATOR_OVERHEAD`` of the tensors, and the device's
   ``reserved`` bytes.
-- ``total``: the state, ``buffers``, the step's largest phase (the three step components at one
-  moment: less than their sum, as they peak at different moments) and ``overhead``.
+- ``total``: the state, ``buffers``, the step's largest moment and ``overhead``: a phase (the three step
+  components at one moment, less than their sum as they peak at different moments, and the gradients
+  allocated then: a step starts with none) or the optimizer's step (every gradient, DDP's buckets, Adam's
+  per-parameter temporaries). DDP and FSDP2's ``replicate`` as the runtime chooses them (:func:`ddp`,
+  :func:`replicated`).
 """
 
 from __future__ import annotations
@@ -297,7 +300,7 @@ def step_phases(n: Numbers, s: Setting, tokens: float, first: bool, last: bool, 
             table = max((size * rest for size, rest in n.embedding_pieces), default=0)
             phases["embedding"]["gradients"] = (params - table) * n.itemsize
     # DDP's gradient buckets: a flat copy of every gradient (its gradients are no views of them), made with
-    # DDP and kept; torch's tracker first sees them in the backward, as temporaries
+    # DDP and kept (the dry run counts them as temporaries from the step's start)
     bucket = params * n.itemsize if ddp(s) else 0
     for phase in phases.values():
         phase["temporaries"] += bucket
@@ -387,8 +390,8 @@ def memory_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer
         # a receive buffer per micro-batch for each stage's inputs (but the first's) and their gradients (but the last's)
         buffers = int((2 * s.virtual - first - last) * s.microbatches * tokens * n.hidden * compute) if s.pp > 1 else 0
         # with no data axis, a vocab-split embedding's gradient is its rows of the whole one DTensor's dense backward
-        # makes (a view: the whole is kept); a data axis's FSDP2 or replicate reduces it into a tensor of its own, and
-        # so does a pipeline's sum of tied copies on a stage without the head (it lays the copy's gradient out as its rows)
+        # makes (a view: the whole is kept); a data axis's FSDP2 or replicate reduces it into a tensor of its own,
+        # and so does a pipeline's sum of tied copies on a stage without the head (it lays the copy's out as its rows)
         tie_summed = n.tied and s.pp > 1 and not last
         whole_grad = whole_embedding_excess(n, s.tp) * master if first and s.data * s.sp == 1 and not tie_summed else 0
         memory = {"parameters": stored, "gradients": stored + whole_grad, "optimizer": states * optimized}
@@ -411,6 +414,6 @@ def memory_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer
     return best
 
 
-__all__ = ["ALLOCATOR_OVERHEAD", "MEMORY_KEYS", "STEP_KEYS", "backward_transient", "block_saved", "blocks_per_device", "ddp",
-           "memory_of", "replicated", "step_peak", "step_phases", "stored_block", "stored_experts", "tokens_per_microbatch", "vocab_split",
-           "whole_embedding_excess"]
+__all__ = ["ALLOCATOR_OVERHEAD", "MEMORY_KEYS", "STEP_KEYS", "backward_transient", "block_saved", "blocks_per_device",
+           "ddp", "memory_of", "replicated", "step_peak", "step_phases", "stored_block", "stored_experts",
+           "tokens_per_microbatch", "vocab_split", "whole_embedding_excess"]
