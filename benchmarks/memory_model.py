@@ -9,10 +9,10 @@ saves the attention probabilities; Llama: small configs built here, no hub), bat
   after a warm-up step that left every gradient allocated (so the peak is what the step adds
   on top of parameters and gradients: the activations, the loss's transients and the
   backward's own);
-- **predicted**: what ``sk.estimate(model, Plan(recompute=mode), ...)``'s total adds to the state
-  (parameters, gradients, optimizer) before allocator overhead: the step's peak, the largest of its
-  phases (``shardkit.planner.memory.step_phases``: the tensors saved for the backward, the loss's
-  and the head's gradients, a block's backward).
+- **predicted**: what ``sk.estimate``'s memory model for ``Plan(recompute=mode)`` adds to the state
+  (parameters, gradients, optimizer) with every gradient allocated ahead, as measured: the step's peak,
+  the largest of its phases (``shardkit.planner.memory.step_peak`` of ``step_phases``: the tensors saved
+  for the backward, the loss's and the head's gradients, a block's backward).
 
 The baseline is the measurement, in the same run; the ratio predicted / measured is printed.
 
@@ -92,13 +92,15 @@ def measured_peak(build, mode: str, batch: int = BATCH, seq: int = SEQ) -> int:
 
 
 def predicted(build, mode: str, batch: int = BATCH, seq: int = SEQ) -> int:
-    """``sk.estimate``'s bytes of what a forward + backward holds beyond parameters and gradients."""
+    """``sk.estimate``'s bytes of what a forward + backward holds beyond parameters and gradients (its
+    memory model's largest phase, ``step_peak``: its total counts no gradient before the backward)."""
+    from shardkit.planner.costs import Costs, Setting
+    from shardkit.planner.memory import step_peak
+
     with torch.device("meta"):
         model = build()
-    e = sk.estimate(model, sk.Plan(sk.Mesh(dp=1), recompute=mode), batch_size=batch, seq_len=seq,
-                    hardware="a100-80g")
-    m = e.memory
-    return m["total"] - m["overhead"] - m["parameters"] - m["gradients"] - m["optimizer"] - m["buffers"]
+    plan = sk.Plan(sk.Mesh(dp=1), recompute=mode).resolved(1)
+    return step_peak(Costs.of(model, seq, 1, None, rules=plan.rules), Setting.of(plan), batch)
 
 
 def main() -> None:

@@ -9,6 +9,7 @@ from functools import partial
 import pytest
 
 import shardkit as sk
+from shardkit.models.gpt import GPT_RULES, build_tiny_gpt, gpt_loss
 from shardkit.models.hf import LLAMA_RULES, build_llama, build_tiny_llama, tiny_llama_config
 from shardkit.training.dry_run import RankCost
 from shardkit.training.measured_step import measure_step
@@ -18,27 +19,39 @@ PLANS = {
     "fsdp x tp, recompute": sk.Plan(sk.Mesh(fsdp=2, tp=2), rules=LLAMA_RULES, recompute="full"),
     "pp x fsdp": sk.Plan(sk.Mesh(pp=2, fsdp=2), pipeline=sk.Pipeline(microbatches=2)),
     "zero=1": sk.Plan(sk.Mesh(dp=4), zero=1),
+    # plain DDP: its buckets, kept from its making, counted from the step's start on both sides (stand-ins)
+    "ddp": sk.Plan(sk.Mesh(dp=4)),
     # no data axis: measured by torch's MemTracker (no FSDP2 module), each micro-batch's call of a stage a new one
     "pp x tp": sk.Plan(sk.Mesh(pp=2, tp=2), rules=LLAMA_RULES, pipeline=sk.Pipeline(microbatches=2)),
     "fsdp x tp, bfloat16 compute": sk.Plan(sk.Mesh(fsdp=2, tp=2), rules=LLAMA_RULES, recompute="full",
                                            fsdp=sk.FSDPOptions(param_dtype="bfloat16", reduce_dtype="float32")),
+    # replication with tensor parallel: FSDP2's replicate, its one unit the whole model (no DDP)
+    "dp x tp": sk.Plan(sk.Mesh(dp=2, tp=2), rules=LLAMA_RULES),
+    # a pipeline's tied embedding split by its rows on the first stage, its copy the last stage's head
+    "pp x tp, tied": sk.Plan(sk.Mesh(pp=2, tp=2), rules=LLAMA_RULES, pipeline=sk.Pipeline(microbatches=2)),
 }
 #: the ranks dry-run per plan: both pipeline stages (the last's input shapes from the first's rank, run
 #: first in a fake world of its own; other fsdp coordinates than the rank it feeds)
-RANKS = {"fsdp x tp, recompute": (0, 3), "pp x fsdp": (1, 2), "zero=1": (1,), "fsdp x tp, bfloat16 compute": (0, 3),
-         "pp x tp": (1, 2)}
+RANKS = {"fsdp x tp, recompute": (0, 3), "pp x fsdp": (1, 2), "zero=1": (1,), "ddp": (2,),
+         "fsdp x tp, bfloat16 compute": (0, 3), "pp x tp": (1, 2), "dp x tp": (0, 3), "pp x tp, tied": (0, 3)}
 #: the model of each plan (the tiny Llama unless named): with a vocabulary of 4096, gloo's copy of the root's
 #: reduce-scatter input (its float32 gradients), which the measurement leaves out as NCCL makes none
 #: (observe/step_cost.py), would put the bfloat16 plan's peak there, 1,034,500 bytes over the dry run's: more
 #: than the late frees' bound below (798,208)
-BUILDS = {"fsdp x tp, bfloat16 compute": partial(build_llama, tiny_llama_config(vocab_size=4096))}
+def build_tied_llama():
+    """The tiny Llama with its LM head tied to its embedding (a fresh config: context parallel marks its own)."""
+    return build_llama(tiny_llama_config(tie_word_embeddings=True))
+
+
+BUILDS = {"fsdp x tp, bfloat16 compute": partial(build_llama, tiny_llama_config(vocab_size=4096)),
+          "pp x tp, tied": build_tied_llama}
 
 
 def _real_steps(ctx, names):
     # after a whole first step, as training runs (the dry run makes what it leaves without running it); DDP's
     # second step rebuilds its gradient buckets (new buffers, their order broadcast), once: measure the third
     return [measure_step(ctx, sk.meta_model(BUILDS.get(name, build_tiny_llama)), PLANS[name].resolved(4), BATCH, SEQ,
-                         steps_before=2 if name == "zero=1" else 1)
+                         steps_before=2 if name in ("zero=1", "ddp") else 1)
             for name in names]
 
 
@@ -49,7 +62,8 @@ def real(world):
 
 @pytest.mark.parametrize("name", list(PLANS))
 def test_a_dry_run_gives_the_bytes_and_collectives_of_a_real_four_process_run(real, name):
-    priced = name == "fsdp x tp, recompute"  # the estimate beside it once (it analyses the model: seconds)
+    # the estimate beside it (it analyses the model: seconds): once, and against a real DDP run's peak
+    priced = name in ("fsdp x tp, recompute", "ddp")
     dry = sk.dry_run(BUILDS.get(name, build_tiny_llama), PLANS[name], world_size=4, batch=BATCH, seq_len=SEQ,
                      ranks=RANKS[name], estimate=priced)
     for cost in dry.ranks:
@@ -71,11 +85,17 @@ def test_a_dry_run_gives_the_bytes_and_collectives_of_a_real_four_process_run(re
         assert 0 <= memory["peak"] - cost.memory["peak"] <= late, (cost.rank, cost.memory, memory, late)
         assert cost.collectives == collectives, cost.rank
         assert memory["parameters"] > 0 and memory["optimizer"] > 0 and memory["activations"] > 0
-        if name == "zero=1":  # DDP's bucket all-reduces, ZeRO's broadcasts; each rank keeps ~1/4 of the state
+        if name == "ddp":  # its bucket all-reduces; the estimate's peak (buckets held all step) is the real run's
+            assert {c.kind for c in collectives} >= {"all_reduce"}
+            estimate = cost.estimate["total"] - cost.estimate["overhead"]
+            assert abs(estimate / memory["peak"] - 1) <= 0.05, (estimate, memory["peak"])
+        elif name == "zero=1":  # DDP's bucket all-reduces, ZeRO's broadcasts; each rank keeps ~1/4 of the state
             assert {c.kind for c in collectives} >= {"all_reduce", "broadcast"}
             assert memory["optimizer"] < 0.4 * 2 * memory["parameters"]
-        elif name == "pp x tp":  # tensor parallel's all-reduces and the stages' point-to-point, no FSDP2
+        elif name.startswith("pp x tp"):  # tensor parallel's all-reduces and the stages' point-to-point, no FSDP2
             assert {c.kind for c in collectives} >= {"all_reduce", "send", "recv"} and memory["gathered"] == 0
+        elif name == "dp x tp":  # replicate's one unit gathered (over a group of one: no collective) and all-reduced
+            assert {c.kind for c in collectives} >= {"all_reduce"} and memory["gathered"] >= memory["parameters"]
         else:
             assert {c.kind for c in collectives} >= {"all_gather_into_tensor", "reduce_scatter_tensor"}
     if PLANS[name].pipeline:  # the last stage's rank holds the head: its logits' gradients outgrow the first's
@@ -244,3 +264,32 @@ def test_the_estimate_gives_each_component_within_five_percent_under_accumulatio
     ratios = dry.ratios()
     assert {"gradients", "activations", "temporaries"} <= set(ratios)
     assert all(abs(ratio - 1) <= 0.05 for ratio in ratios.values()), ratios
+
+
+#: plans never compared before (issue 17 §5), each ``(plan, world, build, dry_run kwargs)``: replication over ``sp``
+#: (DDP; a tied head's gradient held through the backward), FSDP2's replicate under tensor parallel (its one unit
+#: gathered, its reduce), in bfloat16 too (on the reference GPT: transformers' norms save float32 whatever the compute
+#: dtype, which the estimate scales), a pipeline's tied vocab-split embedding, DDP without accumulation (its buckets
+#: from its making, the gradients from the backward, the optimizer's step), and replicate under a pipeline
+REPLICATED = {
+    "sp": (sk.Plan(sk.Mesh(sp=2)), 2, build_tiny_llama, {}),
+    "dp x sp, tied": (sk.Plan(sk.Mesh(dp=2, sp=2)), 4, build_tied_llama, {}),
+    "dp x tp": (sk.Plan(sk.Mesh(dp=2, tp=2), rules=LLAMA_RULES), 4, build_tiny_llama, {}),
+    "dp x tp, bfloat16 compute": (sk.Plan(sk.Mesh(dp=2, tp=2), rules=GPT_RULES, fsdp=sk.FSDPOptions(
+        param_dtype="bfloat16", reduce_dtype="float32")), 4, build_tiny_gpt, dict(loss_fn=gpt_loss)),
+    "pp x tp, tied": (PLANS["pp x tp, tied"], 4, build_tied_llama, dict(ranks=(0, 2))),
+    "ddp": (sk.Plan(sk.Mesh(dp=2)), 2, build_tiny_llama, dict(optimizer="sgd")),
+    "pp x dp": (sk.Plan(sk.Mesh(pp=2, dp=2), pipeline=sk.Pipeline(microbatches=2)), 4, build_tiny_llama,
+                dict(ranks=(0, 2))),
+}
+
+
+@pytest.mark.parametrize("name", list(REPLICATED))
+def test_the_estimate_gives_each_component_and_the_peak_within_five_percent_under_replication(name):
+    plan, world, build, kwargs = REPLICATED[name]
+    dry = sk.dry_run(build, plan, world_size=world, batch=4, seq_len=16, **kwargs)
+    for cost in dry.ranks:
+        ratios = dry.ratios(cost.rank)
+        ratios["peak"] = (cost.estimate["total"] - cost.estimate["overhead"]) / cost.memory["peak"]
+        assert {"gradients", "activations", "temporaries"} <= set(ratios)
+        assert all(abs(ratio - 1) <= 0.05 for ratio in ratios.values()), (cost.rank, ratios)

@@ -65,7 +65,7 @@ def test_70b_memory_estimate():
     memory = estimate_memory(Plan(Mesh(fsdp=8, tp=8), LLAMA_RULES), model)
     assert (memory["parameters"], memory["gradients"], memory["optimizer"]) == (params, params, 2 * params)
     assert memory["gathered"] == 4 * (root + VOCAB * H + table + H + block)
-    state = params * 4 + memory["overhead"]
+    state = params * 3 + memory["overhead"]  # the gradients are not allocated until the backward
     assert state + memory["activations"] < memory["total"] < sum(v for k, v in memory.items() if k != "total")
     bf16 = Plan(Mesh(fsdp=8, tp=8), LLAMA_RULES, fsdp=FSDPOptions(param_dtype="bfloat16"))
     assert estimate_memory(bf16, model)["gathered"] == 2 * (root + VOCAB * H + table + H + block)

@@ -63,6 +63,12 @@ def _buffer_kind(tracker: Any) -> Any:
     return _FSDPRefType.BUFFER if isinstance(tracker, FSDPMemTracker) else _MemRefType.BUFFER
 
 
+def _temporary_kind() -> Any:
+    from torch.distributed._tools.mem_tracker import _MemRefType
+
+    return _MemRefType.TEMP
+
+
 def _gathered_kind() -> Any:
     from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType
 
@@ -91,8 +97,11 @@ def _tracker(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Any:
             self._part_of: dict[Any, str | None] = {}  # the tracker's category -> its component
             self._gloo_inputs: list[tuple[tuple[int, ...], torch.dtype]] = []  # see _gloo_reduce_scatter_inputs
             self._unsharding = False  # inside FSDP2's pre-forward or pre-backward (see _track)
+            self.bucket_stand_ins: list[torch.Tensor] = []  # see StepCost(buckets=...)
+            self._func: Any = None  # the op being tracked
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self._func = func
             if self._gloo_inputs and func is torch.ops.aten.split.Tensor and self._gloo_buffer(args[0]):
                 return func(*args, **(kwargs or {}))  # a chunk of gloo's copy of a reduce-scatter's input
             res = super().__torch_dispatch__(func, types, args, kwargs)
@@ -148,7 +157,21 @@ def _tracker(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Any:
             # (``sk.estimate`` counts them so), from their allocation
             if self._unsharding and reftype.name in ("ACT", "TEMP") and not self._in_ac:
                 reftype = _gathered_kind()
+            if self.bucket_stand_ins and getattr(self._func, "_schema", None) is not None \
+                    and self._func._schema.is_mutable:  # DDP writes a gradient into its bucket (copy_, mul.out)
+                self._bucket_found(tensor)
             super()._track(reftype, tensor)
+
+        def _bucket_found(self, tensor: torch.Tensor) -> None:
+            """DDP's first write of a gradient into a bucket the tracker never saw: the bucket's stand-in,
+            counted since the step began, is dropped (the bucket is filed as the stand-in was)."""
+            storage = tensor.untyped_storage()
+            if storage in self._WINFO:
+                return
+            for i, stand_in in enumerate(self.bucket_stand_ins):
+                if stand_in.untyped_storage().nbytes() == storage.nbytes():
+                    del self.bucket_stand_ins[i]
+                    return
 
         def _unsharding_in(self, inner: Any) -> Any:
             def unsharding(*args: Any, **kwargs: Any) -> Any:
@@ -234,6 +257,22 @@ def _mod_tracker() -> Any:
             self._added.clear()
 
     return _UnhookedModTracker()
+
+
+def _refile_gradients(tracker: Any, model: nn.Module) -> None:
+    """File what each parameter holds as its ``.grad`` at the step's end as a gradient. torch's
+    ``MemTracker`` files a gradient when autograd accumulates it; a gradient set after the
+    backward is filed by the op that made it (an activation outside the backward): a pipeline's
+    tied copies' (``runtime/pipeline_ties.py`` lays a vocab-split embedding's whole gradient out
+    as the rank's rows, a copy, at the step's end). FSDP2's tracker files its sharded gradients."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import _MemRefType
+
+    if isinstance(tracker, FSDPMemTracker):
+        return
+    for param in model.parameters():
+        if param.grad is not None:
+            tracker._update_and_maybe_create_winfos(param.grad, _MemRefType.GRAD)
 
 
 #: reduce-scatter ops that take a whole input tensor (or a list of them): their kind in ``comm._OPS``
@@ -335,7 +374,12 @@ class StepCost:
     """Bytes by component (:data:`COMPONENTS`) and collectives of what runs while entered, on
     ``model`` and ``optimizer`` (fake tensors or real ones).
 
-    ``accumulate``: the micro-steps of the step (``model.step(..., accumulate=k)``).
+    ``accumulate``: the micro-steps of the step (``model.step(..., accumulate=k)``). ``buffers``: tensors
+    made before the step that it reuses (a pipeline's receive buffers), filed as ``other`` from the start.
+    ``buckets``: stand-ins of DDP's gradient buckets (tensors of their sizes: DDP keeps its own out of
+    reach), temporaries from the start: DDP makes its buckets with itself and keeps them (a real 2-process
+    run's buckets outlive each step, docs/benchmarks.md), where the tracker would first see each at the
+    backward's first write into it; then the bucket replaces its stand-in.
 
     >>> with StepCost(model, optimizer, plan.mesh) as cost:      # doctest: +SKIP
     ...     model.step(x, y, loss_fn); optimizer.step()
@@ -343,11 +387,13 @@ class StepCost:
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, mesh: Mesh | None = None,
-                 accumulate: int = 1, buffers: Sequence[torch.Tensor] = ()) -> None:
+                 accumulate: int = 1, buffers: Sequence[torch.Tensor] = (),
+                 buckets: Sequence[torch.Tensor] = ()) -> None:
         self._model, self._accumulate = model, accumulate
         self._tracker = _tracker(model, optimizer)
         self._log = CollectiveLog(mesh)
         self._buffers = list(buffers)
+        self._tracker.bucket_stand_ins = list(buckets)
         self._end: dict[str, int] = {}
         self._peak = 0
         self._handle: Any = None
@@ -368,6 +414,8 @@ class StepCost:
         # not an activation when the step first writes them
         for tensor in self._buffers:
             self._tracker._update_and_maybe_create_winfos(tensor, _buffer_kind(self._tracker))
+        for tensor in self._tracker.bucket_stand_ins:
+            self._tracker._update_and_maybe_create_winfos(tensor, _temporary_kind())
         self._log.__enter__()
         return self
 
@@ -375,6 +423,7 @@ class StepCost:
         if self._handle is not None:
             self._handle.remove()
         self._log.__exit__(*exc)
+        _refile_gradients(self._tracker, self._model)
         current = self._tracker.get_tracker_snapshot("current")
         self._end = _by_component(next(iter(current.values()), {}))
         self._peak = max((snap.get("Total", 0) for snap in self._tracker.get_tracker_snapshot("peak").values()),

@@ -29,8 +29,11 @@ list with the reasons):
   micro-batch's hidden states (but the first stage), and one for their gradients (but the last).
 - ``overhead``: the allocator's slack, ``ALLOCATOR_OVERHEAD`` of the tensors, and the device's
   ``reserved`` bytes.
-- ``total``: the state, ``buffers``, the step's largest phase (the three step components at one
-  moment: less than their sum, as they peak at different moments) and ``overhead``.
+- ``total``: the state, ``buffers``, the step's largest moment and ``overhead``: a phase (the three step
+  components at one moment, less than their sum as they peak at different moments, and the gradients
+  allocated then: a step starts with none) or the optimizer's step (every gradient, DDP's buckets, Adam's
+  per-parameter temporaries). DDP and FSDP2's ``replicate`` as the runtime chooses them (:func:`ddp`,
+  :func:`replicated`).
 """
 
 from __future__ import annotations
@@ -133,6 +136,13 @@ def ddp(s: Setting) -> bool:
                            and not s.mixed_precision)
 
 
+def replicated(s: Setting) -> bool:
+    """Whether the plan's data parallelism is FSDP2's ``replicate`` (``runtime/parallelize.py``): replication
+    with no sharding and no expert axis where DDP does not serve (:func:`ddp`): tensor parallel, a pipeline,
+    mixed precision. It wraps the whole model (a pipeline stage's) as one unit."""
+    return s.shards == 1 and s.dp * s.sp > 1 and s.ep == 1 and not ddp(s)
+
+
 def step_phases(n: Numbers, s: Setting, tokens: float, first: bool, last: bool, params: int,
                 compute: int, reduce: int, scale: float) -> dict[str, dict[str, float]]:
     """What a training step adds to a device's state, at each moment that can be its peak: bytes
@@ -218,8 +228,11 @@ def step_phases(n: Numbers, s: Setting, tokens: float, first: bool, last: bool, 
     root_grads = head * compute if fsdp and last else 0
     later_root_grads = 0 if accumulated else root_grads
     transient = grads + backward_transient(n) * tokens * scale
+    # an LM head tied to the embedding on this device, unsplit, with plain gradients (no FSDP2): autograd holds its
+    # weight's gradient, a temporary, from the head's backward until the embedding's adds to it
+    tied = whole * compute if n.tied and first and last and not fsdp and not replicated(s) and not split_head else 0
     phases["blocks"] = {"gathered": gathered_root + live + (scatter if not accumulated else 0),
-                        "activations": held + rebuilt, "temporaries": transient + root_grads}
+                        "activations": held + rebuilt, "temporaries": transient + root_grads + tied}
     if accumulated:
         phases["blocks, accumulated"] = {"gathered": gathered_root + live + accumulated,
                                          "activations": later + rebuilt, "temporaries": transient}
@@ -259,13 +272,82 @@ def step_phases(n: Numbers, s: Setting, tokens: float, first: bool, last: bool, 
         largest = max((size * rest for size, rest in n.embedding_pieces), default=0)
         dense = whole if vocab_split(n.embedding_pieces, n, s.tp) else largest
         phases["embedding"] = {"gathered": 0.0, "activations": held * (inflight - 1) / inflight,
-                               "temporaries": (dense + n.hidden * tokens) * compute}
+                               "temporaries": (dense + n.hidden * tokens) * compute + 2 * tied}  # tied: and their sum
+    if replicated(s) and s.accumulation == 1:
+        _replicate_phases(phases, n, s, tokens, first, params, compute, reduce)
+    plain = not fsdp and not replicated(s)
+    # every gradient made by the step's one backward (replicate's at its one reduce, after a pipeline's last)
+    fresh = s.accumulation == 1 and (s.pp == 1 or replicated(s))
+    if fresh or (plain and s.pp > 1):
+        # a step starts with no gradients (``zero_grad(set_to_none=True)``): a phase's ``gradients`` are the state's
+        # allocated then (:func:`memory_of` counts all of them elsewhere). FSDP2 makes its sharded gradients at each
+        # unit's reduce-scatter, replicate at its one reduce (its output); plain tensors get their ``.grad`` in the
+        # backward: by a block's (its MLP's, the widest, first), the head's and the block's largest weight's; by the
+        # embedding's, all but the embedding's (its gradient is a temporary then). A pipeline's first backward comes
+        # after its stage's forwards of the micro-batches in flight; a later one finds every gradient accumulated
+        for name, phase in phases.items():
+            if name in ("forward", "forward start") or (fresh and (name in ("loss", "head") or not plain)):
+                phase["gradients"] = 0
+        if plain and s.pp > 1:  # (with no data axis a vocab-split embedding's whole, until a tie's sum at the end)
+            whole_grad = whole_embedding_excess(n, s.tp) if first and s.data * s.sp == 1 else 0
+            phases["blocks, later"] = {"gathered": 0.0, "activations": later + rebuilt,
+                                       "temporaries": phases["blocks"]["temporaries"],
+                                       "gradients": (params + whole_grad) * n.itemsize}
+        if plain:
+            largest = max((size * rest for size, rest in n.block_pieces), default=0)
+            phases["blocks"]["gradients"] = (head + largest) * n.itemsize
+        if plain and "embedding" in phases:
+            table = max((size * rest for size, rest in n.embedding_pieces), default=0)
+            phases["embedding"]["gradients"] = (params - table) * n.itemsize
     # DDP's gradient buckets: a flat copy of every gradient (its gradients are no views of them), made with
-    # DDP and kept; torch's tracker first sees them in the backward, as temporaries
+    # DDP and kept (the dry run counts them as temporaries from the step's start)
     bucket = params * n.itemsize if ddp(s) else 0
     for phase in phases.values():
         phase["temporaries"] += bucket
     return phases
+
+
+def _replicate_phases(phases: dict[str, dict[str, float]], n: Numbers, s: Setting, tokens: float, first: bool,
+                      params: int, compute: int, reduce: int) -> None:
+    """FSDP2's ``replicate`` in ``phases`` (one step, no accumulation): its one unit, the whole model, is
+    gathered (its parameters unsharded, in the compute dtype) from the forward to the post-backward; its
+    gradients, unsharded, are temporaries until then (the embedding's backward holds every other's, and a
+    vocab-split embedding's whole, unless tied: the head's rows of it are added); the post-backward files them
+    gathered beside the parameters, then copies them into the reduce's input (the reduce dtype) and the output
+    it all-reduces, the gradients freed."""
+    whole = (params + whole_embedding_excess(n, s.tp) * (first and not n.tied)) * compute
+    for phase in phases.values():
+        phase["gathered"] += params * compute
+    if "embedding" in phases:
+        phases["embedding"]["temporaries"] = whole + n.hidden * tokens * compute
+    phases["post-backward"] = {"gathered": params * compute + whole, "activations": 0.0, "temporaries": 0.0}
+    if s.pp > 1 and s.microbatches > 1:  # a pipeline: the gradients of its micro-batches but the last accumulate
+        # unsharded (gathered, the reduce dtype) until the last one's post-backward, beside every later moment (if
+        # every forward of the stage comes before its first backward: its last micro-batch's, one fewer in flight)
+        inflight = _inflight(s, 0 if first else s.pp - 1)
+        after = s.microbatches > inflight
+        for name, phase in phases.items():
+            phase["gathered"] += params * reduce if after and name != "post-backward" else 0
+        if not after:
+            blocks = phases["blocks"]
+            phases["blocks, later"] = {"gathered": blocks["gathered"] + params * reduce,
+                                       "temporaries": blocks["temporaries"],
+                                       "activations": blocks["activations"] * (inflight - 1) / inflight}
+    phases["reduce"] = {"gathered": 0.0, "activations": 0.0, "temporaries": 2 * params * reduce}
+
+
+def step_peak(costs: Costs, s: Setting, batch_size: int) -> int:
+    """The most bytes a step adds at once on one device holding the whole model beside its state, with every
+    gradient allocated ahead (the largest phase of :func:`step_phases`, gradients aside): what
+    ``benchmarks/memory_model.py`` measures, a step accumulating into a warm-up's gradients."""
+    n = costs.numbers
+    master = n.itemsize
+    compute = s.compute_dtype.itemsize if s.compute_dtype is not None else master
+    reduce = s.reduce_dtype.itemsize if s.reduce_dtype is not None else compute
+    params = blocks_per_device(n, s) * n.block_params_at(s.ep) + n.embedding_params + n.head_params
+    phases = step_phases(n, s, tokens_per_microbatch(s, batch_size, costs.seq_len), True, True, params, compute,
+                         reduce, compute / master)
+    return int(max(sum(p[part] for part in STEP_KEYS) for p in phases.values()))
 
 
 def memory_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer: str = "adamw",
@@ -308,13 +390,22 @@ def memory_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer
         # a receive buffer per micro-batch for each stage's inputs (but the first's) and their gradients (but the last's)
         buffers = int((2 * s.virtual - first - last) * s.microbatches * tokens * n.hidden * compute) if s.pp > 1 else 0
         # with no data axis, a vocab-split embedding's gradient is its rows of the whole one DTensor's dense backward
-        # makes (a view: the whole is kept); a data axis's FSDP2 or replicate reduces it into a tensor of its own
-        whole_grad = whole_embedding_excess(n, s.tp) * master if first and s.data * s.sp == 1 else 0
+        # makes (a view: the whole is kept); a data axis's FSDP2 or replicate reduces it into a tensor of its own,
+        # and so does a pipeline's sum of tied copies on a stage without the head (it lays the copy's out as its rows)
+        tie_summed = n.tied and s.pp > 1 and not last
+        whole_grad = whole_embedding_excess(n, s.tp) * master if first and s.data * s.sp == 1 and not tie_summed else 0
         memory = {"parameters": stored, "gradients": stored + whole_grad, "optimizer": states * optimized}
         memory.update({part: int(max(p[part] for p in phases)) for part in STEP_KEYS})
         memory["buffers"] = buffers
-        held = memory["parameters"] + memory["gradients"] + memory["optimizer"] + buffers \
-            + int(max(sum(p.values()) for p in phases))
+        # the optimizer's step: every gradient, DDP's buckets, and what Adam's per-parameter step makes beside its
+        # state (two tensors the size of the parameter it updates: the largest's); torch's tracker files them as
+        # optimizer state, so they show in the peak only
+        pieces = n.block_pieces + (n.embedding_pieces if first else ()) + ((n.head_pieces + copy) if last else ())
+        largest = max((-(-size // shards) * rest for size, rest in pieces), default=0) * master
+        stepping = memory["gradients"] + (params * n.itemsize if ddp(s) else 0) + (2 * largest if states == 2 else 0)
+        # the state and the step's largest phase, with the gradients allocated then (all, unless the phase says)
+        held = memory["parameters"] + memory["optimizer"] + buffers + int(max(
+            stepping, *(sum(p[part] for part in STEP_KEYS) + p.get("gradients", memory["gradients"]) for p in phases)))
         memory["overhead"] = int(ALLOCATOR_OVERHEAD * held) + hw.reserved
         memory["total"] = held + memory["overhead"]
         if best is None or memory["total"] > best["total"]:
@@ -323,6 +414,6 @@ def memory_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer
     return best
 
 
-__all__ = ["ALLOCATOR_OVERHEAD", "MEMORY_KEYS", "STEP_KEYS", "backward_transient", "block_saved", "blocks_per_device", "ddp",
-           "memory_of", "step_phases", "stored_block", "stored_experts", "tokens_per_microbatch", "vocab_split",
-           "whole_embedding_excess"]
+__all__ = ["ALLOCATOR_OVERHEAD", "MEMORY_KEYS", "STEP_KEYS", "backward_transient", "block_saved", "blocks_per_device",
+           "ddp", "memory_of", "replicated", "step_peak", "step_phases", "stored_block", "stored_experts",
+           "tokens_per_microbatch", "vocab_split", "whole_embedding_excess"]

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import DTensor
 
 from ..plan import UsageError
@@ -96,7 +97,9 @@ def sum_tied_grads(copies: list[TiedCopy], before: list[torch.Tensor | None]) ->
             if param.requires_grad:
                 gained = gained[:-1].view_as(grad)
                 grad.copy_(gained if old is None else old + gained)
-    for tie, count in zip(copies, torch.stack(learning).tolist() if learning else []):
+    # a dry run's fake tensors hold no values: its copies all learn, as its model was built
+    counts = [] if not learning or is_fake(learning[0]) else torch.stack(learning).tolist()
+    for tie, count in zip(copies, counts):
         holders = dist.get_world_size(tie.group)
         if round(count) not in (0, holders):
             raise UsageError(f"parameter {tie.name!r} is tied to {tie.first!r} (one parameter in one process), but "

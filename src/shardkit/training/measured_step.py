@@ -48,7 +48,8 @@ def measure_step(ctx: Context, model: nn.Module, plan: Plan, batch: int, seq_len
         opt.zero_grad(set_to_none=True)
     if not steps_before:
         _steady_state(sharded, opt, plan, inputs, targets, loss_fn, accumulate)
-    with StepCost(sharded, opt, plan.mesh, accumulate, buffers=_receive_buffers(sharded)) as cost:
+    with StepCost(sharded, opt, plan.mesh, accumulate, buffers=_receive_buffers(sharded),
+                  buckets=_bucket_stand_ins(sharded)) as cost:
         sharded.step(inputs, targets, loss_fn, accumulate=accumulate)
         opt.step()
     return cost.memory(), cost.collectives()
@@ -117,6 +118,17 @@ def _receive_buffers(model: nn.Module) -> list[Any]:
         for infos in (*stage.args_recv_info.values(), *stage.grad_recv_info.values()):
             buffers += [info.buffer for info in infos if getattr(info, "buffer", None) is not None]
     return buffers
+
+
+def _bucket_stand_ins(model: nn.Module) -> list[Any]:
+    """Tensors the sizes of DDP's gradient buckets for ``model`` (torch's composable ``replicate``), which DDP
+    keeps out of reach (its reducer gives copies); none without DDP."""
+    from torch.distributed._composable import replicate
+
+    state = replicate.state(model)
+    if state is None or not state.has_initialized:
+        return []
+    return [bucket.buffer() for bucket in state._ddp.reducer._get_zeros_like_grad_buckets()]
 
 
 class _StagesReady(Exception):
