@@ -31,6 +31,8 @@ bench: $(STAMP)
 	$(PY) benchmarks/checkpoint.py --repeats 3
 	$(PY) benchmarks/recompute.py
 	$(PY) benchmarks/planner.py --steps 3
+	$(PY) benchmarks/calibration_spread.py
+	$(PY) benchmarks/op_prices.py
 	$(PY) benchmarks/memory_model.py
 	$(PY) benchmarks/cold_start.py
 	$(PY) benchmarks/generate.py --new 16 --rounds 1
