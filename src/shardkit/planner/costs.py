@@ -56,6 +56,12 @@ class Setting:
         used (1 without ``fsdp``; ``runtime/meshes.py``'s data mesh)."""
         return self.fsdp * self.sp * self.ep if self.fsdp > 1 else 1
 
+    def itemsizes(self, master: int) -> tuple[int, int]:
+        """Bytes an element is computed and reduced in, for parameters of ``master`` bytes: the compute
+        dtype's (else the parameters'), the reduce dtype's (else the compute dtype's)."""
+        compute = self.compute_dtype.itemsize if self.compute_dtype is not None else master
+        return compute, self.reduce_dtype.itemsize if self.reduce_dtype is not None else compute
+
     @property
     def mixed_precision(self) -> bool:
         """Whether compute or gradient reduction runs below float32 (the runtime's rule,

@@ -342,8 +342,7 @@ def step_peak(costs: Costs, s: Setting, batch_size: int) -> int:
     ``benchmarks/memory_model.py`` measures, a step accumulating into a warm-up's gradients."""
     n = costs.numbers
     master = n.itemsize
-    compute = s.compute_dtype.itemsize if s.compute_dtype is not None else master
-    reduce = s.reduce_dtype.itemsize if s.reduce_dtype is not None else compute
+    compute, reduce = s.itemsizes(master)
     params = blocks_per_device(n, s) * n.block_params_at(s.ep) + n.embedding_params + n.head_params
     phases = step_phases(n, s, tokens_per_microbatch(s, batch_size, costs.seq_len), True, True, params, compute,
                          reduce, compute / master)
@@ -366,8 +365,7 @@ def memory_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer
     """
     n = costs.numbers
     master = n.itemsize
-    compute = s.compute_dtype.itemsize if s.compute_dtype is not None else master
-    reduce = s.reduce_dtype.itemsize if s.reduce_dtype is not None else compute
+    compute, reduce = s.itemsizes(master)
     scale = compute / master  # activations were measured in the parameters' dtype
     shards = s.shards
     blocks = blocks_per_device(n, s)

@@ -175,7 +175,7 @@ def time_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer: 
             parts["dtensor"] = parts.get("dtensor", 0.0) + m * (blocks * calls + 3) * hw.dtensor_collective
         syncs += m * (blocks * calls + 3)
     # data parallel: gradients (DDP, in buckets) or parameters and gradients (FSDP, per unit), behind compute
-    reduce = s.reduce_dtype.itemsize if s.reduce_dtype is not None else itemsize
+    reduce = s.itemsizes(itemsize)[1]
     if s.fsdp > 1:
         units = blocks + 1
         gather = _collective("all_gather", dense * itemsize, shards, _link(hw, shape, ("fsdp", "sp", "ep"), "all_gather"),
