@@ -193,6 +193,20 @@ def test_the_attention_core_runs_at_the_fused_kernels_own_rate(gpt, recompute, r
         {k: v for k, v in whole.items() if k not in ("compute", "skew")}
 
 
+def test_only_a_fused_attention_kernel_runs_at_its_own_rate():
+    """A Llama with eager attention runs its core as matrix products (at their rate, whatever the fused
+    kernel's); the same Llama on SDPA runs a fused kernel, priced at ``attention_efficiency`` of them."""
+    from shardkit.models.hf import tiny_llama_config
+
+    for implementation, fused in (("eager", False), ("sdpa", True)):
+        costs = Costs.of(tiny_llama_config(num_hidden_layers=2, attn_implementation=implementation), SEQ, 1, None)
+        assert costs.numbers.fused_attention is fused and costs.numbers.core_flops > 0
+        s = Setting.of(sk.Plan(sk.Mesh(dp=1)))
+        whole, half = (time_of(costs, s, BATCH, dataclasses.replace(A100, attention_efficiency=e))["compute"]
+                       for e in (1.0, 0.5))
+        assert (half > whole) is fused
+
+
 def test_data_parallel_pays_its_own_copies(gpt):
     """DDP scales each gradient into its bucket and copies it back (2 calls, 4 passes); FSDP2 copies each
     unit's shard in and the unit out per all-gather, the gradients in per reduce-scatter (2 and 1 calls)."""

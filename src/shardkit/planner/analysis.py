@@ -120,7 +120,9 @@ class ModelAnalysis:
     the parameters'. ``notes``: what the numbers rest on that a reader should know (blocks that
     differ, an attention kernel that saves ``[seq, seq]`` probabilities). ``experts``: a mixture of
     experts' experts in the block shown (``None`` without), whose FLOPs the block's count for
-    ``top_k`` experts per token, as the model computes them.
+    ``top_k`` experts per token, as the model computes them. ``fused_attention``: the attention core ran
+    as a fused kernel (SDPA's flash or memory-efficient one), whose rate is ``Hardware.attention_efficiency``
+    of the matrix products'.
     """
 
     name: str
@@ -142,6 +144,7 @@ class ModelAnalysis:
     head_dim: int = 0
     notes: tuple[str, ...] = ()
     experts: ExpertCosts | None = None
+    fused_attention: bool = False
     _rules: LayoutMap | None = field(default=None, repr=False, compare=False)
     _rules_problem: PlanError | None = field(default=None, repr=False, compare=False)
 
@@ -368,7 +371,8 @@ def _analyse_blocks(model: nn.Module, family: Family, blocks: list[str], name: s
         kv_heads=attention.kv_heads if attention else 0, vocab=family.vocab_size(model) or 0,
         intermediate=_intermediate(model, family, blocks[0]), dtype=dtype, tied=_tied(model, family), total_params=total,
         family=_family_label(model, family), head_dim=attention.head_dim if attention else 0,
-        notes=tuple(notes), experts=experts, _rules=rules, _rules_problem=rules_problem)
+        notes=tuple(notes), experts=experts, fused_attention=measured.fused, _rules=rules,
+        _rules_problem=rules_problem)
 
 
 def _share(measured: Measurement) -> None:

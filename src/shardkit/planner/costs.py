@@ -153,6 +153,7 @@ class Numbers:
     embedding_dtensor_params: tuple[int, int] = (0, 0)
     head_dtensor_params: tuple[int, int] = (0, 0)
     block_tp_boundaries: tuple[int, int] = (2, 2)  # column-parallel inputs, row-parallel outputs (Megatron's 2, 2)
+    fused_attention: bool = False  # the attention core is a fused kernel (priced at Hardware.attention_efficiency)
 
     def block_params_at(self, ep: int) -> int:
         """Elements of one block a rank holds before FSDP: its experts split over ``ep``."""
@@ -181,7 +182,7 @@ class Numbers:
                    block_dtensor_ops=a.block.dtensor_ops, embedding_dtensor_ops=a.embedding.dtensor_ops,
                    head_dtensor_ops=a.head.dtensor_ops, block_dtensor_params=a.block.dtensor_params,
                    embedding_dtensor_params=a.embedding.dtensor_params, head_dtensor_params=a.head.dtensor_params,
-                   block_tp_boundaries=a.block.tp_boundaries)
+                   block_tp_boundaries=a.block.tp_boundaries, fused_attention=a.fused_attention)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -100,11 +100,12 @@ class Tally:
 class Measurement:
     """Tallies of ``embedding``, ``block.0`` ... ``block.{n-1}`` and ``head``; ``quadratic``: the
     attention ran as separate matrix products (a math kernel, saving ``[heads, seq, seq]`` tensors),
-    not as a fused kernel."""
+    not as a fused kernel; ``fused``: it ran as a fused kernel (SDPA's flash or memory-efficient one)."""
 
     parts: dict[str, Tally]
     blocks: int
     quadratic: bool = False
+    fused: bool = False
 
 
 def block_names(model: nn.Module) -> list[str]:
@@ -318,7 +319,7 @@ def measure(model: nn.Module, family: Family, blocks: list[str], seq_len: int, d
                 module.training = mode
     fused = any(op in counter.flop_counts["Global"] for op in FUSED_ATTENTION)
     quadratic = not fused and any(t.flops.get("attention_core") for t in recorder.parts.values())
-    return Measurement(dict(recorder.parts), len(blocks), quadratic)
+    return Measurement(dict(recorder.parts), len(blocks), quadratic, fused)
 
 
 def _distributed_parameters(model: nn.Module, plan: AxisPlan | None,

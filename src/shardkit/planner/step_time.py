@@ -127,8 +127,9 @@ def time_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer: 
     traffic *= itemsize / n.itemsize  # measured in the parameters' dtype, moved in the compute dtype
     products = _forward_backward(hw, s, blocks, n.embedding_products, n.head_products, n.block_products,
                                  {"none": 0, "selective": n.core_products, "full": n.block_products}[s.recompute])
-    # the attention core's FLOPs (forward, backward twice, again under recompute) at the fused kernel's own rate
-    core = blocks * (3 + (s.recompute != "none")) * n.core_flops * (1 / hw.attention_efficiency - 1)
+    # a fused attention core's FLOPs (forward, backward twice, again under recompute) at the kernel's own rate
+    core = blocks * (3 + (s.recompute != "none")) * n.core_flops * (1 / hw.attention_efficiency - 1) \
+        if n.fused_attention else 0.0
     compute = m * (tokens * ((flops + core) / flops_rate + traffic / hw.memory_bandwidth) + ops * hw.op_overhead
                    + products * hw.matmul_latency)
     dtensor = m * dtensor_ops(n, s, hw, blocks) * hw.dtensor_overhead
