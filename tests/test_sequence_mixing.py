@@ -283,3 +283,23 @@ def test_verify_causal_convolutions_under_context_parallel(world, build, plan, l
 def test_verify_megatron_sequence_parallel_with_a_mixer_dtensor_gathers(world, build):
     result = verify(build, MEGATRON, _tokens(32, batch=4), loss_fn=gpt_loss, steps=2, world=world(2))
     assert result.ok, str(result)
+
+
+def test_ring_attention_leaves_the_builders_config_as_it_was():
+    """Installing ring attention on a transformers model writes the attention implementation into the
+    model's own copy of its config: a builder reusing one config object (``partial(LlamaForCausalLM,
+    config)``) builds its next model with the attention it asked for, not the ring's."""
+    from transformers import LlamaForCausalLM
+
+    from shardkit.families.hf import HF_ATTENTION, HFFamily
+    from shardkit.models.hf import tiny_llama_config
+
+    config = tiny_llama_config(num_hidden_layers=2)
+    asked = config._attn_implementation
+    model = LlamaForCausalLM(config)
+    HFFamily().install_attention(model, lambda q, k, v, scale=None: q)
+    assert config._attn_implementation == asked != HF_ATTENTION
+    assert model.config._attn_implementation == HF_ATTENTION and model.config is not config
+    attentions = [m for m in model.modules() if type(m).__name__ == "LlamaAttention"]
+    assert attentions and all(m.config is model.config for m in attentions)  # one copy, shared as before
+    assert LlamaForCausalLM(config).config._attn_implementation == asked

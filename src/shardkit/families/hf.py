@@ -175,6 +175,7 @@ class HFFamily(Family):
         from transformers import AttentionInterface
 
         AttentionInterface.register(HF_ATTENTION, _interface_attention)
+        _own_configs(model)
         model.set_attn_implementation(HF_ATTENTION)
         for _, module in self._attention_modules(model):
             setattr(module, _ATTENTION_ATTR, attention)
@@ -255,6 +256,24 @@ class GPT2Family(HFFamily):
 
 def _is_gpt2_attention(module: nn.Module) -> bool:
     return hasattr(module, "c_attn") and hasattr(module, "split_size") and hasattr(module, "embed_dim")
+
+
+def _own_configs(model: nn.Module) -> None:
+    """Give ``model``'s modules copies of their configs, copied together (a sub-config shared by two
+    modules stays shared): transformers' ``set_attn_implementation`` writes into the config, which the
+    model shares with whoever built it (a builder that makes every model from one config object
+    would find ring attention asked of its next model, which has none installed)."""
+    import copy
+
+    root = getattr(model, "config", None)
+    if root is None:
+        return
+    copies: dict[int, Any] = {}
+    copy.deepcopy(root, copies)  # the memo maps each copied object's id to its copy
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and id(config) in copies:
+            module.config = copies[id(config)]
 
 
 __all__ = ["GPT2Family", "HFFamily", "HF_ATTENTION", "is_hf_model"]
