@@ -116,14 +116,11 @@ class PartCost:
 class ModelAnalysis:
     """What :func:`analyse` measured: the parts (at ``tp``), ``layers`` blocks, the model's sizes.
 
-    ``total_params``: the whole model at ``tp=1``, a tied output layer counted once. ``dtype``:
-    the parameters'. ``notes``: what the numbers rest on that a reader should know (blocks that
-    differ, an attention kernel that saves ``[seq, seq]`` probabilities). ``experts``: a mixture of
-    experts' experts in the block shown (``None`` without), whose FLOPs the block's count for
-    ``top_k`` experts per token, as the model computes them. ``fused_attention``: the attention core ran
-    as a fused kernel (SDPA's flash or memory-efficient one), whose rate is ``Hardware.attention_efficiency``
-    of the matrix products'.
-    """
+    ``total_params``: the whole model at ``tp=1``, a tied output layer counted once. ``dtype``: the parameters'.
+    ``notes``: what the numbers rest on that a reader should know (blocks that differ, an attention kernel that
+    saves ``[seq, seq]`` probabilities). ``experts``: a mixture of experts' experts in the block shown (``None``
+    without), whose FLOPs the block's count for ``top_k`` experts per token, as the model computes them.
+    ``fused_attention``: the core ran as a fused kernel, priced at ``Hardware.attention_efficiency``."""
 
     name: str
     seq_len: int
@@ -371,8 +368,7 @@ def _analyse_blocks(model: nn.Module, family: Family, blocks: list[str], name: s
         kv_heads=attention.kv_heads if attention else 0, vocab=family.vocab_size(model) or 0,
         intermediate=_intermediate(model, family, blocks[0]), dtype=dtype, tied=_tied(model, family), total_params=total,
         family=_family_label(model, family), head_dim=attention.head_dim if attention else 0,
-        notes=tuple(notes), experts=experts, fused_attention=measured.fused, _rules=rules,
-        _rules_problem=rules_problem)
+        notes=tuple(notes), experts=experts, fused_attention=measured.fused, _rules=rules, _rules_problem=rules_problem)
 
 
 def _share(measured: Measurement) -> None:
