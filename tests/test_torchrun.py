@@ -69,7 +69,8 @@ def test_plan_auto_under_torchrun_measures_the_torchrun_world_once_and_every_ran
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     # every rank measured the world together, once: the second plan read the kept file (rank 0) instead
-    assert sorted(line for line in lines if line.startswith("MEASURE")) == ["MEASURE rank 0", "MEASURE rank 1"]
+    assert sorted(line for line in lines if line.startswith("MEASURE")) == ["MEASURE rank 0", "MEASURE rank 1"], \
+        (proc.stdout[-3000:], proc.stderr[-3000:], sorted(p.name for p in cache.rglob("*")))
     assert proc.stderr.count("measuring the torchrun world of 2 processes") == 1
     name = "torchrun-2-gloo-cpu"
     assert [line for line in lines if line.startswith("WROTE")] == [f"WROTE rank 0 {name}.yaml {name}"]
