@@ -7,7 +7,8 @@ products and attention kernels (priced by their FLOPs) are summed apart, every o
 priced as the planner prices it (its tensors' bytes over the memory bandwidth, plus the operator
 overhead), views apart (the planner counts them as no call). The rates are measured in the same
 process first (products at the planner's sizes, the bandwidth probe's operators, the overhead
-probe's tiny step), so the comparison is with this process's own figures; then the planner's
+probe's tiny step, the attention probe's shape: calibrate's probes need a process group and time a
+world of processes, this one process on one thread), so the comparison is with its own figures; then the planner's
 estimate of the same step on them is set against the step's CPU seconds (the named baseline).
 
     PYTHONPATH=src python benchmarks/op_prices.py [--steps 5]
@@ -26,10 +27,11 @@ from rich.console import Console
 from rich.table import Table
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-from torch.utils.flop_counter import flop_registry
+from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 import shardkit as sk
 from shardkit.models.gpt import gpt_loss
+from shardkit.observe.probes import ATTENTION_SHAPES
 from shardkit.planner.counters import EXTRA_FLOPS, OpCounter
 from shardkit.planner.estimate import estimate
 from shardkit.planner.step_time import BACKWARD_TRAFFIC
@@ -94,10 +96,15 @@ def rates() -> tuple[float, float, float, float]:
     with OpCounter(ops.append):
         layer(tiny).sum().backward()
     overhead = _cpu_seconds(lambda: layer(tiny).sum().backward(), 2000) / len(ops)
-    q, k, v = (torch.randn(2, 8, 256, 64, requires_grad=True) for _ in range(3))
-    flops = 3 * 4 * 2 * 8 * 256 * 256 * 64  # forward's two products, backward twice it
-    attention = flops / _cpu_seconds(lambda: torch.nn.functional.scaled_dot_product_attention(
-        q, k, v, is_causal=True).backward(torch.ones_like(q)), 20)
+    shape, _ = ATTENTION_SHAPES["cpu"]
+    q, k, v = (torch.randn(shape, requires_grad=True) for _ in range(3))
+
+    def attend() -> torch.Tensor:
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    with FlopCounterMode(display=False, custom_mapping=EXTRA_FLOPS) as counter:  # as calibrate's probe counts
+        attend()
+    attention = 3 * counter.get_total_flops() / _cpu_seconds(lambda: attend().backward(torch.ones_like(q)), 20)
     return best, bandwidth, overhead, min(1.0, attention / best)
 
 

@@ -58,7 +58,8 @@ a training step there sees:
 Every time is read with the one timer (:func:`~shardkit.runtime.devices.clock`, which waits for a
 GPU's kernels); what runs alone on each rank (products, bandwidth, the overheads) on processes that
 outnumber a CPU's cores with :func:`~shardkit.runtime.devices.busy_clock` (their CPU seconds over
-their share of the cores), so that other jobs' load is not measured as the machine's speed. The hardware's name, and the key it is kept under (:func:`cached`), say where it was
+their share of the cores), so that other jobs' load is not measured as the machine's speed. The
+hardware's name, and the key it is kept under (:func:`cached`), say where it was
 measured: ``local-2-gloo-cpu``, ``torchrun-8-nccl-nvidia-h100-80gb-hbm3``; a CPU measurement is never
 taken for GPUs.
 

@@ -8,7 +8,8 @@ are consecutive and fit in one, else across nodes:
 
 - ``compute``: per micro-batch, matmul FLOPs over ``peak FLOP/s x matmul_efficiency`` in the
   compute dtype (the attention core's at ``attention_efficiency`` of it) plus ``matmul_latency``
-  per matrix product (a product's efficiency grows with its size: ``Hardware.matmul_efficiency_at``), plus the bytes the other operators read and write over
+  per matrix product (a product's efficiency grows with its size: ``Hardware.matmul_efficiency_at``),
+  plus the bytes the other operators read and write over
   ``memory_bandwidth``, plus operator calls x ``op_overhead``; the backward costs twice the
   forward's FLOPs, products and calls and :data:`BACKWARD_TRAFFIC` times its bytes, recompute runs
   the forward (``full``) or the attention core (``selective``: its share of the block's FLOPs,
@@ -199,20 +200,20 @@ def time_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer: 
         parts["fsdp"] = _exposed(comm, compute, hw) + gather / units + calls * hw.op_overhead \
             + moved / hw.memory_bandwidth
     elif s.dp * s.sp * s.ep > 1:  # DDP (or replicate) over every data rank (sp's too); the experts but over ep
-        size, units = dense * reduce, 1 + (blocks * n.moe_modules if experts else 0)
+        size, units, plain_ddp = dense * reduce, 1 + (blocks * n.moe_modules if experts else 0), ddp(s)
         # DDP all-reduces its buckets, FSDP2's replicate each unit (the model, each experts module) flat
-        buckets = max(1, math.ceil(size / DDP_BUCKET_BYTES)) if ddp(s) else 1
+        buckets = max(1, math.ceil(size / DDP_BUCKET_BYTES)) if plain_ddp else 1
         comm = _collective("all_reduce", size, s.dp * s.sp * s.ep, _link(hw, shape, ("dp", "sp", "ep"), "all_reduce"),
                            calls=buckets)
         if experts and s.dp * s.sp > 1:
             comm += _collective("all_reduce", experts * reduce, s.dp * s.sp, _link(hw, shape, ("dp", "sp"), "all_reduce"),
-                                calls=max(1, math.ceil(experts * reduce / DDP_BUCKET_BYTES)) if ddp(s) else units - 1)
+                                calls=max(1, math.ceil(experts * reduce / DDP_BUCKET_BYTES)) if plain_ddp else units - 1)
         # the wrapper's own copies, not hidden: DDP's, or FSDP2's replicate's
         calls, moved = wrapper_copies(s, tensors, units, stage_params, stage_params, 1, (n.itemsize, itemsize, reduce))
         # only the last micro-batch's backward produces the gradients to reduce (accumulation steps skip the
         # reduction): DDP's buckets but the last hide behind it; FSDP2's replicate reduces its units once the
         # backward has ended (a pipeline's after its last micro-batch), in the open
-        exposed = _exposed(comm - comm / buckets, compute * 2 / 3 / m, hw) + comm / buckets if ddp(s) else comm
+        exposed = _exposed(comm - comm / buckets, compute * 2 / 3 / m, hw) + comm / buckets if plain_ddp else comm
         parts["dp"] = exposed + calls * hw.op_overhead + moved / hw.memory_bandwidth
         syncs += 1  # the step waits for the last bucket
     # expert parallel: per MoE layer the exchanges of expert_costs.exchanges, on the critical path
