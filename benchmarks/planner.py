@@ -199,7 +199,9 @@ def _save(folder: str, hw: sk.Hardware, candidates: list, measured: list[dict]) 
     Path(folder).mkdir(parents=True, exist_ok=True)
     hw.save(Path(folder) / "hardware.yaml")
     rows = {_describe(c.plan): {k: m[k] for k in ("step", "cpu", "others")} for c, m in zip(candidates, measured)}
-    (Path(folder) / "measured.json").write_text(json.dumps(rows, indent=1))
+    partial = Path(folder) / "measured.json.partial"  # a killed run leaves the last whole file
+    partial.write_text(json.dumps(rows, indent=1))
+    partial.replace(Path(folder) / "measured.json")
     console.print(f"saved to {folder}: replay with planner.py --replay {folder}")
 
 

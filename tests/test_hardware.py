@@ -335,3 +335,19 @@ def test_the_documented_file_loads(tmp_path):
     path = tmp_path / "doc.yaml"
     path.write_text(block)
     assert Hardware.load(path).to_dict() == {**PRESETS["a100-80g"].to_dict(), "name": "my-cluster"}
+
+
+def test_a_save_killed_half_way_leaves_the_file_before_it(tmp_path, monkeypatch):
+    """Hardware.save writes a temporary file and renames it over the old one: a save that dies before the
+    rename (here the rename itself) leaves the old file whole and no temporary beside it."""
+    path = tmp_path / "mine.yaml"
+    PRESETS["a100-80g"].save(path)
+    before = path.read_text()
+
+    def dies(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("os.replace", dies)
+    with pytest.raises(KeyboardInterrupt):
+        PRESETS["h100-80g"].save(path)
+    assert path.read_text() == before and sorted(p.name for p in tmp_path.iterdir()) == ["mine.yaml"]

@@ -75,7 +75,6 @@ from __future__ import annotations
 
 import math
 import os
-import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -401,17 +400,10 @@ def _cached_in_torchrun(folder: Path | None, recalibrate: bool, say: Callable[[s
 
 
 def write_atomically(hardware: Hardware, file: Path) -> None:
-    """Save ``hardware`` to ``file`` whole or not at all: written to a temporary file in the same
-    folder, then renamed over ``file`` (``os.replace``), so a reader never sees half a file."""
+    """Save ``hardware`` to ``file``, its folder made first: whole or not at all (:meth:`Hardware.save`
+    renames a temporary file over it), so a reader never sees half a file."""
     file.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=file.parent, prefix=f".{file.stem}.", suffix=file.suffix)
-    os.close(handle)
-    try:
-        hardware.save(temporary)
-        os.replace(temporary, file)
-    finally:
-        if os.path.exists(temporary):
-            os.unlink(temporary)
+    hardware.save(file)
 
 
 __all__ = ["BANDWIDTH_BYTES", "GPU_MATMUL_SIZES", "MATMUL_SIZES", "MESSAGE_SIZES", "SECONDS_PER_SIZE", "Calibration",

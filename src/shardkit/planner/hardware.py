@@ -225,7 +225,11 @@ class Hardware:
         return cls(flops=dict(data["flops"]), **scalars, **links)
 
     def save(self, path: str | Path) -> None:
-        """Write ``path``: ``.json``, or ``.yaml`` / ``.yml``; :meth:`load` reads it back equal."""
+        """Write ``path`` (``.json``, ``.yaml``, ``.yml``; :meth:`load` reads it back equal) whole or not at all:
+        a temporary file renamed over it, so a killed process leaves the old file, never half a new one."""
+        import os
+        import tempfile
+
         path = Path(path)
         _check_suffix(path, "Hardware.save")
         if path.suffix == ".json":
@@ -234,7 +238,14 @@ class Hardware:
             import yaml
 
             text = yaml.safe_dump(self.to_dict(), sort_keys=False)
-        path.write_text(text)
+        handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=path.suffix)
+        try:
+            with os.fdopen(handle, "w") as out:
+                out.write(text)
+            os.replace(temporary, path)
+        finally:
+            if os.path.exists(temporary):
+                os.unlink(temporary)
 
     @classmethod
     def load(cls, path: str | Path) -> Hardware:
