@@ -21,8 +21,9 @@ sequence_parallel, replicate, replicated_with_grad_allreduce, local  ``None``
 parameter itself (a mixture of experts' ``mlp.experts.gate_up_proj``, stacked ``[experts, out,
 in]``) splits its ``out`` dim (column styles) or its ``in`` dim (row styles). A parameter takes
 the entry naming it, else its module's: a module style with no equivalent whose parameters all
-have entries of their own (Qwen3-MoE's ``moe_tp_experts`` on ``mlp.experts``: how the experts'
-outputs are combined, which :func:`shardkit.validate` decides from the layouts) adds no rule. A
+have entries of their own (``moe_tp_experts`` on ``mlp.experts``, in Llama-4's plan and in
+Qwen3-MoE's up to transformers 5.24: how the experts' outputs are combined, which
+:func:`shardkit.validate` decides from the layouts) adds no rule. A
 parameter whose entry has a style with no equivalent is refused, naming the parameter, the entry
 and the axis. A mesh whose ``tp`` axis has size 1 splits nothing and needs no rules: the command
 line reads the plan only when ``tp`` > 1.
