@@ -14,7 +14,6 @@ from pipeline_zoo import build_qwen3_moe
 import shardkit as sk
 from shardkit.cli import main
 
-
 #: The experts' entries of Qwen3-MoE's tensor-parallel plan in transformers 5.24 (5.25 dropped them
 #: and splits its experts only under ``ep``; Llama-4's plan still has such entries): set on the
 #: model here, so what is tested is how ``from_hf`` reads them, whatever transformers is installed.
