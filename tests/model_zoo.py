@@ -432,3 +432,18 @@ def build_one_head_attention_mlp() -> BlocksLM:
 
 def build_two_head_attention_mlp() -> BlocksLM:
     return _seeded(lambda: BlocksLM(lambda: HeadsBlock(2, mlp=True)))
+
+
+#: The experts' entries of the tensor-parallel plans of Mixtral, Qwen2-MoE and Qwen3-MoE in
+#: transformers 5.24 (5.25 dropped them: its experts are split only by its expert-parallel plan;
+#: Llama-4's plan still has such entries). Tests of how ``LayoutMap.from_hf`` reads them set them on
+#: the model themselves, so that they test shardkit whatever transformers is installed.
+EXPERT_TP_ENTRIES = {"model.layers.*.mlp.experts.gate_up_proj": "packed_colwise",
+                     "model.layers.*.mlp.experts.down_proj": "rowwise",
+                     "model.layers.*.mlp.experts": "moe_tp_experts"}
+
+
+def with_expert_tp_entries(model):
+    """``model`` (a transformers MoE) with :data:`EXPERT_TP_ENTRIES` in its ``tp_plan``."""
+    model.tp_plan = {**model.tp_plan, **EXPERT_TP_ENTRIES}
+    return model

@@ -16,6 +16,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from model_zoo import with_expert_tp_entries
 
 import shardkit as sk
 from shardkit.models.gpt import GPT_RULES, build_tiny_gpt_moe, gpt_loss
@@ -254,9 +255,9 @@ def _problems(plan: sk.Plan, build) -> str:
 
 
 def test_experts_split_over_tp_by_a_rule_are_refused_by_parameter():
-    """transformers' own plan splits the experts over tp; with ep they are whole on their rank."""
-    text = _problems(sk.Plan(mesh=sk.Mesh(tp=2, ep=2), rules=sk.LayoutMap.from_hf(meta_model(build_tiny_mixtral))),
-                     build_tiny_mixtral)
+    """A plan splitting the experts over tp (transformers 5.24's own did); with ep they are whole on their rank."""
+    rules = sk.LayoutMap.from_hf(with_expert_tp_entries(meta_model(build_tiny_mixtral)))
+    text = _problems(sk.Plan(mesh=sk.Mesh(tp=2, ep=2), rules=rules), build_tiny_mixtral)
     assert ("parameter 'model.layers.0.mlp.experts.down_proj' of MoE layer 'model.layers.0.mlp.experts' is split "
             "over ['tp'] by layout (None, None, 'tp'), but with ep=2 each expert is held whole") in text
 

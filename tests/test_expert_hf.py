@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from model_zoo import with_expert_tp_entries
 from safetensors import safe_open
 from safetensors.torch import save_file
 from test_hf_weights import names_and_shapes
@@ -243,7 +244,7 @@ def test_an_expert_of_the_wrong_shape_or_one_too_many_is_named(tmp_path, folders
 # -- transformers' expert-parallel plan ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("build", [build_tiny_mixtral, build_tiny_qwen2_moe])
 def test_from_hf_with_ep_leaves_the_experts_to_ep_and_splits_attention(build):
-    model = meta_model(build)
+    model = with_expert_tp_entries(meta_model(build))  # a tensor-parallel plan splitting the experts
     with_ep, tensor_parallel = sk.LayoutMap.from_hf(model, ep=True), sk.LayoutMap.from_hf(model)
     for name, _ in model.named_parameters():
         if STACKED.search(name):  # base_model_ep_plan's grouped_gemm: whole over tp, ep splits dim 0

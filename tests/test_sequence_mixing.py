@@ -96,6 +96,26 @@ def test_jamba_mamba_layer_is_refused_under_sp_by_name():
     assert "aten.select" in problems[0] and "a recurrence or a scan" in problems[0] and "sp=1" in problems[0]
 
 
+class _SplitAtTheEnd(nn.Module):
+    """A sequence split where its second piece is empty (``tensor_split`` at the length, as transformers
+    5.25's Mamba scan splits off the positions it would step one by one), the pieces joined again."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        whole, rest = torch.tensor_split(x, [x.shape[1]], dim=1)
+        return torch.cat([2 * whole, rest], dim=1)
+
+
+def _build_gpt_split_at_the_end():
+    model = build_gpt_with("cumsum")
+    model.layers[0].mixer = _SplitAtTheEnd()
+    return model
+
+
+def test_an_empty_piece_of_the_sequence_mixes_no_positions():
+    """An empty cut holds no position and a join with empty pieces is the whole piece: accepted."""
+    assert _problems(SP2, _build_gpt_split_at_the_end) == []
+
+
 def test_jamba_is_accepted_without_sp():
     assert _problems(Plan(mesh=Mesh(fsdp=2)), build_jamba) == []
 

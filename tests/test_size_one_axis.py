@@ -9,23 +9,15 @@ import json
 
 import pytest
 import torch
+from model_zoo import with_expert_tp_entries
 from pipeline_zoo import build_qwen3_moe
 
 import shardkit as sk
 from shardkit.cli import main
 
-#: The experts' entries of Qwen3-MoE's tensor-parallel plan in transformers 5.24 (5.25 dropped them
-#: and splits its experts only under ``ep``; Llama-4's plan still has such entries): set on the
-#: model here, so what is tested is how ``from_hf`` reads them, whatever transformers is installed.
-EXPERT_ENTRIES = {"model.layers.*.mlp.experts.gate_up_proj": "packed_colwise",
-                  "model.layers.*.mlp.experts.down_proj": "rowwise",
-                  "model.layers.*.mlp.experts": "moe_tp_experts"}
-
 
 def _qwen3_moe_with_expert_entries():
-    model = sk.meta_model(build_qwen3_moe)
-    model.tp_plan = {**model.tp_plan, **EXPERT_ENTRIES}
-    return model
+    return with_expert_tp_entries(sk.meta_model(build_qwen3_moe))
 
 
 def test_from_hf_reads_a_mixture_of_experts_plan():

@@ -307,7 +307,8 @@ class SequenceWatch(TorchDispatchMode):
             dim = int(bound["dim"]) % first.dim()
             size = first.shape[dim]
             start, end, _ = slice(bound.get("start"), bound.get("end"), bound.get("step", 1)).indices(size)
-            if dim in seq and (start, end, bound.get("step", 1)) != (0, size, 1):
+            # an empty cut holds no position (torch.tensor_split's piece past the end: Jamba's scan in transformers 5.25)
+            if dim in seq and start < end and (start, end, bound.get("step", 1)) != (0, size, 1):
                 raise _Mixes(f"cuts the sequence to positions [{start}:{end}] (a shift, or a part of the sequence "
                              f"taken as the whole)")
             return routed
@@ -323,9 +324,11 @@ class SequenceWatch(TorchDispatchMode):
                 raise _Mixes("cuts the sequence into pieces")
             return routed
         if name == "cat":
-            pieces = [t for t in bound.get("tensors") or () if isinstance(t, torch.Tensor)]
+            # empty pieces add no position: one whole piece alone is the identity (a scan's outputs joined)
+            pieces = [t for t in bound.get("tensors") or () if isinstance(t, torch.Tensor) and t.numel()]
             dim = int(bound.get("dim") or 0) % max(outs[0].dim(), 1)
-            if any(dim in self._sized(t) for t in pieces) and not all(self.routing(t) for t in carried):
+            if len(pieces) > 1 and any(dim in self._sized(t) for t in pieces) \
+                    and not all(self.routing(t) for t in carried):
                 raise _Mixes(_ALONG["cat"])
             return routed
         if name == "nonzero":
