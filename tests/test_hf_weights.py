@@ -295,7 +295,10 @@ def test_a_rank_holds_its_shards_and_one_tensor_while_building_and_exporting(wor
     for rank, (built, exported, shards) in enumerate(results):
         assert shards < whole / 3
         assert built <= shards + largest, (rank, built, shards, largest)
-        assert exported <= 3 * largest + 2**16, (rank, exported, largest)  # a gathered tensor, its send, rank 0's write
+        # a gathered tensor, its send, rank 0's write; and for a moment gloo's worker thread may still hold the
+        # previous gather's buffers (a rank 1 read 3 x largest + 70 KB under load, 2 x largest alone): far
+        # below the model whole (13 x largest), which is what this bounds
+        assert exported <= 3 * largest + 2**18, (rank, exported, largest)
 
 
 # --- names as transformers writes them, for models nobody here wrote -------------------------------
