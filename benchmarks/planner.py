@@ -2,7 +2,7 @@
 
 1. **The local world** (4 gloo processes on this machine, its hardware measured by
    ``sk.calibrate`` in the same run): every plan ``sk.autoshard`` finds feasible for a
-   reference GPT (one per degree choice, with its best options) is run a few steps, every plan
+   reference GPT (one per degree choice, with its best options) is run a few steps back to back, every plan
    in turn and twice over (the faster round kept, so other work on the shared machine hits
    every plan alike); the measured step time is set against the predicted one (Spearman's rank
    correlation), and the chosen plan's measured throughput against the best measured. A fixed set of plans covering
@@ -62,8 +62,10 @@ def _batch():
 
 def run_plan(ctx, steps: int, memory: bool) -> dict:
     """With ``memory``: the peak tensor bytes over sharding and two steps (the profiler slows it);
-    else the median wall time of ``steps`` steps after one to warm up, and the median CPU seconds
-    this process (all its threads, gloo's included) spent in a step."""
+    else, after one step to warm up, the wall time of ``steps`` steps run back to back as training
+    runs them (a barrier before the first and after the last, none between: a barrier per step adds
+    a wait for the last rank that training does not have) per step, and the CPU seconds this process
+    (all its threads, gloo's included) spent per step."""
     import time
 
     import torch.distributed as dist
@@ -78,20 +80,16 @@ def run_plan(ctx, steps: int, memory: bool) -> dict:
             optimizer.step()
     if memory:
         return {"peak": peak.peak_bytes()}
-    times, cpu = [], []
     dist.barrier()
-    machine, own = _machine_busy(), time.process_time()
+    machine, start, cpu_start = _machine_busy(), clock(), time.process_time()
     for _ in range(steps):
-        dist.barrier()
-        start, cpu_start = clock(), time.process_time()
         optimizer.zero_grad()
         model.step(inputs, targets, gpt_loss)
         optimizer.step()
-        cpu.append(time.process_time() - cpu_start)
-        dist.barrier()
-        times.append(clock() - start)
-    return {"step": statistics.median(times), "cpu": statistics.median(cpu),
-            "machine": (_machine_busy() - machine) / steps, "own": (time.process_time() - own) / steps}
+    dist.barrier()  # every rank's time ends with the last rank's last step
+    cpu = time.process_time() - cpu_start
+    return {"step": (clock() - start) / steps, "cpu": cpu / steps, "machine": (_machine_busy() - machine) / steps,
+            "own": cpu / steps}
 
 
 def _machine_busy() -> float:
