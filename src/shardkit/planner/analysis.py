@@ -83,7 +83,8 @@ class PartCost:
     ``tp=1``); ``tp_boundaries``: column-parallel inputs, row-parallel outputs (tp's collectives).
     ``half_activations_per_token``: the bytes saved with the parameters in a 2-byte float dtype
     (bfloat16, float16: measured in bfloat16), of which ``fixed_activations_per_token`` in other
-    dtypes (a norm's float32 upcast, integer indices): what does not follow the compute dtype.
+    dtypes (a norm's float32 upcast, integer indices): what does not follow the compute dtype
+    (``None``: not measured, a part made by hand).
     ``rebuilt_per_token``: what full recompute holds while it runs the part again (its saved tensors
     and the values alive beside them, its input aside); ``half_rebuilt_per_token``: the same in a
     2-byte dtype, and of which in other dtypes.

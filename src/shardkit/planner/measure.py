@@ -26,6 +26,12 @@ same shapes, so a rank's FLOPs and saved bytes are what it computes and keeps. T
 the rank would run on DTensors are followed from the split modules' parameters and inputs
 (:class:`~shardkit.planner.counters.DTensorPaths`, :func:`_dtensor_styles`), with and without
 Megatron SP (:data:`DTENSOR_VARIANTS`).
+
+Saved bytes depend on the compute dtype in ways no itemsize ratio tells (transformers' RMSNorm
+saves a float32 copy of its input whatever it is; in float32 that upcast is no copy at all), so
+unless the parameters are 2-byte floats the forward runs again in :data:`HALF`, counting only the
+saved tensors and their dtypes. Each pass also keeps what full recompute holds rebuilding a part
+(:class:`~shardkit.planner.counters.Births`: what its operators made that is alive at a save).
 """
 
 from __future__ import annotations

@@ -21,7 +21,8 @@ list with the reasons):
 - ``gathered``, ``activations``, ``temporaries``: what a step adds, in the categories of torch's
   memory tracker that ``sk.dry_run`` reads (:mod:`shardkit.observe.step_cost`), each at its own
   peak over the step's phases (:func:`step_phases`, which states every term): FSDP2's unsharded
-  parameters, gradients and collective buffers; the tensors saved for backward (the micro-batches
+  parameters, gradients and collective buffers; the tensors saved for backward, in the compute dtype
+  as measured in it (:meth:`~shardkit.planner.costs.Numbers.computing_in`) (the micro-batches
   in flight: no pipeline 1; GPipe m; 1F1B min(m, p); interleaved min(m, p)(1 + (p-1)/(p v)));
   what the backward allocates (the loss's and the head's gradients, a block's, the embedding's; DDP's
   gradient buckets, :func:`ddp`).
