@@ -218,6 +218,22 @@ def test_traffic_grows_with_the_hidden_size_and_operator_calls_do_not():
     assert bf16.block.traffic_per_token < small.block.traffic_per_token
 
 
+def test_the_bytes_saved_in_bfloat16_are_measured_with_what_stays_float32():
+    config = tiny_llama_config()
+    llama = sk.analyse(config, seq_len=SEQ)
+    # measured in bfloat16 as a model built in it is: per component the same bytes
+    assert llama.block.half_activations_per_token == \
+        sk.analyse(config, seq_len=SEQ, dtype=torch.bfloat16).block.activations_per_token
+    # each of the block's two RMSNorms saves a float32 copy of its input and its float32 rsqrt per token
+    assert llama.block.fixed_activations_per_token["norm"] == 2 * (4 * config.hidden_size + 4)
+    assert llama.block.half_activations_per_token["norm"] > llama.block.activations_per_token["norm"] / 2
+    gpt = sk.analyse("gpt-tiny", seq_len=16)  # a LayerNorm that does not upcast: its bytes halve
+    assert gpt.block.fixed_activations_per_token["norm"] == 0
+    assert gpt.block.half_activations_per_token["norm"] == gpt.block.activations_per_token["norm"] / 2
+    # full recompute's rebuilt block: what it makes and holds, its input aside (saved by the first norm)
+    assert 0 < llama.block.rebuilt_per_token < llama.block.activations
+
+
 def test_a_module_is_left_as_it_was():
     model = GPT(GPTConfig(layers=4, seq_len=32))
     model.eval()

@@ -94,11 +94,12 @@ def test_pipeline_schedules_hold_different_micro_batches():
     assert interleaved.step_time_parts["bubble"] < one_f_one_b.step_time_parts["bubble"]
 
 
-def test_compute_dtype_halves_activations_and_speeds_up():
+def test_compute_dtype_halves_activations_but_the_float32_upcasts_and_speeds_up():
     fp32 = _est(sk.Plan(sk.Mesh(fsdp=8)), model="llama3-8b", batch=8, seq=2048, hardware="h100-80g")
     bf16 = _est(sk.Plan(sk.Mesh(fsdp=8), fsdp=sk.FSDPOptions(param_dtype="bfloat16")), model="llama3-8b", batch=8,
                 seq=2048, hardware="h100-80g")
-    assert bf16.memory["activations"] == pytest.approx(fp32.memory["activations"] / 2, rel=0.01)
+    # Llama's RMSNorm saves a float32 copy of its input whatever the compute dtype (measured in bfloat16)
+    assert fp32.memory["activations"] / 2 < bf16.memory["activations"] < 0.6 * fp32.memory["activations"]
     assert bf16.memory["parameters"] == fp32.memory["parameters"]  # fp32 master weights
     assert bf16.step_time < fp32.step_time / 5
 

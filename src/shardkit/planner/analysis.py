@@ -81,6 +81,13 @@ class PartCost:
     and attention kernels of one forward; ``dtensor_ops``, ``dtensor_params``: operators one forward
     runs on DTensors and parameters that are DTensors, without and with Megatron SP (zeros at
     ``tp=1``); ``tp_boundaries``: column-parallel inputs, row-parallel outputs (tp's collectives).
+    ``half_activations_per_token``: the bytes saved with the parameters in a 2-byte float dtype
+    (bfloat16, float16: measured in bfloat16), of which ``fixed_activations_per_token`` in other
+    dtypes (a norm's float32 upcast, integer indices): what does not follow the compute dtype
+    (``None``: not measured, a part made by hand).
+    ``rebuilt_per_token``: what full recompute holds while it runs the part again (its saved tensors
+    and the values alive beside them, its input aside); ``half_rebuilt_per_token``: the same in a
+    2-byte dtype, and of which in other dtypes.
 
     >>> part = PartCost("block", 10, 40, {"mlp": 20.0, "norm": 0.0}, {"mlp": 8.0, "norm": 4.0}, 3, 16.0)
     >>> part.flops, part.activations, part.ops, part.traffic_per_token
@@ -100,6 +107,10 @@ class PartCost:
     dtensor_ops: tuple[int, int] = (0, 0)
     dtensor_params: tuple[int, int] = (0, 0)
     tp_boundaries: tuple[int, int] = (0, 0)
+    half_activations_per_token: Mapping[str, float] | None = None
+    fixed_activations_per_token: Mapping[str, float] | None = None
+    rebuilt_per_token: float = 0.0
+    half_rebuilt_per_token: tuple[float, float] = (0.0, 0.0)
 
     @property
     def flops(self) -> float:
@@ -345,7 +356,7 @@ def _analyse_blocks(model: nn.Module, family: Family, blocks: list[str], name: s
     sharded_dims = fsdp_dims(model, rules)
     with routing_watch(model) as top_k:
         measured = measure(model, family, blocks, seq_len, dtype, plan, sharded_dims)
-    _share(measured)
+    measured.share()
     notes = []
     index, block, differ = _largest_block(measured)
     experts = block_experts(model, blocks[index], top_k, sliced_parameters(model, plan), tp, sharded_dims)
@@ -355,38 +366,20 @@ def _analyse_blocks(model: nn.Module, family: Family, blocks: list[str], name: s
         notes.append(f"the attention saves [heads, {seq_len}, {seq_len}] probabilities (a math kernel: eager "
                      f"attention, or attention dropout, which torch's CPU flash kernel does not take); a GPU flash "
                      f"kernel would save only its output and log-sum-exp")
-    parts = measured.parts
+    parts, half = measured.parts, (measured.half or measured)
     total = parts["embedding"].global_params + parts["head"].global_params + \
         sum(parts[f"block.{i}"].global_params for i in range(measured.blocks)) + \
         (layers - measured.blocks) * parts["block.0"].global_params  # the blocks that did not run are like the first
     attention = next(iter(family.attentions(model)), None)
     return ModelAnalysis(
         name=name, seq_len=seq_len, tp=tp,
-        embedding=_part("embedding", parts["embedding"], seq_len), block=_part("block", block, seq_len),
-        layers=layers, head=_part("head", parts["head"], seq_len),
+        embedding=_part("embedding", parts["embedding"], half, seq_len),
+        block=_part("block", block, half, seq_len, index), layers=layers, head=_part("head", parts["head"], half, seq_len),
         hidden=_hidden(model, family), heads=attention.heads if attention else 0,
         kv_heads=attention.kv_heads if attention else 0, vocab=family.vocab_size(model) or 0,
         intermediate=_intermediate(model, family, blocks[0]), dtype=dtype, tied=_tied(model, family), total_params=total,
         family=_family_label(model, family), head_dim=attention.head_dim if attention else 0,
         notes=tuple(notes), experts=experts, fused_attention=measured.fused, _rules=rules, _rules_problem=rules_problem)
-
-
-def _share(measured: Measurement) -> None:
-    """Count each saved storage once, where it is first held: storages every block saves alike (made
-    before the blocks: rotary ``cos``/``sin``) in the embedding part; a storage an earlier part saved
-    too (the token ids, saved by the embedding and again as the loss's targets) in that part only."""
-    parts = measured.parts
-    blocks = [parts[f"block.{i}"] for i in range(measured.blocks)]
-    embedding, head = parts["embedding"], parts["head"]
-    common = set(blocks[0].saved).intersection(*(b.saved for b in blocks[1:])) if len(blocks) > 1 else set()
-    for key in common:
-        embedding.saved.setdefault(key, blocks[0].saved[key])
-    for block in blocks:
-        for key in set(block.saved) & set(embedding.saved):
-            del block.saved[key]
-    earlier = set(embedding.saved).union(*(b.saved for b in blocks))
-    for key in set(head.saved) & earlier:
-        del head.saved[key]
 
 
 def _largest_block(measured: Measurement) -> tuple[int, Tally, str]:
@@ -400,13 +393,18 @@ def _largest_block(measured: Measurement) -> tuple[int, Tally, str]:
     return largest, blocks[largest], differ
 
 
-def _part(name: str, tally: Tally, seq_len: int) -> PartCost:
-    saved = tally.saved_by_component()
-    return PartCost(name, tally.params, tally.param_bytes,
-                    Components({c: tally.flops.get(c, 0.0) / seq_len for c in COMPONENTS}),
-                    Components({c: saved.get(c, 0.0) / seq_len for c in COMPONENTS}), tally.ops,
+def _part(name: str, tally: Tally, half: Measurement, seq_len: int, block: int = 0) -> PartCost:
+    """``half``: the measurement in a 2-byte dtype, whose part of that name (``block``: the block's
+    index) gives the saved bytes in it and those of its tensors in other dtypes."""
+    halved = half.parts[f"block.{block}" if name == "block" else name]
+    saved, in_half, fixed = (t.saved_by_component(other) for t, other in
+                             ((tally, None), (halved, None), (halved, half.dtype)))
+    per_token = [Components({c: values.get(c, 0.0) / seq_len for c in COMPONENTS})
+                 for values in (tally.flops, saved, in_half, fixed)]
+    return PartCost(name, tally.params, tally.param_bytes, *per_token[:2], tally.ops,
                     tally.traffic / seq_len, tuple(tally.pieces), tuple(tally.borrowed), tally.products,
-                    *tally.tensor_parallel_counts())
+                    *tally.tensor_parallel_counts(), *per_token[2:], tally.rebuilt[0] / seq_len,
+                    (halved.rebuilt[0] / seq_len, halved.rebuilt[1] / seq_len))
 
 
 def _token_embedding(model: nn.Module, family: Family) -> nn.Embedding | None:

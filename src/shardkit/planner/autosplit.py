@@ -192,7 +192,7 @@ def _measure(model: nn.Module, units: Sequence[tuple[str, Sequence[str]]], examp
     counter = FlopCounterMode(display=False, custom_mapping=EXTRA_FLOPS)
     booked: list[set[int]] = [set() for _ in units]
 
-    def on_saved(key: int, nbytes: int) -> None:
+    def on_saved(key: int, nbytes: int, _dtype: torch.dtype) -> None:
         if current and key not in booked[current[-1]]:
             booked[current[-1]].add(key)
             acts[current[-1]] += nbytes

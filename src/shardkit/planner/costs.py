@@ -6,14 +6,15 @@ arithmetic only (:mod:`shardkit.planner.memory`, :mod:`shardkit.planner.step_tim
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 from ..plan import LayoutMap, Mesh, Plan
 from ..plan.dtypes import torch_dtype
-from .analysis import ModelAnalysis, analyse
+from .analysis import ModelAnalysis, PartCost, analyse
 from .expert_costs import without
 from .measure import Piece
 from .space import MESH_ORDER, OPTIMIZER_STATES
@@ -130,6 +131,7 @@ class Numbers:
     block_core_recomputed: float  # of which selective recompute frees (not q, k, v and the output)
     embedding_act: float
     head_act: float
+    block_rebuilt: float  # what full recompute holds running a block again (saved and alive beside, its input aside)
     block_pieces: tuple[Piece, ...]  # the parameters as FSDP shards them
     embedding_pieces: tuple[Piece, ...]
     head_pieces: tuple[Piece, ...]
@@ -154,6 +156,23 @@ class Numbers:
     head_dtensor_params: tuple[int, int] = (0, 0)
     block_tp_boundaries: tuple[int, int] = (2, 2)  # column-parallel inputs, row-parallel outputs (Megatron's 2, 2)
     fused_attention: bool = False  # the attention core is a fused kernel (priced at Hardware.attention_efficiency)
+    # the saved bytes of :data:`SAVED` with the parameters in a 2-byte float dtype, and of which in other dtypes
+    half_saved: tuple[float, ...] = ()
+    half_fixed: tuple[float, ...] = ()
+
+    def computing_in(self, itemsize: int) -> Numbers:
+        """These numbers with the saved bytes (:data:`SAVED`) of a model computing in ``itemsize``-byte
+        floats: as measured in the parameters' dtype, else from the measurement in a 2-byte dtype, its
+        tensors in that dtype scaled and the others (a norm's float32 upcast, integer indices) as they are.
+
+        >>> n = Numbers.of(analyse("gpt-tiny", seq_len=16))
+        >>> n.computing_in(4) is n, n.computing_in(2).block_saved < n.block_saved
+        (True, True)
+        """
+        if itemsize == self.itemsize:
+            return self
+        return replace(self, **{name: (half - fixed) * itemsize / 2 + fixed
+                                for name, half, fixed in zip(SAVED, self.half_saved, self.half_fixed, strict=True)})
 
     def block_params_at(self, ep: int) -> int:
         """Elements of one block a rank holds before FSDP: its experts split over ``ep``."""
@@ -161,11 +180,14 @@ class Numbers:
 
     @classmethod
     def of(cls, a: ModelAnalysis) -> Numbers:
-        acts = a.block.activations_per_token
         core = a.block.flops_per_token["attention_core"]
         share = core / a.block.flops if a.block.flops else 0.0  # the attention core's share, for traffic and ops
         head_dim = a.head_dim or (a.hidden // a.heads if a.heads else 0)  # 0: a model without attention heads
-        qkvo = 2 * (a.heads + a.kv_heads) // a.tp * head_dim * a.dtype.itemsize
+        qkvo = 2 * (a.heads + a.kv_heads) // a.tp * head_dim  # elements of q, k, v and the output per token
+        saved = _saved(a, lambda part: part.activations_per_token, qkvo * a.dtype.itemsize, a.block.rebuilt_per_token)
+        half = _saved(a, lambda part: part.half_activations_per_token, qkvo * 2, a.block.half_rebuilt_per_token[0])
+        fixed = _saved(a, lambda part: part.fixed_activations_per_token, 0, a.block.half_rebuilt_per_token[1])
+        fixed = fixed[:3] + (min(fixed[3], half[3]),) + fixed[4:]  # q, k, v and the output follow the dtype
         e = a.experts
         experts = (e.modules, e.num_experts, e.top_k, e.params, e.shapes, without(a.block.pieces, e.measured)) \
             if e is not None else (0, 0, 0, 0, (), a.block.pieces)
@@ -173,16 +195,31 @@ class Numbers:
                    a.block.params, a.embedding.params, a.head.params, a.tied, a.block.flops, core,
                    a.embedding.flops, a.head.flops, a.block.traffic_per_token, share * a.block.traffic_per_token,
                    a.embedding.traffic_per_token, a.head.traffic_per_token, a.block.ops, round(share * a.block.ops),
-                   a.embedding.ops, a.head.ops, a.block.activations, acts["norm"] + acts["other"],
-                   acts["attention_core"], max(0.0, acts["attention_core"] - qkvo), a.embedding.activations,
-                   a.head.activations, a.block.pieces, a.embedding.pieces, a.head.pieces, a.head.borrowed, *experts,
+                   a.embedding.ops, a.head.ops, *saved, a.block.pieces, a.embedding.pieces, a.head.pieces,
+                   a.head.borrowed, *experts,
                    intermediate=a.intermediate // a.tp if a.intermediate % a.tp == 0 else a.intermediate,
                    block_products=a.block.products, core_products=round(share * a.block.products),
                    embedding_products=a.embedding.products, head_products=a.head.products,
                    block_dtensor_ops=a.block.dtensor_ops, embedding_dtensor_ops=a.embedding.dtensor_ops,
                    head_dtensor_ops=a.head.dtensor_ops, block_dtensor_params=a.block.dtensor_params,
                    embedding_dtensor_params=a.embedding.dtensor_params, head_dtensor_params=a.head.dtensor_params,
-                   block_tp_boundaries=a.block.tp_boundaries, fused_attention=a.fused_attention)
+                   block_tp_boundaries=a.block.tp_boundaries, fused_attention=a.fused_attention,
+                   half_saved=half, half_fixed=fixed)
+
+
+#: The fields of :class:`Numbers` that are bytes saved for backward (:meth:`Numbers.computing_in`).
+SAVED = ("block_saved", "block_split_by_sp", "block_core", "block_core_recomputed", "embedding_act", "head_act",
+         "block_rebuilt")
+
+
+def _saved(a: ModelAnalysis, of: Callable[[PartCost], Mapping[str, float]], qkvo: float,
+           rebuilt: float) -> tuple[float, ...]:
+    """:data:`SAVED` from ``of(part)``, the saved bytes per component of a part; ``qkvo``: the bytes of the
+    attention's q, k, v and output per token, which selective recompute keeps; ``rebuilt``: the block's."""
+    block = of(a.block)
+    return (sum(block.values()), block["norm"] + block["other"], block["attention_core"],
+            max(0.0, block["attention_core"] - qkvo), sum(of(a.embedding).values()), sum(of(a.head).values()),
+            rebuilt)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -214,4 +251,4 @@ class Costs:
         return cls(local, whole, seq_len, Numbers.of(local))
 
 
-__all__ = ["MESH_ORDER", "OPTIMIZER_STATES", "Costs", "Numbers", "Setting", "mesh_of", "sharded_elements"]
+__all__ = ["MESH_ORDER", "OPTIMIZER_STATES", "SAVED", "Costs", "Numbers", "Setting", "mesh_of", "sharded_elements"]

@@ -1,12 +1,15 @@
 """What torch does not count for shardkit's planner, counted on any tensors (real, fake, meta):
 FLOPs of kernels torch's ``FlopCounterMode`` has no formula for (:data:`EXTRA_FLOPS`), kernel
 launches, matrix products and the bytes the non-matmul operators move (:class:`OpCounter`), the
-operators a tensor-parallel rank would run on DTensors (:class:`DTensorPaths`), and the one count
-of activation bytes, the storages autograd saves for backward (:func:`saved_storages`).
+operators a tensor-parallel rank would run on DTensors (:class:`DTensorPaths`), the one count
+of activation bytes, the storages autograd saves for backward (:func:`saved_storages`), and the
+bytes alive of the storages operators make, by where they were made (:class:`Births`).
 """
 
 from __future__ import annotations
 
+import weakref
+from collections import defaultdict
 from collections.abc import Callable, Container, Iterator
 from contextlib import contextmanager
 from math import prod
@@ -15,6 +18,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..families.on_meta import meta_call
 
@@ -54,17 +58,17 @@ _NO_KERNEL = {_aten._unsafe_view, _aten._reshape_alias, _aten.empty, _aten.empty
 
 
 @contextmanager
-def saved_storages(on_saved: Callable[[int, int], None], excluded: Container[int] = ()) -> Iterator[None]:
-    """While open, ``on_saved(key, nbytes)`` each time autograd saves a tensor for backward, with
-    its storage's key (``untyped_storage()._cdata``) and bytes, except for the storages whose key is
-    in ``excluded`` (parameters, buffers); a caller counts a key once where it books it (a view and
-    its base share one storage). Real, fake, meta tensors and DTensors (this rank's part) alike:
-    shardkit's one count of activation bytes (the planner's analysis, pipeline unit costs, a
-    pipeline's timeline).
+def saved_storages(on_saved: Callable[[int, int, torch.dtype], None], excluded: Container[int] = ()) -> Iterator[None]:
+    """While open, ``on_saved(key, nbytes, dtype)`` each time autograd saves a tensor for backward,
+    with its storage's key (``untyped_storage()._cdata``), bytes and the tensor's dtype, except for
+    the storages whose key is in ``excluded`` (parameters, buffers); a caller counts a key once
+    where it books it (a view and its base share one storage). Real, fake, meta tensors and
+    DTensors (this rank's part) alike: shardkit's one count of activation bytes (the planner's
+    analysis, pipeline unit costs, a pipeline's timeline).
 
     >>> seen = {}
     >>> w = torch.ones(3, 3, requires_grad=True)
-    >>> with saved_storages(lambda key, n: seen.setdefault(key, n), {w.untyped_storage()._cdata}):
+    >>> with saved_storages(lambda key, n, _dtype: seen.setdefault(key, n), {w.untyped_storage()._cdata}):
     ...     y = (torch.ones(2, 3) @ w).tanh()
     >>> sorted(seen.values())   # the input of the product (not the weight) and tanh's output
     [24, 24]
@@ -77,7 +81,7 @@ def saved_storages(on_saved: Callable[[int, int], None], excluded: Container[int
         except (RuntimeError, NotImplementedError):  # a tensor subclass without storage holds nothing of its own
             return tensor
         if storage._cdata not in excluded:
-            on_saved(storage._cdata, storage.nbytes())
+            on_saved(storage._cdata, storage.nbytes(), local.dtype)
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -125,17 +129,16 @@ class DTensorPaths:
     def __init__(self, variants: tuple[str, ...], book: Callable[[str], None]):
         self.variants = variants
         self.book = book
-        self._marked: dict[str, set[int]] = {v: set() for v in variants}
-        self._alive: list[torch.Tensor] = []  # marked tensors kept alive: their ids stay theirs
+        # held weakly: a mark keeps no tensor alive (:class:`Births` sees what the model itself keeps)
+        self._marked: dict[str, WeakIdKeyDictionary] = {v: WeakIdKeyDictionary() for v in variants}
 
     def mark(self, tensor: torch.Tensor, variants: tuple[str, ...]) -> torch.Tensor:
         for variant in variants:
-            self._marked[variant].add(id(tensor))
-        self._alive.append(tensor)
+            self._marked[variant][tensor] = True
         return tensor
 
     def marks(self, tensor: object) -> tuple[str, ...]:
-        return tuple(v for v in self.variants if id(tensor) in self._marked[v])
+        return tuple(v for v in self.variants if isinstance(tensor, torch.Tensor) and tensor in self._marked[v])
 
     def alias(self, tensor: object, variants: tuple[str, ...]) -> object:
         """A new tensor object sharing ``tensor``'s data (a style's ``from_local`` / ``to_local``)
@@ -145,9 +148,9 @@ class DTensorPaths:
         return self.mark(tensor.view_as(tensor), variants)
 
     def follow(self, args: object, out: object) -> None:
-        inputs = {id(t) for t in _tensors(args)}
+        inputs = _tensors(args)
         for variant in self.variants:
-            if inputs & self._marked[variant]:
+            if any(t in self._marked[variant] for t in inputs):
                 self.book(variant)
                 for t in _tensors(out):
                     self.mark(t, (variant,))
@@ -235,4 +238,42 @@ class OpCounter(TorchDispatchMode):
             self.paused = False
 
 
-__all__ = ["EXTRA_FLOPS", "FUSED_ATTENTION", "DTensorPaths", "OpCounter", "saved_storages"]
+class Births(TorchDispatchMode):
+    """While entered, ``live[place]``: the bytes alive of the storages operators made while
+    ``where()`` named ``place`` (a storage an operator returns that none of its inputs holds: no
+    view, no in-place result), each dropped when its storage dies; ``other[place]``: of which
+    those of tensors in another dtype than ``dtype``.
+
+    >>> births = Births(lambda: "here", torch.float32)
+    >>> with births:
+    ...     y = torch.ones(4).double().view(2, 2)
+    >>> dict(births.live), dict(births.other)   # ones' storage died with its tensor
+    ({'here': 32}, {'here': 32})
+    """
+
+    def __init__(self, where: Callable[[], str], dtype: torch.dtype):
+        super().__init__()
+        self.where, self.dtype = where, dtype
+        self.live: dict[str, int] = defaultdict(int)
+        self.other: dict[str, int] = defaultdict(int)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        known = {_storage(t) for t in _tensors((args, kwargs))} | {-1}
+        for tensor in _tensors(out):
+            if _storage(tensor) in known:
+                continue
+            known.add(_storage(tensor))
+            storage, place = tensor.untyped_storage(), self.where()
+            nbytes, other = storage.nbytes(), tensor.dtype != self.dtype
+            self._add(place, nbytes, other)
+            weakref.finalize(storage, self._add, place, -nbytes, other)
+        return out
+
+    def _add(self, place: str, nbytes: int, other: bool) -> None:
+        self.live[place] += nbytes
+        if other:
+            self.other[place] += nbytes
+
+
+__all__ = ["EXTRA_FLOPS", "FUSED_ATTENTION", "Births", "DTensorPaths", "OpCounter", "saved_storages"]

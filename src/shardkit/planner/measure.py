@@ -26,6 +26,12 @@ same shapes, so a rank's FLOPs and saved bytes are what it computes and keeps. T
 the rank would run on DTensors are followed from the split modules' parameters and inputs
 (:class:`~shardkit.planner.counters.DTensorPaths`, :func:`_dtensor_styles`), with and without
 Megatron SP (:data:`DTENSOR_VARIANTS`).
+
+Saved bytes depend on the compute dtype in ways no itemsize ratio tells (transformers' RMSNorm
+saves a float32 copy of its input whatever it is; in float32 that upcast is no copy at all), so
+unless the parameters are 2-byte floats the forward runs again in :data:`HALF`, counting only the
+saved tensors and their dtypes. Each pass also keeps what full recompute holds rebuilding a part
+(:class:`~shardkit.planner.counters.Births`: what its operators made that is alive at a save).
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from ..families import Family
 from ..families.modules import is_linear, is_norm
 from ..families.on_meta import swapped
-from .counters import EXTRA_FLOPS, FUSED_ATTENTION, DTensorPaths, OpCounter, saved_storages
+from .counters import EXTRA_FLOPS, FUSED_ATTENTION, Births, DTensorPaths, OpCounter, saved_storages
 from .one_rank import one_rank, sliced_parameters
 from .tensor_parallel import COLWISE, DTENSOR, ROWWISE, AxisPlan, aliases
 
@@ -52,6 +58,9 @@ COMPONENTS = ("attention_core", "attention", "mlp", "norm", "embedding", "logits
 #: tensors between modules (``tp``), and Megatron SP, whose residual stream, norms and their
 #: parameters are DTensors too (``sp``).
 DTENSOR_VARIANTS = ("tp", "sp")
+#: The dtype the saved tensors are measured in besides the parameters' (:func:`measure`): a 2-byte
+#: float, as bfloat16 and float16 compute alike (each upcast to float32 where the model does).
+HALF = torch.bfloat16
 
 
 #: One parameter as FSDP shards it: ``(size of the dim it shards, elements of the other dims)``.
@@ -62,12 +71,14 @@ Piece = tuple[int, int]
 class Tally:
     """What one part holds and computes: parameters (elements, this rank's and whole; ``pieces``:
     each as FSDP shards it; ``borrowed``: those it uses that an earlier part holds, a tied
-    weight), FLOPs by component, saved storages ``{storage id: (bytes, component)}`` (each counted
-    once), operator calls and the bytes the non-matmul ones read and write (:class:`OpCounter`),
+    weight), FLOPs by component, saved storages ``{storage id: (bytes, component, dtype)}`` (each
+    counted once), operator calls and the bytes the non-matmul ones read and write (:class:`OpCounter`),
     matrix products (``products``), per :data:`DTENSOR_VARIANTS` the operators run on DTensors
     (``dtensor_ops``) and the parameters that are DTensors (``dtensor_params``), and the
     column-parallel inputs and row-parallel outputs whose collectives tensor parallel runs
-    (``tp_boundaries``)."""
+    (``tp_boundaries``); ``rebuilt``: the most bytes alive of the storages the part made, at a
+    save (what full recompute holds running it again, stopping at its last save; its input aside),
+    and of which in another dtype than the parameters'."""
 
     params: int = 0
     param_bytes: int = 0
@@ -75,13 +86,14 @@ class Tally:
     pieces: list[Piece] = field(default_factory=list)
     borrowed: list[Piece] = field(default_factory=list)
     flops: dict[str, float] = field(default_factory=lambda: defaultdict(float))
-    saved: dict[int, tuple[int, str]] = field(default_factory=dict)
+    saved: dict[int, tuple[int, str, torch.dtype]] = field(default_factory=dict)
     ops: int = 0
     traffic: float = 0.0
     products: int = 0
     dtensor_ops: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     dtensor_params: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     tp_boundaries: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    rebuilt: tuple[int, int] = (0, 0)
 
     def tensor_parallel_counts(self) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int]]:
         """``(dtensor_ops, dtensor_params)`` per :data:`DTENSOR_VARIANTS`, and ``(column-parallel
@@ -89,23 +101,48 @@ class Tally:
         return (*(tuple(counts[v] for v in DTENSOR_VARIANTS) for counts in (self.dtensor_ops, self.dtensor_params)),
                 (self.tp_boundaries[COLWISE], self.tp_boundaries[ROWWISE]))
 
-    def saved_by_component(self) -> dict[str, float]:
+    def saved_by_component(self, other_than: torch.dtype | None = None) -> dict[str, float]:
+        """Saved bytes by component; with ``other_than``, only those of tensors in another dtype."""
         out: dict[str, float] = defaultdict(float)
-        for nbytes, component in self.saved.values():
-            out[component] += nbytes
+        for nbytes, component, dtype in self.saved.values():
+            if dtype != other_than:
+                out[component] += nbytes
         return out
 
 
 @dataclass
 class Measurement:
-    """Tallies of ``embedding``, ``block.0`` ... ``block.{n-1}`` and ``head``; ``quadratic``: the
-    attention ran as separate matrix products (a math kernel, saving ``[heads, seq, seq]`` tensors),
-    not as a fused kernel; ``fused``: it ran as a fused kernel (SDPA's flash or memory-efficient one)."""
+    """Tallies of ``embedding``, ``block.0`` ... ``block.{n-1}`` and ``head``, with the parameters
+    in ``dtype``; ``quadratic``: the attention ran as separate matrix products (a math kernel,
+    saving ``[heads, seq, seq]`` tensors), not as a fused kernel; ``fused``: it ran as a fused
+    kernel (SDPA's flash or memory-efficient one). ``half``: the saved tensors of the same forward
+    with the parameters in :data:`HALF` (``None`` when ``dtype`` is a 2-byte float: this one)."""
 
     parts: dict[str, Tally]
     blocks: int
+    dtype: torch.dtype
     quadratic: bool = False
     fused: bool = False
+    half: Measurement | None = None
+
+    def share(self) -> None:
+        """Count each saved storage once, where it is first held (in :attr:`half` too): storages every
+        block saves alike (made before the blocks: rotary ``cos``/``sin``) in the embedding part; a
+        storage an earlier part saved too (the token ids, saved by the embedding and again as the
+        loss's targets) in that part only."""
+        blocks = [self.parts[f"block.{i}"] for i in range(self.blocks)]
+        embedding, head = self.parts["embedding"], self.parts["head"]
+        common = set(blocks[0].saved).intersection(*(b.saved for b in blocks[1:])) if len(blocks) > 1 else set()
+        for key in common:
+            embedding.saved.setdefault(key, blocks[0].saved[key])
+        for block in blocks:
+            for key in set(block.saved) & set(embedding.saved):
+                del block.saved[key]
+        earlier = set(embedding.saved).union(*(b.saved for b in blocks))
+        for key in set(head.saved) & earlier:
+            del head.saved[key]
+        if self.half is not None:
+            self.half.share()
 
 
 def block_names(model: nn.Module) -> list[str]:
@@ -173,7 +210,7 @@ class _Recorder:
 
     def __init__(self, model: nn.Module, scopes: _Scopes, blocks: list[str], counter: FlopCounterMode,
                  fixed: set[int], params: dict[str, tuple[int, int, int, Piece]], canonical: dict[str, str],
-                 distributed: Mapping[str, tuple[str, ...]]):
+                 distributed: Mapping[str, tuple[str, ...]], dtype: torch.dtype):
         self.scopes, self.blocks, self.counter, self.fixed = scopes, {b: i for i, b in enumerate(blocks)}, counter, fixed
         self.params, self.canonical, self.distributed = params, canonical, distributed
         self.parts: dict[str, Tally] = defaultdict(Tally)
@@ -181,6 +218,7 @@ class _Recorder:
         self.passed_block = False
         self.counted = 0.0
         self.owner: dict[str, str] = {}
+        self.births = Births(self.part, dtype)
 
     def part(self) -> str:
         block = next((n for n in reversed(self.stack) if n in self.blocks), None)
@@ -235,9 +273,11 @@ class _Recorder:
         if name in self.blocks:
             self.passed_block = True
 
-    def saved(self, key: int, nbytes: int) -> None:
+    def saved(self, key: int, nbytes: int, dtype: torch.dtype) -> None:
         part = self.part()
-        self.parts[part].saved.setdefault(key, (nbytes, self.scopes.component(self.stack, part)))
+        tally = self.parts[part]
+        tally.saved.setdefault(key, (nbytes, self.scopes.component(self.stack, part), dtype))
+        tally.rebuilt = max(tally.rebuilt, (self.births.live[part], self.births.other[part]))
 
     @contextmanager
     def hooks(self) -> Iterator[None]:
@@ -257,14 +297,27 @@ def measure(model: nn.Module, family: Family, blocks: list[str], seq_len: int, d
     """Run ``model`` once on token ids ``[1, seq_len]`` (fake CPU tensors, train mode) and, when its
     output is logits over its vocabulary, the cross-entropy loss; see the module docstring.
     ``fsdp_dims``: the dim FSDP shards of the parameters whose layout names one (else dim 0).
+    Unless ``dtype`` is a 2-byte float already, the forward runs again with the parameters in
+    :data:`HALF`, counting only the saved tensors (``Measurement.half``): which of them follow the
+    compute dtype and which stay float32 (a norm that upcasts) shows only in that dtype.
 
     >>> from shardkit.families import family_of
     >>> from shardkit.models.gpt import build_tiny_gpt
     >>> gpt = build_tiny_gpt()
     >>> m = measure(gpt, family_of(gpt), block_names(gpt), 8, torch.float32)
-    >>> m.blocks, m.parts["block.0"].ops > 0, m.parts["block.0"].traffic > 0
-    (2, True, True)
+    >>> m.blocks, m.parts["block.0"].ops > 0, m.parts["block.0"].traffic > 0, m.half.dtype
+    (2, True, True, torch.bfloat16)
     """
+    measured = _forward(model, family, blocks, seq_len, dtype, plan, fsdp_dims, counting=True)
+    if dtype.itemsize != HALF.itemsize:
+        measured.half = _forward(model, family, blocks, seq_len, HALF, plan, fsdp_dims, counting=False)
+    return measured
+
+
+def _forward(model: nn.Module, family: Family, blocks: list[str], seq_len: int, dtype: torch.dtype,
+             plan: AxisPlan | None, fsdp_dims: Mapping[str, int] | None, counting: bool) -> Measurement:
+    """One measured forward (:func:`measure`); without ``counting``, only the saved tensors (no
+    FLOPs, operators or DTensor paths: they do not change what is saved)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     canonical = aliases(model)
@@ -292,20 +345,22 @@ def measure(model: nn.Module, family: Family, blocks: list[str], seq_len: int, d
         counter = FlopCounterMode(display=False, custom_mapping=EXTRA_FLOPS)
         distributed = _distributed_parameters(model, plan, canonical)
         recorder = _Recorder(model, _Scopes(model, family, blocks), blocks, counter, fixed, params, canonical,
-                             distributed)
+                             distributed, dtype)
         paths = DTensorPaths(DTENSOR_VARIANTS, recorder.book_dtensor)
-        for name, variants in distributed.items():
+        for name, variants in distributed.items() if counting else ():
             paths.mark(tensors[name], variants)
         ops = OpCounter(recorder.book_op, recorder.book_product, paths if plan is not None else None)
         ids = torch.zeros(1, seq_len, dtype=torch.long)
         stack.enter_context(swapped(model, tensors))
         stack.enter_context(one_rank(model, [plan] if plan is not None else [], local_weights=True,
                                      bridge=ops.pause))
-        if plan is not None:
+        if plan is not None and counting:
             stack.enter_context(_dtensor_styles(model, plan, paths, ops, recorder.book_boundary))
         stack.enter_context(recorder.hooks())
-        stack.enter_context(counter)
-        stack.enter_context(ops)
+        if counting:
+            stack.enter_context(counter)
+            stack.enter_context(ops)
+        stack.enter_context(recorder.births)
         stack.enter_context(saved_storages(recorder.saved, fixed))
         model.train()
         try:
@@ -319,7 +374,7 @@ def measure(model: nn.Module, family: Family, blocks: list[str], seq_len: int, d
                 module.training = mode
     fused = any(op in counter.flop_counts["Global"] for op in FUSED_ATTENTION)
     quadratic = not fused and any(t.flops.get("attention_core") for t in recorder.parts.values())
-    return Measurement(dict(recorder.parts), len(blocks), quadratic, fused)
+    return Measurement(dict(recorder.parts), len(blocks), dtype, quadratic, fused)
 
 
 def _distributed_parameters(model: nn.Module, plan: AxisPlan | None,
@@ -387,4 +442,4 @@ def _dtensor_styles(model: nn.Module, plan: AxisPlan, paths: DTensorPaths, ops: 
             handle.remove()
 
 
-__all__ = ["COMPONENTS", "DTENSOR_VARIANTS", "Measurement", "Piece", "Tally", "block_names", "first_blocks", "measure"]
+__all__ = ["COMPONENTS", "DTENSOR_VARIANTS", "HALF", "Measurement", "Piece", "Tally", "block_names", "first_blocks", "measure"]

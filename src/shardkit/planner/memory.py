@@ -21,7 +21,8 @@ list with the reasons):
 - ``gathered``, ``activations``, ``temporaries``: what a step adds, in the categories of torch's
   memory tracker that ``sk.dry_run`` reads (:mod:`shardkit.observe.step_cost`), each at its own
   peak over the step's phases (:func:`step_phases`, which states every term): FSDP2's unsharded
-  parameters, gradients and collective buffers; the tensors saved for backward (the micro-batches
+  parameters, gradients and collective buffers; the tensors saved for backward, in the compute dtype
+  as measured in it (:meth:`~shardkit.planner.costs.Numbers.computing_in`) (the micro-batches
   in flight: no pipeline 1; GPipe m; 1F1B min(m, p); interleaved min(m, p)(1 + (p-1)/(p v)));
   what the backward allocates (the loss's and the head's gradients, a block's, the embedding's; DDP's
   gradient buckets, :func:`ddp`).
@@ -144,14 +145,15 @@ def replicated(s: Setting) -> bool:
 
 
 def step_phases(n: Numbers, s: Setting, tokens: float, first: bool, last: bool, params: int,
-                compute: int, reduce: int, scale: float) -> dict[str, dict[str, float]]:
+                compute: int, reduce: int) -> dict[str, dict[str, float]]:
     """What a training step adds to a device's state, at each moment that can be its peak: bytes
     of ``gathered``, ``activations`` and ``temporaries`` (the categories of torch's memory
     tracker, :mod:`shardkit.observe.step_cost`) by phase: the end of the forward, the loss's and the
     head's backward (last stage), a block's backward, its post-backward and its reduce-scatter
     (with FSDP; with accumulated gradients, a later micro-batch's backward too), the root unit's
     post-backward and its reduce-scatter (first stage, with FSDP), the embedding's backward (first stage,
-    without FSDP). docs/planner.md states the terms."""
+    without FSDP). ``n``'s saved bytes are those of the compute dtype (:meth:`Numbers.computing_in`).
+    docs/planner.md states the terms."""
     blocks = blocks_per_device(n, s)
     inflight = _inflight(s, 0 if first else s.pp - 1)
     unit = n.block_params_at(s.ep)
@@ -165,17 +167,16 @@ def step_phases(n: Numbers, s: Setting, tokens: float, first: bool, last: bool, 
     # activations: the micro-batches in flight, each with its blocks' saved tensors (with full recompute,
     # their inputs), the embedding's, and on a pipeline stage before the last its output, kept for its backward
     if s.recompute == "full":
-        block_act = n.hidden * n.itemsize / (s.tp if s.sequence_parallel else 1)
+        block_act = n.hidden * compute / (s.tp if s.sequence_parallel else 1)
     elif s.recompute == "selective":
         block_act = block_saved(n, s) - n.block_core_recomputed
     else:
         block_act = block_saved(n, s)
-    per_token = blocks * block_act + (n.embedding_act if first else 0) + (n.hidden * n.itemsize if not last else 0)
-    held = per_token * tokens * inflight * scale
-    # one block rebuilt by full recompute: its saved tensors in the compute dtype, but for its norms' (split
-    # over tp by Megatron SP), which transformers' norms save in float32 (they upcast) whatever the compute dtype
-    norms = n.block_split_by_sp / (s.tp if s.sequence_parallel and s.tp > 1 else 1)
-    rebuilt = (block_saved(n, s) - norms) * tokens * scale + norms * tokens if s.recompute == "full" else 0.0
+    per_token = blocks * block_act + (n.embedding_act if first else 0) + (n.hidden * compute if not last else 0)
+    held = per_token * tokens * inflight
+    # one block rebuilt by full recompute: what it holds at its last save (its saved tensors and the values alive
+    # beside them, its input aside: held above), less what Megatron SP splits of its norms and residual terms
+    rebuilt = (n.block_rebuilt - n.block_saved + block_saved(n, s)) * tokens if s.recompute == "full" else 0.0
     # FSDP's unsharded units: the root unit (embedding, head) is gathered for its forward and again from
     # its backward to its post-backward; a block is computed while the next one's all-gather output is in
     # flight (the whole stage, without resharding after the forward); its gradients, unsharded, are
@@ -202,7 +203,7 @@ def step_phases(n: Numbers, s: Setting, tokens: float, first: bool, last: bool, 
         phases["forward start"] = {"gathered": steady + 2 * (gathered_root + unit * compute),
                                    "activations": held * (inflight - 1) / inflight + previous, "temporaries": 0.0}
     if last:
-        head_act = n.head_act * tokens * scale
+        head_act = n.head_act * tokens
         # a split head gathers its logits (its columns, the gathered and the concatenated) beside the previous
         # micro-batch's (an unsplit head's are no more than its loss's, the logits and their log-softmax)
         phases["forward"]["activations"] += head_act + logits * (1 + 1 / s.tp if split_head else 1) \
@@ -227,7 +228,7 @@ def step_phases(n: Numbers, s: Setting, tokens: float, first: bool, last: bool, 
     # a later one's are added into the accumulated, with the gathered)
     root_grads = head * compute if fsdp and last else 0
     later_root_grads = 0 if accumulated else root_grads
-    transient = grads + backward_transient(n) * tokens * scale
+    transient = grads + backward_transient(n) * tokens * compute / n.itemsize
     # an LM head tied to the embedding on this device, unsplit, with plain gradients (no FSDP2): autograd holds its
     # weight's gradient, a temporary, from the head's backward until the embedding's adds to it
     tied = whole * compute if n.tied and first and last and not fsdp and not replicated(s) and not split_head else 0
@@ -340,12 +341,11 @@ def step_peak(costs: Costs, s: Setting, batch_size: int) -> int:
     """The most bytes a step adds at once on one device holding the whole model beside its state, with every
     gradient allocated ahead (the largest phase of :func:`step_phases`, gradients aside): what
     ``benchmarks/memory_model.py`` measures, a step accumulating into a warm-up's gradients."""
-    n = costs.numbers
-    master = n.itemsize
-    compute, reduce = s.itemsizes(master)
+    compute, reduce = s.itemsizes(costs.numbers.itemsize)
+    n = costs.numbers.computing_in(compute)
     params = blocks_per_device(n, s) * n.block_params_at(s.ep) + n.embedding_params + n.head_params
     phases = step_phases(n, s, tokens_per_microbatch(s, batch_size, costs.seq_len), True, True, params, compute,
-                         reduce, compute / master)
+                         reduce)
     return int(max(sum(p[part] for part in STEP_KEYS) for p in phases.values()))
 
 
@@ -363,10 +363,9 @@ def memory_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer
     >>> m["optimizer"] == 2 * m["parameters"], m["total"] <= sum(m[k] for k in MEMORY_KEYS)
     (True, True)
     """
-    n = costs.numbers
-    master = n.itemsize
+    master = costs.numbers.itemsize
     compute, reduce = s.itemsizes(master)
-    scale = compute / master  # activations were measured in the parameters' dtype
+    n = costs.numbers.computing_in(compute)  # the bytes saved for backward in the compute dtype
     shards = s.shards
     blocks = blocks_per_device(n, s)
     tokens = tokens_per_microbatch(s, batch_size, costs.seq_len)
@@ -384,7 +383,7 @@ def memory_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer
             stored = (blocks * stored_block(n, s) + sharded_elements(pieces, shards)) * master
         # ZeRO-1: torch's ZeroRedundancyOptimizer gives each dp rank the state of 1/dp of the parameters
         optimized = -(-params // s.dp) * master if s.zero == 1 else stored
-        phases = step_phases(n, s, tokens, first, last, params, compute, reduce, scale).values()
+        phases = step_phases(n, s, tokens, first, last, params, compute, reduce).values()
         # a receive buffer per micro-batch for each stage's inputs (but the first's) and their gradients (but the last's)
         buffers = int((2 * s.virtual - first - last) * s.microbatches * tokens * n.hidden * compute) if s.pp > 1 else 0
         # with no data axis, a vocab-split embedding's gradient is its rows of the whole one DTensor's dense backward

@@ -98,7 +98,7 @@ def _count_saved(params: Callable[[], list[torch.Tensor]], record: Any) -> Itera
     excluded = {getattr(p, "_local_tensor", p).untyped_storage()._cdata for p in params()}
     seen: set[int] = set()
 
-    def on_saved(key: int, nbytes: int) -> None:
+    def on_saved(key: int, nbytes: int, _dtype: torch.dtype) -> None:
         if key not in seen:
             seen.add(key)
             record.bytes += nbytes
