@@ -168,3 +168,23 @@ def _shard_uninitialised(ctx):
 def test_shard_refuses_a_meta_model_it_cannot_initialise_before_allocating(world):
     with pytest.raises(sk.WorldError, match=r"initialisation writes no values for 1 parameter\(s\): '1.gain'"):
         world(2).run(_shard_uninitialised, plan=sk.Plan(sk.Mesh(fsdp=2)))
+
+
+class _Huge(nn.Module):
+    """Parameters no machine could allocate even untouched (a 1 TiB stack of experts, as DeepSeek-V3's
+    are 30 GB a layer), made the ways constructors make them, and small buffers computed in it."""
+
+    def __init__(self):
+        super().__init__()
+        self.experts = nn.Parameter(torch.empty(2**16, 2**11, 2**11))  # 2**38 floats: 1 TiB
+        self.zeros = nn.Parameter(torch.zeros((2**20, 2**20)))
+        self.full = nn.Parameter(torch.full((2**20, 2**20), 0.5))
+        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, 8, 2).float() / 8))
+
+
+def test_a_parameter_larger_than_the_machine_is_built_on_meta_and_small_buffers_stay_real():
+    model = sk.meta_model(_Huge)
+    assert {n: (p.device.type, tuple(p.shape)) for n, p in model.named_parameters()} == {
+        "experts": ("meta", (2**16, 2**11, 2**11)), "zeros": ("meta", (2**20, 2**20)), "full": ("meta", (2**20, 2**20))}
+    assert model.inv_freq.device.type == "cpu" and torch.allclose(model.inv_freq, 1.0 / 10000 ** (torch.arange(0, 8, 2) / 8))
+    assert torch.empty(3).device.type == "cpu"  # only while building

@@ -1,7 +1,9 @@
 """Build models on the meta device: shapes and FLOPs without memory.
 
 Parameters go to the meta device as each is registered (a transient real allocation of one
-tensor at a time, never touched, so the operating system lends no pages); buffers stay real,
+tensor at a time, never touched, so the operating system lends no pages; a tensor of at least
+:data:`LARGE_BYTES` is made on meta at once, since an operating system refuses to lend more than
+its memory even untouched: DeepSeek-V3's stacked experts are 30 GB a layer); buffers stay real,
 so values a constructor computes into them (rotary frequencies, causal masks) are right when
 the model is later materialised. This is accelerate's ``init_empty_weights(include_buffers=False)``
 idea; torch's ``torch.device("meta")`` context puts buffers on meta too (shardkit accepts such
@@ -10,11 +12,33 @@ models and recomputes their buffers where the model's initialisation can).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
+
+#: Bytes from which a tensor a constructor makes is made on the meta device directly (a parameter
+#: would be moved there when registered; a buffer that large could not be held anyway).
+LARGE_BYTES = 2**30
+_FACTORIES = {torch.empty, torch.zeros, torch.ones, torch.full, torch.rand, torch.randn}
+
+
+class _LargeOnMeta(TorchFunctionMode):
+    """Factory calls of at least :data:`LARGE_BYTES` on the CPU (or no device) made on meta."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func in _FACTORIES and torch.device(kwargs.get("device") or "cpu").type == "cpu":
+            size = kwargs.get("size", args[0] if args else ())
+            dims = tuple(size) if isinstance(size, (tuple, list, torch.Size)) else args  # torch.empty(3, 4)
+            dtype = kwargs.get("dtype") or torch.get_default_dtype()
+            if all(isinstance(d, int) for d in dims) and math.prod(dims) * dtype.itemsize >= LARGE_BYTES:
+                kwargs["device"] = "meta"
+        return func(*args, **kwargs)
 
 
 @contextmanager
@@ -32,7 +56,8 @@ def parameters_on_meta() -> Iterator[None]:
 
     nn.Module.register_parameter = register  # type: ignore[method-assign]
     try:
-        yield
+        with _LargeOnMeta():
+            yield
     finally:
         nn.Module.register_parameter = original  # type: ignore[method-assign]
 
@@ -49,4 +74,4 @@ def meta_model(build: Callable[..., nn.Module], *args: Any, **kwargs: Any) -> nn
         return build(*args, **kwargs)
 
 
-__all__ = ["meta_model", "parameters_on_meta"]
+__all__ = ["LARGE_BYTES", "meta_model", "parameters_on_meta"]
