@@ -54,6 +54,20 @@ def _stacks_experts(converter: Any) -> bool:
             and all(p.count("*") == 1 and "(" not in p for p in sources))
 
 
+
+#: Names transformers gives an attention's output projection (its input is the heads' width).
+_OUTPUT_PROJECTIONS = ("o_proj", "out_proj", "proj", "dense", "c_proj", "wo")
+
+
+def _output_width(module: nn.Module) -> int | None:
+    """The heads' total width of an attention module without a config of its own (GOT-OCR2's vision
+    tower): its output projection's input features."""
+    for child_name in _OUTPUT_PROJECTIONS:
+        child = getattr(module, child_name, None)
+        if isinstance(child, nn.Linear):
+            return child.in_features
+    return None
+
 class HFFamily(Family):
     """Any transformers model: attention modules are the ``*Attention`` classes holding a config."""
 
@@ -123,8 +137,11 @@ class HFFamily(Family):
                 continue
             kv_heads = getattr(module, "num_key_value_heads", None) or getattr(config, "num_key_value_heads", None) \
                 or heads
+            width = getattr(config, "hidden_size", None) or _output_width(module)
             head_dim = getattr(module, "head_dim", None) or getattr(config, "head_dim", None) \
-                or config.hidden_size // heads
+                or (width // heads if isinstance(width, int) else None)
+            if head_dim is None:  # no config of its own and no output projection to read its width from
+                continue
             found.append(Attention(name, heads, kv_heads, head_dim))
         return found
 
