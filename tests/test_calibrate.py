@@ -201,13 +201,13 @@ def test_measurements_make_a_one_node_hardware(monkeypatch):
     monkeypatch.setattr(calibrate_module, "LocalWorld", lambda *a, **k: contextlib.nullcontext())
     overlap = Overlap(compute=2.0, communication=1.0, both=2.5)
     monkeypatch.setattr(calibrate_module, "_run", lambda *args: (matmul, fits, 8e9, ("float32", 1.5e10), (13, 2e-5),
-                                                                   overlap, (7e-5, 3e-4), 0.02))
+                                                                   overlap, (7e-5, 3e-4), (0.02, 1e-3)))
     monkeypatch.setattr(calibrate_module, "_devices", lambda world, per_node: (
         "cpu", 2**30, f"memory: available RAM (MemAvailable) / {per_node} processes", "gloo"))
     result = measure(3)
     hw = result.hardware
-    assert (hw.memory_bandwidth, hw.op_overhead, hw.overlap, hw.dtensor_overhead, hw.dtensor_collective, hw.skew) == (
-        8e9, 2e-5, 0.5, 7e-5, 3e-4, 0.02)
+    assert (hw.memory_bandwidth, hw.op_overhead, hw.overlap, hw.dtensor_overhead, hw.dtensor_collective, hw.skew,
+            hw.sync_idle) == (8e9, 2e-5, 0.5, 7e-5, 3e-4, 0.02, 1e-3)
     assert hw.attention_efficiency == 0.5  # the attention kernel's rate over its dtype's matrix products
     assert result.ops_per_step == 13 and result.overlap is overlap
     assert hw.flops == {"float32": 3e10, "bfloat16": 5e10, "float16": 5e10}
@@ -296,6 +296,7 @@ def test_calibrate_writes_a_loadable_file_of_measured_figures(calibrated):
     assert 1e-7 < hw.op_overhead < 1e-3 and 0 <= hw.dtensor_overhead < 1e-2  # the difference of two timings
     assert 0 <= hw.dtensor_collective < 0.1 and 0.01 < hw.attention_efficiency <= 1
     assert 0 <= hw.skew < 1.0 and "skew" in stdout  # seconds per sqrt(second): a wait of under 0.2 s after 40 ms
+    assert 0 <= hw.sync_idle < 0.1 and "sync idle" in stdout  # a tiny all-reduce's idle beyond its latency
     assert set(calibration.fits) == set(COLLECTIVES) and "gloo reduce_scatter" in stdout  # measured, not a ring's
     forward: list[float] = []
     with OpCounter(forward.append):

@@ -36,7 +36,8 @@ def _leaves(data: dict, prefix: str = "") -> list[str]:
 BASE = PRESETS["h100-80g"].to_dict()
 LEAVES = _leaves(BASE)
 # fields files written before them lack
-NEWER = ("matmul_latency", "attention_efficiency", "dtensor_overhead", "dtensor_collective", "skew", "cores_per_node")
+NEWER = ("matmul_latency", "attention_efficiency", "dtensor_overhead", "dtensor_collective", "skew", "sync_idle",
+         "cores_per_node")
 
 
 def _edited(path: str, value=None, delete: bool = False) -> dict:
@@ -117,8 +118,8 @@ def test_a_file_written_before_the_newer_fields_loads(tmp_path):
     path = tmp_path / "old.yaml"
     path.write_text(yaml.safe_dump({k: v for k, v in BASE.items() if k not in NEWER}))
     hw = Hardware.load(path)
-    assert (hw.matmul_latency, hw.dtensor_overhead, hw.dtensor_collective, hw.skew, hw.cores_per_node) == (
-        0.0, PRESETS["h100-80g"].dtensor_overhead, PRESETS["h100-80g"].dtensor_collective, 0.0, 0) \
+    assert (hw.matmul_latency, hw.dtensor_overhead, hw.dtensor_collective, hw.skew, hw.sync_idle, hw.cores_per_node) == (
+        0.0, PRESETS["h100-80g"].dtensor_overhead, PRESETS["h100-80g"].dtensor_collective, 0.0, 0.0, 0) \
         and hw.attention_efficiency == 1.0 \
         and hw.memory == BASE["memory"]
 

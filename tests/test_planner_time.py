@@ -123,13 +123,16 @@ def test_a_large_models_products_run_nearer_the_ceiling_than_a_small_ones():
      lambda n, s: n.layers * 2 * (4 + 2) + 3)])
 def test_each_blocking_collective_waits_for_the_last_rank(gpt, plan, syncs):
     """skew x sqrt(syncs x work): the step's work spread evenly over its blocking collectives, the
-    loss's all-reduce over the world one of them."""
+    loss's all-reduce over the world one of them; and sync_idle for each of them."""
     s = Setting.of(plan)
     costs = Costs.of(gpt, SEQ, s.tp, None, rules=plan.rules)
     parts = time_of(costs, s, BATCH, dataclasses.replace(A100, skew=0.02))
     assert "skew" not in time_of(costs, s, BATCH, A100)  # the presets measure none
     work = parts["compute"] + parts["bubble"] + parts["optimizer"] + parts.get("dtensor", 0.0)
-    assert parts["skew"] == pytest.approx(0.02 * ((syncs(costs.numbers, s) + 1) * work) ** 0.5)
+    count = syncs(costs.numbers, s) + 1
+    assert parts["skew"] == pytest.approx(0.02 * (count * work) ** 0.5)
+    idle = time_of(costs, s, BATCH, dataclasses.replace(A100, sync_idle=0.001))
+    assert idle["skew"] == pytest.approx(0.001 * count)
     loss = A100.link("all_reduce", across_nodes=False)
     assert parts["loss"] == pytest.approx(2 * math.ceil(math.log2(s.devices)) * loss.latency)  # a tree's
 

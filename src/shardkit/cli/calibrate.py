@@ -115,6 +115,8 @@ def _table(calibration: Calibration):
                   "less its dispatch and the raw all-gather")
     table.add_row("skew", f"{format_seconds(hw.skew)}/√s", "", "",
                   "products, a blocking all-reduce: the wait for the last rank / √compute")
+    table.add_row("sync idle", format_seconds(hw.sync_idle), "", "",
+                  "a tiny all-reduce in a loop: its idle time less the all-reduce link's latency")
     overlap = calibration.overlap
     table.add_row("overlap", f"{hw.overlap:.0%}", "", "",
                   f"matmuls {format_seconds(overlap.compute)}, all-reduces {format_seconds(overlap.communication)}, "

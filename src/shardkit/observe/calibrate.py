@@ -45,7 +45,8 @@ a training step there sees:
   the CPU), per collective, beyond the all-reduce's and the products' alone (what other jobs took), is
   the wait for the last rank to arrive; ``skew`` is its median over the square root of the compute
   before it (ranks drift apart as a random walk: :func:`~shardkit.observe.probes.skew_job`,
-  :func:`~shardkit.observe.fits.fit_skew`).
+  :func:`~shardkit.observe.fits.fit_skew`); ``sync_idle``: the tiny all-reduce's own idle time in that
+  loop less the all-reduce link's latency (the typical call against the best block's).
 - **overlap**: a loop of float32 matrix products alone, a loop of 2 MiB all-reduces alone, then
   both at once (the all-reduces issued with ``async_op=True`` before the products, waited after
   them, as FSDP and DDP issue theirs), :class:`Overlap`.
@@ -203,7 +204,7 @@ def _calibration(world: LocalWorld | None, launcher: str, world_size: int, per_n
     """Measure ``world`` (``None``: the torchrun world) and make its :class:`Calibration`."""
     device, memory, memory_note, backend = _devices(world, per_node)
     sizes = tuple(matmul_sizes or (GPU_MATMUL_SIZES if backend == "nccl" else MATMUL_SIZES))
-    matmul, fits, bandwidth, attention, (ops_per_step, op_overhead), overlap, dtensors, skew = _run(
+    matmul, fits, bandwidth, attention, (ops_per_step, op_overhead), overlap, dtensors, (skew, sync_idle) = _run(
         world, world_size, backend, sizes, message_sizes, seconds, report, total)
     notes = []
     if matmul["float16"] is None:
@@ -223,7 +224,8 @@ def _calibration(world: LocalWorld | None, launcher: str, world_size: int, per_n
                         matmul_efficiency=1.0, reserved=0, op_overhead=op_overhead, overlap=overlap.fraction,
                         attention_efficiency=min(1.0, attention_flops / flops[attention_dtype]),
                         shared_compute=shared, cores_per_node=cores if shared else 0,
-                        dtensor_overhead=dtensor_overhead, dtensor_collective=dtensor_collective, skew=skew)
+                        dtensor_overhead=dtensor_overhead, dtensor_collective=dtensor_collective, skew=skew,
+                        sync_idle=sync_idle)
     report(total, total, "done")
     return Calibration(hardware, matmul, fits, ops_per_step, overlap, tuple(notes), clock() - start, backend, device)
 
@@ -255,7 +257,7 @@ def _from_rank_0(calibration: Calibration) -> Calibration:
 def _run(world: LocalWorld | None, world_size: int, backend: str, matmul_sizes: Sequence[int],
          message_sizes: Sequence[int], seconds: float, report: Progress,
          total: int) -> tuple[dict[str, tuple[int, float] | None], dict[str, Fit], float, tuple[str, float],
-                              tuple[int, float], Overlap, tuple[float, float], float]:
+                              tuple[int, float], Overlap, tuple[float, float], tuple[float, float]]:
     done = 1
     matmul: dict[str, tuple[int, float] | None] = {}
     for dtype in DTYPES:
@@ -292,8 +294,12 @@ def _run(world: LocalWorld | None, world_size: int, backend: str, matmul_sizes: 
     report(done + 5, total, "overlap of all-reduce and matmul")
     overlap = launch(probes.overlap_job, world=world, seconds=2 * seconds, rounds=2)[0]
     report(done + 6, total, "skew at blocking collectives")
-    skew = fit_skew(launch(probes.skew_job, world=world, seconds=2 * seconds)[0])
-    return matmul, fits, bandwidth, attention, overhead, overlap, (dtensor, dtensor_collective), skew
+    waits, alone = launch(probes.skew_job, world=world, seconds=2 * seconds)[0]
+    # what a blocking collective leaves idle beyond the latency its link prices (the best of the link
+    # probe's blocks, where the skew probe's loop is the typical call)
+    sync_idle = max(0.0, alone - fits["all_reduce"].link.latency)
+    return matmul, fits, bandwidth, attention, overhead, overlap, (dtensor, dtensor_collective), (fit_skew(waits),
+                                                                                                 sync_idle)
 
 
 def _best_matmul(per_rank: list[list[tuple[int, float]] | None]) -> tuple[int, float] | None:

@@ -276,9 +276,10 @@ def overhead_job(ctx, seconds: float) -> tuple[int, float]:
 SKEW_CHUNKS, SKEW_PAIRS = (0.01, 0.04), 5
 
 
-def skew_job(ctx, seconds: float) -> list[tuple[float, float]]:
-    """``[(compute seconds before a collective, seconds the collective waited)]``, :data:`SKEW_PAIRS`
-    per chunk of :data:`SKEW_CHUNKS`: every rank loops over matrix products then a tiny blocking
+def skew_job(ctx, seconds: float) -> tuple[list[tuple[float, float]], float]:
+    """``([(compute seconds before a collective, seconds the collective waited)], idle seconds of one
+    collective alone)``, :data:`SKEW_PAIRS` pairs per chunk of :data:`SKEW_CHUNKS`: every rank loops
+    over matrix products then a tiny blocking
     all-reduce, over the products alone and over the all-reduce alone; what the loop of both leaves
     idle, per collective, beyond the two apart, is the wait for the last rank to arrive (each rank's
     compute ran at its own pace: processes sharing cores drift apart by the scheduler's slices, a
@@ -318,7 +319,7 @@ def skew_job(ctx, seconds: float) -> list[tuple[float, float]]:
             computing = idle(compute, chunk)  # on the CPU: what other jobs took from the cores meanwhile
             both = idle(lambda: (compute(), dist.all_reduce(tiny)), chunk + alone)  # noqa: B023 (used at once)
             waits.append((products * product, max(0.0, both - computing - alone)))
-    return waits
+    return waits, alone
 
 
 def overlap_job(ctx, seconds: float, rounds: int) -> Overlap:

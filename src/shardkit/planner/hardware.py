@@ -52,13 +52,13 @@ DTYPES = FLOATING
 SUFFIXES = (".json", ".yaml", ".yml")
 _FIELDS = ("name", "memory", "flops", "devices_per_node", "intra_node", "inter_node", "matmul_efficiency",
            "matmul_latency", "attention_efficiency", "memory_bandwidth", "op_overhead", "dtensor_overhead", "dtensor_collective", "skew",
-           "overlap", "shared_compute", "cores_per_node", "reserved")
+           "sync_idle", "overlap", "shared_compute", "cores_per_node", "reserved")
 #: Fields added after files were first written: a file without them reads as the value given here
 #: (a file of ``shardkit calibrate`` written before had no DTensor probe: the presets' figure).
 _DTENSOR_OVERHEAD = 1e-5  # the presets' (the comments of the presets below)
 _DTENSOR_COLLECTIVE = 1e-4
 _OPTIONAL = {"matmul_latency": 0.0, "attention_efficiency": 1.0, "dtensor_overhead": _DTENSOR_OVERHEAD,
-             "dtensor_collective": _DTENSOR_COLLECTIVE, "skew": 0.0, "cores_per_node": 0}
+             "dtensor_collective": _DTENSOR_COLLECTIVE, "skew": 0.0, "sync_idle": 0.0, "cores_per_node": 0}
 _LINK_FIELDS = ("bandwidth", "latency")
 _NESTED = {"flops": DTYPES, "intra_node": COLLECTIVES, "inter_node": COLLECTIVES}  # mapping fields: their keys
 
@@ -89,7 +89,9 @@ class Hardware:
     - ``skew``: how far ranks drift apart while they compute, in seconds per square root of a
       second of compute (a random walk's spread): a blocking collective after ``c`` seconds of
       compute waits ``skew x sqrt(c)`` for the last rank to arrive (processes sharing cores drift
-      by the scheduler's slices; measured by ``shardkit calibrate``, 0 in the presets);
+      by the scheduler's slices; measured by ``shardkit calibrate``, 0 in the presets); ``sync_idle``:
+      seconds a blocking collective leaves the devices idle beyond its link's latency (processes sharing
+      cores, each woken in turn as its messages arrive; measured, 0 in the presets);
     - ``overlap``: the fraction in [0, 1] of communication time that can run while computing
       (about 1.0 on GPUs, whose NCCL runs on streams of its own; measured on gloo);
     - ``shared_compute``: whether the devices are processes sharing fewer cores (a local CPU
@@ -101,11 +103,11 @@ class Hardware:
       in :data:`COLLECTIVES`; ``reduce_scatter`` may be left out (files written before it was
       measured), and then runs on ``all_gather``'s link, as a ring would.
 
-    ``op_overhead``, ``dtensor_overhead``, ``dtensor_collective``, ``matmul_latency``, ``skew``, ``overlap``,
-    ``shared_compute`` and ``cores_per_node`` default to an ideal device's 0.0, 0.0, 0.0, 0.0, 0.0, 1.0, false
-    and 0 in Python, ``attention_efficiency`` to 1.0 (files require every field but ``matmul_latency``,
-    ``attention_efficiency``, ``dtensor_overhead``,
-    ``dtensor_collective``, ``skew`` and ``cores_per_node``, which files written before them lack:
+    ``op_overhead``, ``dtensor_overhead``, ``dtensor_collective``, ``matmul_latency``, ``skew``, ``sync_idle``,
+    ``overlap``, ``shared_compute`` and ``cores_per_node`` default to an ideal device's 0.0, 0.0, 0.0, 0.0, 0.0,
+    0.0, 1.0, false and 0 in Python, ``attention_efficiency`` to 1.0 (files require every field but
+    ``matmul_latency``, ``attention_efficiency``, ``dtensor_overhead``, ``dtensor_collective``, ``skew``,
+    ``sync_idle`` and ``cores_per_node``, which files written before them lack:
     :data:`_OPTIONAL`); ``memory_bandwidth`` has no default, as devices differ by 100x.
 
     >>> a100 = Hardware.preset("a100-80g")
@@ -129,6 +131,7 @@ class Hardware:
     dtensor_overhead: float = 0.0
     dtensor_collective: float = 0.0
     skew: float = 0.0
+    sync_idle: float = 0.0
     shared_compute: bool = False
     cores_per_node: int = 0
 
@@ -185,26 +188,10 @@ class Hardware:
     # -- files ------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         """Plain data (the file format): every field, links as ``{bandwidth, latency}``."""
-        return {
-            "name": self.name,
-            "memory": self.memory,
-            "flops": {dtype: self.flops[dtype] for dtype in DTYPES},
-            "devices_per_node": self.devices_per_node,
-            "intra_node": _links_to_dict(self.intra_node),
-            "inter_node": _links_to_dict(self.inter_node),
-            "matmul_efficiency": self.matmul_efficiency,
-            "matmul_latency": self.matmul_latency,
-            "attention_efficiency": self.attention_efficiency,
-            "memory_bandwidth": self.memory_bandwidth,
-            "op_overhead": self.op_overhead,
-            "dtensor_overhead": self.dtensor_overhead,
-            "dtensor_collective": self.dtensor_collective,
-            "skew": self.skew,
-            "overlap": self.overlap,
-            "shared_compute": self.shared_compute,
-            "cores_per_node": self.cores_per_node,
-            "reserved": self.reserved,
-        }
+        data = {name: getattr(self, name) for name in _FIELDS}
+        data["flops"] = {dtype: self.flops[dtype] for dtype in DTYPES}
+        data.update({side: _links_to_dict(data[side]) for side in ("intra_node", "inter_node")})
+        return data
 
     @classmethod
     def from_dict(cls, data: Any, what: str = "hardware") -> Hardware:
@@ -310,6 +297,7 @@ def _scalar_problems(values: Mapping[str, Any]) -> list[str]:
         "dtensor_overhead": lambda v: number(v, "dtensor_overhead", 0.0),
         "dtensor_collective": lambda v: number(v, "dtensor_collective", 0.0),
         "skew": lambda v: number(v, "skew", 0.0),
+        "sync_idle": lambda v: number(v, "sync_idle", 0.0),
         "matmul_latency": lambda v: number(v, "matmul_latency", 0.0),
         "overlap": lambda v: number(v, "overlap", 0.0) or (
             None if v <= 1 else f"field 'overlap' must be a fraction in [0, 1], got {v!r}"),

@@ -59,7 +59,8 @@ are consecutive and fit in one, else across nodes:
 - ``skew``: the waits for the last rank at the step's blocking collectives (tp's, FSDP's gathers
   and reduce-scatters, DDP's last bucket, the loss's all-reduce, a pipeline's receives, the ring's
   exchanges, the all-to-alls), its compute spread evenly between them: :func:`skew_seconds` with the
-  measured ``hw.skew`` (0 on the presets);
+  measured ``hw.skew`` (0 on the presets), and each one's idle beyond its link's latency,
+  ``hw.sync_idle`` (0 on the presets);
 - ``ep``: per MoE layer and micro-batch, the all-to-alls of expert parallelism at balanced routing
   (counts, rows out, rows back forward; their gradients backward: :func:`all_to_all_seconds`), not
   overlapped (the experts wait for their rows). With ``ep``, FSDP gathers and reduces each experts
@@ -246,7 +247,7 @@ def time_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer: 
     if s.devices > 1:
         parts["loss"] = 2 * math.ceil(math.log2(s.devices)) * _link(hw, shape, AXES, "all_reduce").latency
         syncs += 1
-    if hw.skew and syncs:
+    if (hw.skew or hw.sync_idle) and syncs:
         parts["skew"] = skew_seconds(hw, syncs, parts["compute"] + parts["bubble"] + parts["optimizer"]
                                      + parts.get("dtensor", 0.0))
     return parts
@@ -255,15 +256,17 @@ def time_of(costs: Costs, s: Setting, batch_size: int, hw: Hardware, optimizer: 
 def skew_seconds(hw: Hardware, syncs: float, work: float) -> float:
     """Seconds a step waits for the last rank at its ``syncs`` blocking collectives, ``work`` seconds of
     compute spread evenly between them: ranks drift apart as a random walk, ``hw.skew x sqrt(c)``
-    after ``c`` seconds, so ``syncs x skew x sqrt(work / syncs)``.
+    after ``c`` seconds, so ``syncs x skew x sqrt(work / syncs)``; and each collective leaves the
+    devices idle ``hw.sync_idle`` beyond its link's latency.
 
     >>> import dataclasses
     >>> from shardkit.planner.hardware import Hardware
     >>> hw = dataclasses.replace(Hardware.preset("a100-80g"), skew=0.02)
-    >>> round(skew_seconds(hw, syncs=4, work=0.25), 3)
-    0.02
+    >>> round(skew_seconds(hw, syncs=4, work=0.25), 3), round(skew_seconds(
+    ...     dataclasses.replace(hw, sync_idle=0.001), syncs=4, work=0.25), 3)
+    (0.02, 0.024)
     """
-    return hw.skew * math.sqrt(syncs * work)
+    return hw.skew * math.sqrt(syncs * work) + syncs * hw.sync_idle
 
 
 def ring_work(s: Setting, hw: Hardware, queries: float) -> float:
