@@ -6,7 +6,7 @@ arithmetic only (:mod:`shardkit.planner.memory`, :mod:`shardkit.planner.step_tim
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -132,6 +132,11 @@ class Numbers:
     embedding_act: float
     head_act: float
     block_rebuilt: float  # what full recompute holds running a block again (saved and alive beside, its input aside)
+    # at a block's moment of most bytes alive in its forward: what it saved so far and made unsaved, its input
+    # (unsaved), the embedding's output (unsaved: a frame holds it through the blocks)
+    block_ahead: float
+    block_input: float
+    embedding_output: float
     block_pieces: tuple[Piece, ...]  # the parameters as FSDP shards them
     embedding_pieces: tuple[Piece, ...]
     head_pieces: tuple[Piece, ...]
@@ -184,9 +189,13 @@ class Numbers:
         share = core / a.block.flops if a.block.flops else 0.0  # the attention core's share, for traffic and ops
         head_dim = a.head_dim or (a.hidden // a.heads if a.heads else 0)  # 0: a model without attention heads
         qkvo = 2 * (a.heads + a.kv_heads) // a.tp * head_dim  # elements of q, k, v and the output per token
-        saved = _saved(a, lambda part: part.activations_per_token, qkvo * a.dtype.itemsize, a.block.rebuilt_per_token)
-        half = _saved(a, lambda part: part.half_activations_per_token, qkvo * 2, a.block.half_rebuilt_per_token[0])
-        fixed = _saved(a, lambda part: part.fixed_activations_per_token, 0, a.block.half_rebuilt_per_token[1])
+        ahead = a.block.ahead_per_token
+        saved = _saved(a, lambda part: part.activations_per_token, qkvo * a.dtype.itemsize, a.block.rebuilt_per_token,
+                       ahead[:3])
+        half = _saved(a, lambda part: part.half_activations_per_token, qkvo * 2, a.block.half_rebuilt_per_token[0],
+                      ahead[3:6])
+        fixed = _saved(a, lambda part: part.fixed_activations_per_token, 0, a.block.half_rebuilt_per_token[1],
+                       ahead[6:])
         fixed = fixed[:3] + (min(fixed[3], half[3]),) + fixed[4:]  # q, k, v and the output follow the dtype
         e = a.experts
         experts = (e.modules, e.num_experts, e.top_k, e.params, e.shapes, without(a.block.pieces, e.measured)) \
@@ -209,17 +218,18 @@ class Numbers:
 
 #: The fields of :class:`Numbers` that are bytes saved for backward (:meth:`Numbers.computing_in`).
 SAVED = ("block_saved", "block_split_by_sp", "block_core", "block_core_recomputed", "embedding_act", "head_act",
-         "block_rebuilt")
+         "block_rebuilt", "block_ahead", "block_input", "embedding_output")
 
 
 def _saved(a: ModelAnalysis, of: Callable[[PartCost], Mapping[str, float]], qkvo: float,
-           rebuilt: float) -> tuple[float, ...]:
+           rebuilt: float, ahead: Sequence[float]) -> tuple[float, ...]:
     """:data:`SAVED` from ``of(part)``, the saved bytes per component of a part; ``qkvo``: the bytes of the
-    attention's q, k, v and output per token, which selective recompute keeps; ``rebuilt``: the block's."""
+    attention's q, k, v and output per token, which selective recompute keeps; ``rebuilt``, ``ahead``: the
+    block's (:attr:`~shardkit.planner.analysis.PartCost.ahead_per_token`)."""
     block = of(a.block)
     return (sum(block.values()), block["norm"] + block["other"], block["attention_core"],
             max(0.0, block["attention_core"] - qkvo), sum(of(a.embedding).values()), sum(of(a.head).values()),
-            rebuilt)
+            rebuilt, *ahead)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -199,6 +199,13 @@ def step_phases(n: Numbers, s: Setting, tokens: float, first: bool, last: bool, 
     previous = kept if s.microbatches > 1 else 0  # beside the next micro-batch's forward
     phases = {"forward": {"gathered": gathered_root + (live if not s.reshard else 0) + steady,
                           "activations": held, "temporaries": 0.0}}
+    if s.recompute != "full":  # the last micro-batch's forward at its peak, in the stage's last block: the blocks before
+        # it saved, and in it what it saved so far and made unsaved (the residual stream, a row-parallel output and its
+        # reduction), its input when a block of the stage made it, on the first stage the embedding's output too
+        inside = n.block_ahead - (n.block_saved - block_act) + (n.block_input if blocks > 1 else 0) \
+            + (n.embedding_act + n.embedding_output if first else 0)
+        phases["forward, last block"] = {**phases["forward"], "activations": held * (inflight - 1) / inflight
+                                         + ((blocks - 1) * block_act + inside) * tokens + previous}
     if fsdp:  # a forward's start: the root unit's and the first block's all-gather outputs and their parameters
         phases["forward start"] = {"gathered": steady + 2 * (gathered_root + unit * compute),
                                    "activations": held * (inflight - 1) / inflight + previous, "temporaries": 0.0}
