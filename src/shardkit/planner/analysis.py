@@ -111,7 +111,7 @@ class PartCost:
     fixed_activations_per_token: Mapping[str, float] | None = None
     rebuilt_per_token: float = 0.0
     half_rebuilt_per_token: tuple[float, float] = (0.0, 0.0)
-    ahead_per_token: tuple[float, ...] = (0.0,) * 9
+    ahead_per_token: tuple[float, ...] = (0.0,) * 12
 
     @property
     def flops(self) -> float:
@@ -395,7 +395,7 @@ def _largest_block(measured: Measurement) -> tuple[int, Tally, str]:
 
 
 def _part(name: str, tally: Tally, half: Measurement, seq_len: int, block: int = 0,
-          ahead: tuple[float, ...] = (0.0,) * 9) -> PartCost:
+          ahead: tuple[float, ...] = (0.0,) * 12) -> PartCost:
     """``half``: the measurement in a 2-byte dtype, whose part of that name (``block``: the block's
     index) gives the saved bytes in it and those of its tensors in other dtypes."""
     halved = half.parts[f"block.{block}" if name == "block" else name]

@@ -243,8 +243,9 @@ class Births(TorchDispatchMode):
     ``where()`` named ``place`` (a storage an operator returns that none of its inputs holds: no
     view, no in-place result), each dropped when its storage dies; ``other[place]``: of which
     those of tensors in another dtype than ``dtype``; ``unsaved[place]``: ``[bytes, of which in
-    another dtype]`` of those autograd has not saved (:meth:`saved`). ``after()`` is called after
-    each operator.
+    another dtype]`` of those autograd has not saved (:meth:`saved`); ``made[place, zone]``: ``[bytes, of
+    which in another dtype]`` of all made while ``zone()`` named ``zone`` too, dead or alive. ``after()``
+    is called after each operator.
 
     >>> births = Births(lambda: "here", torch.float32)
     >>> with births:
@@ -253,13 +254,15 @@ class Births(TorchDispatchMode):
     ({'here': 32}, {'here': 32}, [32, 32])
     """
 
-    def __init__(self, where: Callable[[], str], dtype: torch.dtype, after: Callable[[], None] = lambda: None):
+    def __init__(self, where: Callable[[], str], dtype: torch.dtype, after: Callable[[], None] = lambda: None,
+                 zone: Callable[[], str] = lambda: ""):
         super().__init__()
-        self.where, self.dtype, self.after = where, dtype, after
+        self.where, self.dtype, self.after, self.zone = where, dtype, after, zone
+        self.made: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
         self.live: dict[str, int] = defaultdict(int)
         self.other: dict[str, int] = defaultdict(int)
         self.unsaved: dict[str, list[int]] = defaultdict(lambda: [0, 0])
-        self._made: dict[int, list] = {}  # storage key -> [place, bytes, other, saved] while alive
+        self._made: dict[int, list] = {}  # storage key -> [place, bytes, other, saved, zone] while alive
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -269,21 +272,25 @@ class Births(TorchDispatchMode):
                 continue
             known.add(_storage(tensor))
             storage = tensor.untyped_storage()
-            record = [self.where(), storage.nbytes(), tensor.dtype != self.dtype, False]
+            record = [self.where(), storage.nbytes(), tensor.dtype != self.dtype, False, self.zone()]
             self._made[storage._cdata] = record
+            made = self.made[record[0], record[4]]
+            made[0] += record[1]
+            made[1] += record[1] * record[2]
             self._add(record, 1)
             weakref.finalize(storage, self._dead, storage._cdata, record)
         self.after()
         return out
 
-    def saved(self, key: int) -> str | None:
-        """Storage ``key`` is saved for backward: where it was made (``None``: not made here, or saved before)."""
+    def saved(self, key: int) -> tuple[str, str] | None:
+        """Storage ``key`` is saved for backward: the place and zone it was made in (``None``: not made here,
+        or saved before)."""
         record = self._made.get(key)
         if record is None or record[3]:
             return None
         self._add(record, -1, unsaved_only=True)
         record[3] = True
-        return record[0]
+        return record[0], record[4]
 
     def _dead(self, key: int, record: list) -> None:
         self._add(record, -1)
@@ -291,7 +298,7 @@ class Births(TorchDispatchMode):
             del self._made[key]
 
     def _add(self, record: list, sign: int, unsaved_only: bool = False) -> None:
-        place, nbytes, other, saved = record
+        place, nbytes, other, saved, _ = record
         if not unsaved_only:
             self.live[place] += sign * nbytes
             self.other[place] += sign * nbytes * other

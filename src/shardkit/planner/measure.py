@@ -37,9 +37,10 @@ saved tensors and their dtypes. Each pass also keeps what full recompute holds r
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -78,7 +79,9 @@ class Tally:
     and of which in another dtype than the parameters'; ``ahead``: at the block's moment of most bytes
     alive in the forward, ``(bytes, of which in another dtype)`` of what it saved so far and made
     unsaved, of what earlier blocks made unsaved (its input), of what the embedding part made unsaved
-    (its output); ``so_far``: the bytes it saved so far, each storage where first saved."""
+    (its output); ``so_far``: the bytes it saved so far, each storage where first saved; ``freed``: what
+    selective recompute frees of it: the bytes made and saved inside its attention modules less those their
+    projections made (the policy keeps them)."""
 
     params: int = 0
     param_bytes: int = 0
@@ -96,6 +99,7 @@ class Tally:
     rebuilt: tuple[int, int] = (0, 0)
     ahead: tuple[int, ...] = (0,) * 6
     so_far: list[int] = field(default_factory=lambda: [0, 0])
+    freed: list[int] = field(default_factory=lambda: [0, 0])
 
     def tensor_parallel_counts(self) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int]]:
         """``(dtensor_ops, dtensor_params)`` per :data:`DTENSOR_VARIANTS`, and ``(column-parallel
@@ -149,9 +153,11 @@ class Measurement:
     def ahead(self, seq_len: int) -> tuple[float, ...]:
         """Per token, at the last block's moment of most bytes alive in the forward (:attr:`Tally.ahead`; the last:
         its input made by a block): what it saved so far and made unsaved, its input, the embedding's output (unsaved
-        ones); then the same in :data:`HALF`, then of which in other dtypes."""
-        ahead, halved = (m.parts[f"block.{m.blocks - 1}"].ahead for m in (self, self.half or self))
-        return tuple(v / seq_len for v in (*ahead[0::2], *halved[0::2], *halved[1::2]))
+        ones), what selective recompute frees of it (:attr:`Tally.freed`); then the same in :data:`HALF`, then of which
+        in other dtypes."""
+        last, halved = (m.parts[f"block.{m.blocks - 1}"] for m in (self, self.half or self))
+        return tuple(v / seq_len for v in (*last.ahead[0::2], last.freed[0], *halved.ahead[0::2], halved.freed[0],
+                                           *halved.ahead[1::2], halved.freed[1]))
 
 
 def block_names(model: nn.Module) -> list[str]:
@@ -227,7 +233,7 @@ class _Recorder:
         self.passed_block = False
         self.counted = 0.0
         self.owner: dict[str, str] = {}
-        self.births = Births(self.part, dtype, self.alive)
+        self.births = Births(self.part, dtype, self.alive, self.zone)
         self.first_saved: set[int] = set()
 
     def part(self) -> str:
@@ -290,9 +296,19 @@ class _Recorder:
         tally.rebuilt = max(tally.rebuilt, (self.births.live[part], self.births.other[part]))
         if key not in self.first_saved:
             self.first_saved.add(key)
-            self.births.saved(key)
+            made, other = self.births.saved(key), nbytes * (dtype != self.births.dtype)
             tally.so_far[0] += nbytes
-            tally.so_far[1] += nbytes * (dtype != self.births.dtype)
+            tally.so_far[1] += other
+            if made is not None and made[1] and self.zone():  # made and saved in an attention: selective recomputes it
+                tally.freed[0] += nbytes
+                tally.freed[1] += other
+
+    def zone(self) -> str:
+        """``projection`` inside a Linear layer of an attention module (what selective recompute's policy saves),
+        ``attention`` elsewhere in one, else ``""``."""
+        if not any(name in self.scopes.attentions for name in self.stack):
+            return ""
+        return "projection" if any(is_linear(self.scopes.modules[name]) for name in self.stack) else "attention"
 
     def alive(self) -> None:
         """After each operator in a block: its :attr:`Tally.ahead` if more bytes are alive than before."""
@@ -380,6 +396,8 @@ def _forward(model: nn.Module, family: Family, blocks: list[str], seq_len: int, 
         stack.enter_context(swapped(model, tensors))
         stack.enter_context(one_rank(model, [plan] if plan is not None else [], local_weights=True,
                                      bridge=ops.pause))
+        if plan is not None:
+            stack.enter_context(_reduced_out_of_place(model, plan, ops.pause))
         if plan is not None and counting:
             stack.enter_context(dtensor_styles(model, plan, paths, ops, recorder.book_boundary))
         stack.enter_context(recorder.hooks())
@@ -398,9 +416,29 @@ def _forward(model: nn.Module, family: Family, blocks: list[str], seq_len: int, 
         finally:
             for module, mode in zip(model.modules(), modes):
                 module.training = mode
+    for part, tally in recorder.parts.items():
+        kept = recorder.births.made[part, "projection"]
+        tally.freed = [tally.freed[0] - kept[0], tally.freed[1] - kept[1]]
     fused = any(op in counter.flop_counts["Global"] for op in FUSED_ATTENTION)
     quadratic = not fused and any(t.flops.get("attention_core") for t in recorder.parts.values())
     return Measurement(dict(recorder.parts), len(blocks), dtype, quadratic, fused)
+
+
+@contextmanager
+def _reduced_out_of_place(model: nn.Module, plan: AxisPlan, bridge: Callable[[], Any]) -> Iterator[None]:
+    """A row-parallel output reduced as torch's styles reduce it: out of place (a functional all-reduce's
+    output, alive beside its input until that is dropped; selective recompute's policy keeps both)."""
+    def reduced(_module: nn.Module, _args: Any, out: Any) -> Any:
+        with bridge():
+            return out.clone() if isinstance(out, torch.Tensor) else out
+
+    handles = [model.get_submodule(split.name).register_forward_hook(reduced) for split in plan.splits.values()
+               if split.kind == ROWWISE]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 __all__ = ["COMPONENTS", "DTENSOR_VARIANTS", "HALF", "Measurement", "Piece", "Tally", "block_names", "first_blocks", "measure"]
