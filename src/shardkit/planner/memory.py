@@ -294,7 +294,7 @@ def step_phases(n: Numbers, s: Setting, tokens: float, first: bool, last: bool, 
         # embedding's, all but the embedding's (its gradient is a temporary then). A pipeline's first backward comes
         # after its stage's forwards of the micro-batches in flight; a later one finds every gradient accumulated
         for name, phase in phases.items():
-            if name in ("forward", "forward start") or (fresh and (name in ("loss", "head") or not plain)):
+            if name.startswith("forward") or (fresh and (name in ("loss", "head") or not plain)):
                 phase["gradients"] = 0
         if plain and s.pp > 1:  # (with no data axis a vocab-split embedding's whole, until a tie's sum at the end)
             whole_grad = whole_embedding_excess(n, s.tp) if first and s.data * s.sp == 1 else 0
