@@ -239,17 +239,23 @@ def step_phases(n: Numbers, s: Setting, tokens: float, first: bool, last: bool, 
     # an LM head tied to the embedding on this device, unsplit, with plain gradients (no FSDP2): autograd holds its
     # weight's gradient, a temporary, from the head's backward until the embedding's adds to it
     tied = whole * compute if n.tied and first and last and not fsdp and not replicated(s) and not split_head else 0
-    phases["blocks"] = {"gathered": gathered_root + live + (scatter if not accumulated else 0),
-                        "activations": held + rebuilt, "temporaries": transient + root_grads + tied}
+    # with FSDP, the backward's first block finds no reduce-scatter in flight; a later one finds its successor's, whose
+    # saved tensors (one micro-batch's) are freed
+    done = block_act * tokens
+    phases["blocks"] = {"gathered": gathered_root + live, "activations": held + rebuilt,
+                        "temporaries": transient + root_grads + tied}
+    if fsdp and not accumulated and blocks > 1:
+        phases["blocks, next"] = {**phases["blocks"], "gathered": gathered_root + live + scatter,
+                                  "activations": held - done + rebuilt}
     if accumulated:
         phases["blocks, accumulated"] = {"gathered": gathered_root + live + accumulated,
                                          "activations": later + rebuilt, "temporaries": transient}
     if fsdp:  # its post-backward: its gradients unsharded, then copied into the reduce-scatter input (a temporary
         # until the collective is issued, as torch's tracker files it), then the output
-        phases["post-backward"] = {"gathered": gathered_root + live + grads + accumulated, "activations": later,
+        phases["post-backward"] = {"gathered": gathered_root + live + grads + accumulated, "activations": later - done,
                                    "temporaries": (scatter if not accumulated else 0) + later_root_grads}
         phases["reduce-scatter"] = {"gathered": gathered_root + live - unit * compute + grads + accumulated,
-                                    "activations": later,
+                                    "activations": later - done,
                                     "temporaries": scatter * (1 + 1 / s.shards) + later_root_grads}
     if first and fsdp:
         root_grad = embedding_grad + (head if last else 0)  # the root's gradients (the embedding's whole)
