@@ -148,9 +148,10 @@ def step_phases(n: Numbers, s: Setting, tokens: float, first: bool, last: bool, 
                 compute: int, reduce: int) -> dict[str, dict[str, float]]:
     """What a training step adds to a device's state, at each moment that can be its peak: bytes
     of ``gathered``, ``activations`` and ``temporaries`` (the categories of torch's memory
-    tracker, :mod:`shardkit.observe.step_cost`) by phase: the end of the forward, the loss's and the
-    head's backward (last stage), a block's backward, its post-backward and its reduce-scatter
-    (with FSDP; with accumulated gradients, a later micro-batch's backward too), the root unit's
+    tracker, :mod:`shardkit.observe.step_cost`) by phase: the end of the forward, inside its last block
+    (no full recompute), the loss's and the head's backward (last stage), a block's backward (with FSDP
+    the first one's and a later one's, beside its successor's reduce-scatter), its post-backward and its
+    reduce-scatter (with FSDP; with accumulated gradients, a later micro-batch's backward too), the root unit's
     post-backward and its reduce-scatter (first stage, with FSDP), the embedding's backward (first stage,
     without FSDP). ``n``'s saved bytes are those of the compute dtype (:meth:`Numbers.computing_in`).
     docs/planner.md states the terms."""
