@@ -8,6 +8,7 @@ pipeline stage's rank, also the earlier stages' ranks run up to sending it their
     python benchmarks/dry_run_scale.py                  # every plan
     python benchmarks/dry_run_scale.py --only 8b        # Llama-3 8B on 64 devices, fsdp x tp, only
     python benchmarks/dry_run_scale.py --only 70b-pp-last   # the last pipeline stage's first rank
+    python benchmarks/dry_run_scale.py --recompute none --only 8b-pp   # another recompute (default full)
 
 A pipeline plan's row runs rank 0 (the first stage); its ``-last`` row the last stage's first rank.
 
@@ -47,10 +48,10 @@ def builder(name: str):
     return partial(build_llama, config)
 
 
-def run(row: str) -> None:
+def run(row: str, recompute: str = "full") -> None:
     key = row.removesuffix("-last")
     model, world, mesh, pipeline = PLANS[key]
-    plan = sk.Plan(mesh, rules=LLAMA_RULES, fsdp=PRECISION, pipeline=pipeline, recompute="full")
+    plan = sk.Plan(mesh, rules=LLAMA_RULES, fsdp=PRECISION, pipeline=pipeline, recompute=recompute)
     batch = mesh.data_size * (pipeline.microbatches if pipeline else 1)
     rank = default_ranks(plan.resolved(world))[-1] if row.endswith("-last") else 0
     start = time.process_time()
@@ -58,7 +59,7 @@ def run(row: str) -> None:
                         device_memory=80 * 2**30)
     cost = result.ranks[0]
     print(f"\n{model} on {world} devices, {mesh!r}{' x ' + str(pipeline.microbatches) + ' micro-batches' if pipeline else ''}, "
-          f"recompute full, batch {batch} x {SEQ}: {cost.name}'s dry run {cost.seconds:.1f} s CPU "
+          f"recompute {recompute}, batch {batch} x {SEQ}: {cost.name}'s dry run {cost.seconds:.1f} s CPU "
           f"(the whole call with the check and the estimate {time.process_time() - start:.1f} s CPU)")
     ratios = result.ratios()
     print(f"  {'component':<12}{'dry run':>12}{'estimate':>12}{'est/dry':>9}")
@@ -77,9 +78,10 @@ def run(row: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=ROWS, action="append", help="run only these rows")
+    parser.add_argument("--recompute", choices=("full", "selective", "none"), default="full")
     args = parser.parse_args()
     for row in args.only or ROWS:
-        run(row)
+        run(row, args.recompute)
 
 
 if __name__ == "__main__":

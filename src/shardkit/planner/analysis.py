@@ -87,7 +87,7 @@ class PartCost:
     (``None``: not measured, a part made by hand).
     ``rebuilt_per_token``: what full recompute holds while it runs the part again (its saved tensors
     and the values alive beside them, its input aside); ``half_rebuilt_per_token``: the same in a
-    2-byte dtype, and of which in other dtypes.
+    2-byte dtype, and of which in other dtypes. ``ahead_per_token``: :meth:`~shardkit.planner.measure.Measurement.ahead`'s, per token.
 
     >>> part = PartCost("block", 10, 40, {"mlp": 20.0, "norm": 0.0}, {"mlp": 8.0, "norm": 4.0}, 3, 16.0)
     >>> part.flops, part.activations, part.ops, part.traffic_per_token
@@ -111,6 +111,7 @@ class PartCost:
     fixed_activations_per_token: Mapping[str, float] | None = None
     rebuilt_per_token: float = 0.0
     half_rebuilt_per_token: tuple[float, float] = (0.0, 0.0)
+    ahead_per_token: tuple[float, ...] = (0.0,) * 12
 
     @property
     def flops(self) -> float:
@@ -374,7 +375,7 @@ def _analyse_blocks(model: nn.Module, family: Family, blocks: list[str], name: s
     return ModelAnalysis(
         name=name, seq_len=seq_len, tp=tp,
         embedding=_part("embedding", parts["embedding"], half, seq_len),
-        block=_part("block", block, half, seq_len, index), layers=layers, head=_part("head", parts["head"], half, seq_len),
+        block=_part("block", block, half, seq_len, index, measured.ahead(seq_len)), layers=layers, head=_part("head", parts["head"], half, seq_len),
         hidden=_hidden(model, family), heads=attention.heads if attention else 0,
         kv_heads=attention.kv_heads if attention else 0, vocab=family.vocab_size(model) or 0,
         intermediate=_intermediate(model, family, blocks[0]), dtype=dtype, tied=_tied(model, family), total_params=total,
@@ -393,7 +394,8 @@ def _largest_block(measured: Measurement) -> tuple[int, Tally, str]:
     return largest, blocks[largest], differ
 
 
-def _part(name: str, tally: Tally, half: Measurement, seq_len: int, block: int = 0) -> PartCost:
+def _part(name: str, tally: Tally, half: Measurement, seq_len: int, block: int = 0,
+          ahead: tuple[float, ...] = (0.0,) * 12) -> PartCost:
     """``half``: the measurement in a 2-byte dtype, whose part of that name (``block``: the block's
     index) gives the saved bytes in it and those of its tensors in other dtypes."""
     halved = half.parts[f"block.{block}" if name == "block" else name]
@@ -404,7 +406,7 @@ def _part(name: str, tally: Tally, half: Measurement, seq_len: int, block: int =
     return PartCost(name, tally.params, tally.param_bytes, *per_token[:2], tally.ops,
                     tally.traffic / seq_len, tuple(tally.pieces), tuple(tally.borrowed), tally.products,
                     *tally.tensor_parallel_counts(), *per_token[2:], tally.rebuilt[0] / seq_len,
-                    (halved.rebuilt[0] / seq_len, halved.rebuilt[1] / seq_len))
+                    (halved.rebuilt[0] / seq_len, halved.rebuilt[1] / seq_len), ahead)
 
 
 def _token_embedding(model: nn.Module, family: Family) -> nn.Embedding | None:

@@ -6,7 +6,7 @@ arithmetic only (:mod:`shardkit.planner.memory`, :mod:`shardkit.planner.step_tim
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -128,10 +128,15 @@ class Numbers:
     block_saved: float  # bytes one block saves for backward
     block_split_by_sp: float  # of which norms and residual terms (split over tp by Megatron SP)
     block_core: float  # of which the attention core
-    block_core_recomputed: float  # of which selective recompute frees (not q, k, v and the output)
+    block_core_recomputed: float  # what selective recompute frees (the attention's saved less its projections' outputs)
     embedding_act: float
     head_act: float
     block_rebuilt: float  # what full recompute holds running a block again (saved and alive beside, its input aside)
+    # at a block's moment of most bytes alive in its forward: what it saved so far and made unsaved, its input
+    # (unsaved), the embedding's output (unsaved: a frame holds it through the blocks)
+    block_ahead: float
+    block_input: float
+    embedding_output: float
     block_pieces: tuple[Piece, ...]  # the parameters as FSDP shards them
     embedding_pieces: tuple[Piece, ...]
     head_pieces: tuple[Piece, ...]
@@ -183,11 +188,10 @@ class Numbers:
         core = a.block.flops_per_token["attention_core"]
         share = core / a.block.flops if a.block.flops else 0.0  # the attention core's share, for traffic and ops
         head_dim = a.head_dim or (a.hidden // a.heads if a.heads else 0)  # 0: a model without attention heads
-        qkvo = 2 * (a.heads + a.kv_heads) // a.tp * head_dim  # elements of q, k, v and the output per token
-        saved = _saved(a, lambda part: part.activations_per_token, qkvo * a.dtype.itemsize, a.block.rebuilt_per_token)
-        half = _saved(a, lambda part: part.half_activations_per_token, qkvo * 2, a.block.half_rebuilt_per_token[0])
-        fixed = _saved(a, lambda part: part.fixed_activations_per_token, 0, a.block.half_rebuilt_per_token[1])
-        fixed = fixed[:3] + (min(fixed[3], half[3]),) + fixed[4:]  # q, k, v and the output follow the dtype
+        ahead = a.block.ahead_per_token
+        saved = _saved(a, lambda part: part.activations_per_token, a.block.rebuilt_per_token, ahead[:4])
+        half = _saved(a, lambda part: part.half_activations_per_token, a.block.half_rebuilt_per_token[0], ahead[4:8])
+        fixed = _saved(a, lambda part: part.fixed_activations_per_token, a.block.half_rebuilt_per_token[1], ahead[8:])
         e = a.experts
         experts = (e.modules, e.num_experts, e.top_k, e.params, e.shapes, without(a.block.pieces, e.measured)) \
             if e is not None else (0, 0, 0, 0, (), a.block.pieces)
@@ -209,17 +213,17 @@ class Numbers:
 
 #: The fields of :class:`Numbers` that are bytes saved for backward (:meth:`Numbers.computing_in`).
 SAVED = ("block_saved", "block_split_by_sp", "block_core", "block_core_recomputed", "embedding_act", "head_act",
-         "block_rebuilt")
+         "block_rebuilt", "block_ahead", "block_input", "embedding_output")
 
 
-def _saved(a: ModelAnalysis, of: Callable[[PartCost], Mapping[str, float]], qkvo: float,
-           rebuilt: float) -> tuple[float, ...]:
-    """:data:`SAVED` from ``of(part)``, the saved bytes per component of a part; ``qkvo``: the bytes of the
-    attention's q, k, v and output per token, which selective recompute keeps; ``rebuilt``: the block's."""
+def _saved(a: ModelAnalysis, of: Callable[[PartCost], Mapping[str, float]], rebuilt: float,
+           ahead: Sequence[float]) -> tuple[float, ...]:
+    """:data:`SAVED` from ``of(part)``, the saved bytes per component of a part; ``rebuilt``, ``ahead``: the
+    block's (:attr:`~shardkit.planner.analysis.PartCost.ahead_per_token`: its last is what selective recompute
+    frees)."""
     block = of(a.block)
-    return (sum(block.values()), block["norm"] + block["other"], block["attention_core"],
-            max(0.0, block["attention_core"] - qkvo), sum(of(a.embedding).values()), sum(of(a.head).values()),
-            rebuilt)
+    return (sum(block.values()), block["norm"] + block["other"], block["attention_core"], ahead[3],
+            sum(of(a.embedding).values()), sum(of(a.head).values()), rebuilt, *ahead[:3])
 
 
 @functools.lru_cache(maxsize=4096)

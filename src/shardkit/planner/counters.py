@@ -242,20 +242,27 @@ class Births(TorchDispatchMode):
     """While entered, ``live[place]``: the bytes alive of the storages operators made while
     ``where()`` named ``place`` (a storage an operator returns that none of its inputs holds: no
     view, no in-place result), each dropped when its storage dies; ``other[place]``: of which
-    those of tensors in another dtype than ``dtype``.
+    those of tensors in another dtype than ``dtype``; ``unsaved[place]``: ``[bytes, of which in
+    another dtype]`` of those autograd has not saved (:meth:`saved`); ``made[place, zone]``: ``[bytes, of
+    which in another dtype]`` of all made while ``zone()`` named ``zone`` too, dead or alive. ``after()``
+    is called after each operator.
 
     >>> births = Births(lambda: "here", torch.float32)
     >>> with births:
     ...     y = torch.ones(4).double().view(2, 2)
-    >>> dict(births.live), dict(births.other)   # ones' storage died with its tensor
-    ({'here': 32}, {'here': 32})
+    >>> dict(births.live), dict(births.other), births.unsaved["here"]   # ones' storage died with its tensor
+    ({'here': 32}, {'here': 32}, [32, 32])
     """
 
-    def __init__(self, where: Callable[[], str], dtype: torch.dtype):
+    def __init__(self, where: Callable[[], str], dtype: torch.dtype, after: Callable[[], None] = lambda: None,
+                 zone: Callable[[], str] = lambda: ""):
         super().__init__()
-        self.where, self.dtype = where, dtype
+        self.where, self.dtype, self.after, self.zone = where, dtype, after, zone
+        self.made: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
         self.live: dict[str, int] = defaultdict(int)
         self.other: dict[str, int] = defaultdict(int)
+        self.unsaved: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+        self._made: dict[int, list] = {}  # storage key -> [place, bytes, other, saved, zone] while alive
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -264,16 +271,40 @@ class Births(TorchDispatchMode):
             if _storage(tensor) in known:
                 continue
             known.add(_storage(tensor))
-            storage, place = tensor.untyped_storage(), self.where()
-            nbytes, other = storage.nbytes(), tensor.dtype != self.dtype
-            self._add(place, nbytes, other)
-            weakref.finalize(storage, self._add, place, -nbytes, other)
+            storage = tensor.untyped_storage()
+            record = [self.where(), storage.nbytes(), tensor.dtype != self.dtype, False, self.zone()]
+            self._made[storage._cdata] = record
+            made = self.made[record[0], record[4]]
+            made[0] += record[1]
+            made[1] += record[1] * record[2]
+            self._add(record, 1)
+            weakref.finalize(storage, self._dead, storage._cdata, record)
+        self.after()
         return out
 
-    def _add(self, place: str, nbytes: int, other: bool) -> None:
-        self.live[place] += nbytes
-        if other:
-            self.other[place] += nbytes
+    def saved(self, key: int) -> tuple[str, str] | None:
+        """Storage ``key`` is saved for backward: the place and zone it was made in (``None``: not made here,
+        or saved before)."""
+        record = self._made.get(key)
+        if record is None or record[3]:
+            return None
+        self._add(record, -1, unsaved_only=True)
+        record[3] = True
+        return record[0], record[4]
+
+    def _dead(self, key: int, record: list) -> None:
+        self._add(record, -1)
+        if self._made.get(key) is record:
+            del self._made[key]
+
+    def _add(self, record: list, sign: int, unsaved_only: bool = False) -> None:
+        place, nbytes, other, saved, _ = record
+        if not unsaved_only:
+            self.live[place] += sign * nbytes
+            self.other[place] += sign * nbytes * other
+        if not saved:
+            self.unsaved[place][0] += sign * nbytes
+            self.unsaved[place][1] += sign * nbytes * other
 
 
 __all__ = ["EXTRA_FLOPS", "FUSED_ATTENTION", "Births", "DTensorPaths", "OpCounter", "saved_storages"]

@@ -24,7 +24,7 @@ changes are applied (local head counts), and where torch's styles gather an outp
 column-parallel layer with no row-parallel partner) or split an input locally, a hook makes the
 same shapes, so a rank's FLOPs and saved bytes are what it computes and keeps. The operators
 the rank would run on DTensors are followed from the split modules' parameters and inputs
-(:class:`~shardkit.planner.counters.DTensorPaths`, :func:`_dtensor_styles`), with and without
+(:class:`~shardkit.planner.counters.DTensorPaths`, :mod:`~shardkit.planner.dtensor_styles`), with and without
 Megatron SP (:data:`DTENSOR_VARIANTS`).
 
 Saved bytes depend on the compute dtype in ways no itemsize ratio tells (transformers' RMSNorm
@@ -40,6 +40,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -50,14 +51,11 @@ from ..families import Family
 from ..families.modules import is_linear, is_norm
 from ..families.on_meta import swapped
 from .counters import EXTRA_FLOPS, FUSED_ATTENTION, Births, DTensorPaths, OpCounter, saved_storages
+from .dtensor_styles import DTENSOR_VARIANTS, distributed_parameters, dtensor_styles
 from .one_rank import one_rank, sliced_parameters
-from .tensor_parallel import COLWISE, DTENSOR, ROWWISE, AxisPlan, aliases
+from .tensor_parallel import COLWISE, ROWWISE, AxisPlan, aliases
 
 COMPONENTS = ("attention_core", "attention", "mlp", "norm", "embedding", "logits", "other")
-#: The tensor-parallel runs whose DTensor operators are counted: torch's styles handing local
-#: tensors between modules (``tp``), and Megatron SP, whose residual stream, norms and their
-#: parameters are DTensors too (``sp``).
-DTENSOR_VARIANTS = ("tp", "sp")
 #: The dtype the saved tensors are measured in besides the parameters' (:func:`measure`): a 2-byte
 #: float, as bfloat16 and float16 compute alike (each upcast to float32 where the model does).
 HALF = torch.bfloat16
@@ -78,7 +76,12 @@ class Tally:
     column-parallel inputs and row-parallel outputs whose collectives tensor parallel runs
     (``tp_boundaries``); ``rebuilt``: the most bytes alive of the storages the part made, at a
     save (what full recompute holds running it again, stopping at its last save; its input aside),
-    and of which in another dtype than the parameters'."""
+    and of which in another dtype than the parameters'; ``ahead``: at the block's moment of most bytes
+    alive in the forward, ``(bytes, of which in another dtype)`` of what it saved so far and made
+    unsaved, of what earlier blocks made unsaved (its input), of what the embedding part made unsaved
+    (its output); ``so_far``: the bytes it saved so far, each storage where first saved; ``freed``: what
+    selective recompute frees of it: the bytes made and saved inside its attention modules less those their
+    projections made (the policy keeps them)."""
 
     params: int = 0
     param_bytes: int = 0
@@ -94,6 +97,9 @@ class Tally:
     dtensor_params: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     tp_boundaries: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     rebuilt: tuple[int, int] = (0, 0)
+    ahead: tuple[int, ...] = (0,) * 6
+    so_far: list[int] = field(default_factory=lambda: [0, 0])
+    freed: list[int] = field(default_factory=lambda: [0, 0])
 
     def tensor_parallel_counts(self) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int]]:
         """``(dtensor_ops, dtensor_params)`` per :data:`DTENSOR_VARIANTS`, and ``(column-parallel
@@ -143,6 +149,15 @@ class Measurement:
             del head.saved[key]
         if self.half is not None:
             self.half.share()
+
+    def ahead(self, seq_len: int) -> tuple[float, ...]:
+        """Per token, at the last block's moment of most bytes alive in the forward (:attr:`Tally.ahead`; the last:
+        its input made by a block): what it saved so far and made unsaved, its input, the embedding's output (unsaved
+        ones), what selective recompute frees of it (:attr:`Tally.freed`); then the same in :data:`HALF`, then of which
+        in other dtypes."""
+        last, halved = (m.parts[f"block.{m.blocks - 1}"] for m in (self, self.half or self))
+        return tuple(v / seq_len for v in (*last.ahead[0::2], last.freed[0], *halved.ahead[0::2], halved.freed[0],
+                                           *halved.ahead[1::2], halved.freed[1]))
 
 
 def block_names(model: nn.Module) -> list[str]:
@@ -218,7 +233,8 @@ class _Recorder:
         self.passed_block = False
         self.counted = 0.0
         self.owner: dict[str, str] = {}
-        self.births = Births(self.part, dtype)
+        self.births = Births(self.part, dtype, self.alive, self.zone)
+        self.first_saved: set[int] = set()
 
     def part(self) -> str:
         block = next((n for n in reversed(self.stack) if n in self.blocks), None)
@@ -278,6 +294,32 @@ class _Recorder:
         tally = self.parts[part]
         tally.saved.setdefault(key, (nbytes, self.scopes.component(self.stack, part), dtype))
         tally.rebuilt = max(tally.rebuilt, (self.births.live[part], self.births.other[part]))
+        if key not in self.first_saved:
+            self.first_saved.add(key)
+            made, other = self.births.saved(key), nbytes * (dtype != self.births.dtype)
+            tally.so_far[0] += nbytes
+            tally.so_far[1] += other
+            if made is not None and made[1] and self.zone():  # made and saved in an attention: selective recomputes it
+                tally.freed[0] += nbytes
+                tally.freed[1] += other
+
+    def zone(self) -> str:
+        """``projection`` inside a Linear layer of an attention module (what selective recompute's policy saves),
+        ``attention`` elsewhere in one, else ``""``."""
+        if not any(name in self.scopes.attentions for name in self.stack):
+            return ""
+        return "projection" if any(is_linear(self.scopes.modules[name]) for name in self.stack) else "attention"
+
+    def alive(self) -> None:
+        """After each operator in a block: its :attr:`Tally.ahead` if more bytes are alive than before."""
+        part = self.part()
+        if not part.startswith("block."):
+            return
+        tally, unsaved = self.parts[part], self.births.unsaved
+        before = [sum(v[i] for p, v in list(unsaved.items()) if p.startswith("block.") and p != part) for i in (0, 1)]
+        now = (tally.so_far[0] + unsaved[part][0], tally.so_far[1] + unsaved[part][1], *before, *unsaved["embedding"])
+        if now[0] + now[2] + now[4] > sum(tally.ahead[0::2]):
+            tally.ahead = now
 
     @contextmanager
     def hooks(self) -> Iterator[None]:
@@ -343,7 +385,7 @@ def _forward(model: nn.Module, family: Family, blocks: list[str], seq_len: int, 
             tensors[name] = torch.empty(b.shape, dtype=b.dtype, device="cpu")  # as built (rotary frequencies stay fp32)
         fixed = {t.untyped_storage()._cdata for t in tensors.values()}
         counter = FlopCounterMode(display=False, custom_mapping=EXTRA_FLOPS)
-        distributed = _distributed_parameters(model, plan, canonical)
+        distributed = distributed_parameters(model, plan, canonical)
         recorder = _Recorder(model, _Scopes(model, family, blocks), blocks, counter, fixed, params, canonical,
                              distributed, dtype)
         paths = DTensorPaths(DTENSOR_VARIANTS, recorder.book_dtensor)
@@ -354,8 +396,10 @@ def _forward(model: nn.Module, family: Family, blocks: list[str], seq_len: int, 
         stack.enter_context(swapped(model, tensors))
         stack.enter_context(one_rank(model, [plan] if plan is not None else [], local_weights=True,
                                      bridge=ops.pause))
+        if plan is not None:
+            stack.enter_context(_reduced_out_of_place(model, plan, ops.pause))
         if plan is not None and counting:
-            stack.enter_context(_dtensor_styles(model, plan, paths, ops, recorder.book_boundary))
+            stack.enter_context(dtensor_styles(model, plan, paths, ops, recorder.book_boundary))
         stack.enter_context(recorder.hooks())
         if counting:
             stack.enter_context(counter)
@@ -372,69 +416,24 @@ def _forward(model: nn.Module, family: Family, blocks: list[str], seq_len: int, 
         finally:
             for module, mode in zip(model.modules(), modes):
                 module.training = mode
+    for part, tally in recorder.parts.items():
+        kept = recorder.births.made[part, "projection"]
+        tally.freed = [tally.freed[0] - kept[0], tally.freed[1] - kept[1]]
     fused = any(op in counter.flop_counts["Global"] for op in FUSED_ATTENTION)
     quadratic = not fused and any(t.flops.get("attention_core") for t in recorder.parts.values())
     return Measurement(dict(recorder.parts), len(blocks), dtype, quadratic, fused)
 
 
-def _distributed_parameters(model: nn.Module, plan: AxisPlan | None,
-                            canonical: Mapping[str, str]) -> dict[str, tuple[str, ...]]:
-    """``{canonical parameter name: the variants in which it is a DTensor}``: a split module's in
-    both, a norm's under Megatron SP (torch's ``SequenceParallel`` replicates them as DTensors)."""
-    if plan is None:
-        return {}
-    out: dict[str, tuple[str, ...]] = {}
-    for name, module in model.named_modules():
-        variants = DTENSOR_VARIANTS if name in plan.splits else ("sp",) if is_norm(module) else ()
-        for pname, _ in module.named_parameters(recurse=False):
-            out.setdefault(canonical[f"{name}.{pname}" if name else pname], variants)
-    return {name: variants for name, variants in out.items() if variants}
-
-
 @contextmanager
-def _dtensor_styles(model: nn.Module, plan: AxisPlan, paths: DTensorPaths, ops: OpCounter,
-                    boundary: Callable[[str], None]) -> Iterator[None]:
-    """Where torch's styles turn tensors into DTensors and back (:mod:`shardkit.runtime.tensor_parallel`),
-    the same marks on the stand-ins: a split module's input becomes a DTensor in both variants; its
-    output goes back local, but under Megatron SP a row-parallel or embedding output stays one
-    (``use_local_output=False``: the residual stream is sequence-sharded), as does a replicated
-    embedding's output; a module with parameters that is neither split, a norm nor an embedding
-    (a replicated head) takes its input local. ``boundary(kind)`` is called for each split
-    module's input (``colwise``: replicated, or all-gathered under SP, its gradient reduced) and
-    output (``rowwise``: partial sums reduced)."""
-    handles = []
+def _reduced_out_of_place(model: nn.Module, plan: AxisPlan, bridge: Callable[[], Any]) -> Iterator[None]:
+    """A row-parallel output reduced as torch's styles reduce it: out of place (a functional all-reduce's
+    output, alive beside its input until that is dropped; selective recompute's policy keeps both)."""
+    def reduced(_module: nn.Module, _args: Any, out: Any) -> Any:
+        with bridge():
+            return out.clone() if isinstance(out, torch.Tensor) else out
 
-    def set_input(variants: tuple[str, ...], kind: str | None = None):
-        def hook(_module, args):
-            if kind is not None:
-                boundary(kind)
-            if not args:
-                return None
-            with ops.pause():
-                return (paths.alias(args[0], variants), *args[1:])
-        return hook
-
-    def set_output(variants: tuple[str, ...], kind: str | None = None):
-        def hook(_module, _args, out):
-            if kind is not None:
-                boundary(kind)
-            with ops.pause():
-                return paths.alias(out, variants)
-        return hook
-
-    for name, module in model.named_modules():
-        split = plan.splits.get(name)
-        embedding = isinstance(module, nn.Embedding)
-        if split is not None:
-            handles.append(module.register_forward_pre_hook(set_input(
-                DTENSOR_VARIANTS, COLWISE if split.kind == COLWISE else None)))
-            local = split.kind in (COLWISE, DTENSOR) or (split.kind != ROWWISE and not embedding)
-            handles.append(module.register_forward_hook(set_output(
-                () if local else ("sp",), ROWWISE if split.kind == ROWWISE else None)))
-        elif embedding:
-            handles.append(module.register_forward_hook(set_output(("sp",))))
-        elif not is_norm(module) and next(module.parameters(recurse=False), None) is not None:
-            handles.append(module.register_forward_pre_hook(set_input(())))
+    handles = [model.get_submodule(split.name).register_forward_hook(reduced) for split in plan.splits.values()
+               if split.kind == ROWWISE]
     try:
         yield
     finally:

@@ -148,9 +148,10 @@ def step_phases(n: Numbers, s: Setting, tokens: float, first: bool, last: bool, 
                 compute: int, reduce: int) -> dict[str, dict[str, float]]:
     """What a training step adds to a device's state, at each moment that can be its peak: bytes
     of ``gathered``, ``activations`` and ``temporaries`` (the categories of torch's memory
-    tracker, :mod:`shardkit.observe.step_cost`) by phase: the end of the forward, the loss's and the
-    head's backward (last stage), a block's backward, its post-backward and its reduce-scatter
-    (with FSDP; with accumulated gradients, a later micro-batch's backward too), the root unit's
+    tracker, :mod:`shardkit.observe.step_cost`) by phase: the end of the forward, inside its last block
+    (no full recompute), the loss's and the head's backward (last stage), a block's backward (with FSDP
+    the first one's and a later one's, beside its successor's reduce-scatter), its post-backward and its
+    reduce-scatter (with FSDP; with accumulated gradients, a later micro-batch's backward too), the root unit's
     post-backward and its reduce-scatter (first stage, with FSDP), the embedding's backward (first stage,
     without FSDP). ``n``'s saved bytes are those of the compute dtype (:meth:`Numbers.computing_in`).
     docs/planner.md states the terms."""
@@ -199,6 +200,13 @@ def step_phases(n: Numbers, s: Setting, tokens: float, first: bool, last: bool, 
     previous = kept if s.microbatches > 1 else 0  # beside the next micro-batch's forward
     phases = {"forward": {"gathered": gathered_root + (live if not s.reshard else 0) + steady,
                           "activations": held, "temporaries": 0.0}}
+    if s.recompute != "full":  # the last micro-batch's forward at its peak, in the stage's last block: the blocks before
+        # it saved, and in it what it saved so far and made unsaved (the residual stream, a row-parallel output and its
+        # reduction), its input when a block of the stage made it, on the first stage the embedding's output too
+        inside = n.block_ahead - (n.block_saved - block_act) + (n.block_input if blocks > 1 else 0) \
+            + (n.embedding_act + n.embedding_output if first else 0)
+        phases["forward, last block"] = {**phases["forward"], "activations": held * (inflight - 1) / inflight
+                                         + ((blocks - 1) * block_act + inside) * tokens + previous}
     if fsdp:  # a forward's start: the root unit's and the first block's all-gather outputs and their parameters
         phases["forward start"] = {"gathered": steady + 2 * (gathered_root + unit * compute),
                                    "activations": held * (inflight - 1) / inflight + previous, "temporaries": 0.0}
@@ -232,17 +240,23 @@ def step_phases(n: Numbers, s: Setting, tokens: float, first: bool, last: bool, 
     # an LM head tied to the embedding on this device, unsplit, with plain gradients (no FSDP2): autograd holds its
     # weight's gradient, a temporary, from the head's backward until the embedding's adds to it
     tied = whole * compute if n.tied and first and last and not fsdp and not replicated(s) and not split_head else 0
-    phases["blocks"] = {"gathered": gathered_root + live + (scatter if not accumulated else 0),
-                        "activations": held + rebuilt, "temporaries": transient + root_grads + tied}
+    # with FSDP, the backward's first block finds no reduce-scatter in flight; a later one finds its successor's, whose
+    # saved tensors (one micro-batch's) are freed
+    done = block_act * tokens
+    phases["blocks"] = {"gathered": gathered_root + live, "activations": held + rebuilt,
+                        "temporaries": transient + root_grads + tied}
+    if fsdp and not accumulated and blocks > 1:
+        phases["blocks, next"] = {**phases["blocks"], "gathered": gathered_root + live + scatter,
+                                  "activations": held - done + rebuilt}
     if accumulated:
         phases["blocks, accumulated"] = {"gathered": gathered_root + live + accumulated,
                                          "activations": later + rebuilt, "temporaries": transient}
     if fsdp:  # its post-backward: its gradients unsharded, then copied into the reduce-scatter input (a temporary
         # until the collective is issued, as torch's tracker files it), then the output
-        phases["post-backward"] = {"gathered": gathered_root + live + grads + accumulated, "activations": later,
+        phases["post-backward"] = {"gathered": gathered_root + live + grads + accumulated, "activations": later - done,
                                    "temporaries": (scatter if not accumulated else 0) + later_root_grads}
         phases["reduce-scatter"] = {"gathered": gathered_root + live - unit * compute + grads + accumulated,
-                                    "activations": later,
+                                    "activations": later - done,
                                     "temporaries": scatter * (1 + 1 / s.shards) + later_root_grads}
     if first and fsdp:
         root_grad = embedding_grad + (head if last else 0)  # the root's gradients (the embedding's whole)
@@ -287,7 +301,7 @@ def step_phases(n: Numbers, s: Setting, tokens: float, first: bool, last: bool, 
         # embedding's, all but the embedding's (its gradient is a temporary then). A pipeline's first backward comes
         # after its stage's forwards of the micro-batches in flight; a later one finds every gradient accumulated
         for name, phase in phases.items():
-            if name in ("forward", "forward start") or (fresh and (name in ("loss", "head") or not plain)):
+            if name.startswith("forward") or (fresh and (name in ("loss", "head") or not plain)):
                 phase["gradients"] = 0
         if plain and s.pp > 1:  # (with no data axis a vocab-split embedding's whole, until a tie's sum at the end)
             whole_grad = whole_embedding_excess(n, s.tp) if first and s.data * s.sp == 1 else 0

@@ -1,0 +1,89 @@
+"""Where a tensor-parallel rank's tensors are DTensors, marked on the planner's stand-ins
+(:mod:`shardkit.planner.measure`): the parameters torch's styles distribute and the inputs and
+outputs its hooks turn into DTensors and back, with and without Megatron SP, so that
+:class:`~shardkit.planner.counters.DTensorPaths` follows the operators a rank runs on DTensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+
+from torch import nn
+
+from ..families.modules import is_norm
+from .counters import DTensorPaths, OpCounter
+from .tensor_parallel import COLWISE, DTENSOR, ROWWISE, AxisPlan
+
+#: The tensor-parallel runs whose DTensor operators are counted: torch's styles handing local
+#: tensors between modules (``tp``), and Megatron SP, whose residual stream, norms and their
+#: parameters are DTensors too (``sp``).
+DTENSOR_VARIANTS = ("tp", "sp")
+
+
+def distributed_parameters(model: nn.Module, plan: AxisPlan | None,
+                           canonical: Mapping[str, str]) -> dict[str, tuple[str, ...]]:
+    """``{canonical parameter name: the variants in which it is a DTensor}``: a split module's in
+    both, a norm's under Megatron SP (torch's ``SequenceParallel`` replicates them as DTensors)."""
+    if plan is None:
+        return {}
+    out: dict[str, tuple[str, ...]] = {}
+    for name, module in model.named_modules():
+        variants = DTENSOR_VARIANTS if name in plan.splits else ("sp",) if is_norm(module) else ()
+        for pname, _ in module.named_parameters(recurse=False):
+            out.setdefault(canonical[f"{name}.{pname}" if name else pname], variants)
+    return {name: variants for name, variants in out.items() if variants}
+
+
+@contextmanager
+def dtensor_styles(model: nn.Module, plan: AxisPlan, paths: DTensorPaths, ops: OpCounter,
+                   boundary: Callable[[str], None]) -> Iterator[None]:
+    """Where torch's styles turn tensors into DTensors and back (:mod:`shardkit.runtime.tensor_parallel`),
+    the same marks on the stand-ins: a split module's input becomes a DTensor in both variants; its
+    output goes back local, but under Megatron SP a row-parallel or embedding output stays one
+    (``use_local_output=False``: the residual stream is sequence-sharded), as does a replicated
+    embedding's output; a module with parameters that is neither split, a norm nor an embedding
+    (a replicated head) takes its input local. ``boundary(kind)`` is called for each split
+    module's input (``colwise``: replicated, or all-gathered under SP, its gradient reduced) and
+    output (``rowwise``: partial sums reduced)."""
+    handles = []
+
+    def set_input(variants: tuple[str, ...], kind: str | None = None):
+        def hook(_module, args):
+            if kind is not None:
+                boundary(kind)
+            if not args:
+                return None
+            with ops.pause():
+                return (paths.alias(args[0], variants), *args[1:])
+        return hook
+
+    def set_output(variants: tuple[str, ...], kind: str | None = None):
+        def hook(_module, _args, out):
+            if kind is not None:
+                boundary(kind)
+            with ops.pause():
+                return paths.alias(out, variants)
+        return hook
+
+    for name, module in model.named_modules():
+        split = plan.splits.get(name)
+        embedding = isinstance(module, nn.Embedding)
+        if split is not None:
+            handles.append(module.register_forward_pre_hook(set_input(
+                DTENSOR_VARIANTS, COLWISE if split.kind == COLWISE else None)))
+            local = split.kind in (COLWISE, DTENSOR) or (split.kind != ROWWISE and not embedding)
+            handles.append(module.register_forward_hook(set_output(
+                () if local else ("sp",), ROWWISE if split.kind == ROWWISE else None)))
+        elif embedding:
+            handles.append(module.register_forward_hook(set_output(("sp",))))
+        elif not is_norm(module) and next(module.parameters(recurse=False), None) is not None:
+            handles.append(module.register_forward_pre_hook(set_input(())))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+__all__ = ["DTENSOR_VARIANTS", "distributed_parameters", "dtensor_styles"]
