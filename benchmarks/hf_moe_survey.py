@@ -38,7 +38,7 @@ def _configs(only: set[str] | None) -> list[type]:
     return found
 
 
-def _tiny(config_class: type):
+def two_layer_config(config_class: type):
     """The config's defaults with 2 layers (every per-layer list cut to 2)."""
     config = config_class()
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -58,7 +58,7 @@ def survey(config_class: type) -> tuple[str, str]:
     from transformers import AutoModelForCausalLM
 
     try:
-        config = _tiny(config_class)
+        config = two_layer_config(config_class)
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
         if not _marked(model):  # the 2-layer cut kept no MoE layer: the defaults, whole

@@ -17,7 +17,7 @@ import argparse
 import traceback
 import warnings
 
-from hf_moe_survey import _tiny
+from hf_moe_survey import two_layer_config
 
 import shardkit as sk
 
@@ -62,7 +62,7 @@ def main() -> None:
     crashes, unbuilt, built = [], 0, 0
     for model_type, config_class in _types(set(args.only.split(",")) if args.only else None):
         try:
-            model = sk.meta_model(AutoModelForCausalLM.from_config, _tiny(config_class))
+            model = sk.meta_model(AutoModelForCausalLM.from_config, two_layer_config(config_class))
         except Exception as error:  # transformers' own constructor on its defaults, or meta_model itself
             unbuilt += 1
             print(f"| {model_type} | not built: {type(error).__name__}: {str(error).splitlines()[0][:120]} |", flush=True)

@@ -88,8 +88,7 @@ def run_plan(ctx, steps: int, memory: bool) -> dict:
         optimizer.step()
     dist.barrier()  # every rank's time ends with the last rank's last step
     cpu = time.process_time() - cpu_start
-    return {"step": (clock() - start) / steps, "cpu": cpu / steps, "machine": (_machine_busy() - machine) / steps,
-            "own": cpu / steps}
+    return {"step": (clock() - start) / steps, "cpu": cpu / steps, "machine": (_machine_busy() - machine) / steps}
 
 
 def _machine_busy() -> float:
@@ -165,7 +164,7 @@ def local_world(steps: int, memory: bool = True, save: str | None = None) -> Non
                 # the world's CPU seconds over the cores it runs on: a step's time on a machine of its own
                 cpu = sum(r["cpu"] for r in results) / cores
                 # what other jobs took from the cores during the steps, per step (rank 0 read the machine's)
-                others = max(0.0, results[0]["machine"] - sum(r["own"] for r in results)) / cores
+                others = max(0.0, results[0]["machine"] - sum(r["cpu"] for r in results)) / cores
                 if step < measured[index]["step"]:
                     measured[index]["others"] = others
                 measured[index]["step"] = min(measured[index]["step"], step)

@@ -441,4 +441,4 @@ def _reduced_out_of_place(model: nn.Module, plan: AxisPlan, bridge: Callable[[],
             handle.remove()
 
 
-__all__ = ["COMPONENTS", "DTENSOR_VARIANTS", "HALF", "Measurement", "Piece", "Tally", "block_names", "first_blocks", "measure"]
+__all__ = ["COMPONENTS", "HALF", "Measurement", "Piece", "Tally", "block_names", "first_blocks", "measure"]
