@@ -221,3 +221,18 @@ def build_jamba():
         vocab_size=256, max_position_embeddings=64, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
         expert_layer_offset=1, num_experts=2, mamba_d_state=8, mamba_expand=2, mamba_dt_rank=8,
         attn_implementation="sdpa"))
+
+
+class SplitAtTheEnd(nn.Module):
+    """A sequence split where its second piece is empty (``tensor_split`` at the length, as transformers
+    5.25's Mamba scan splits off the positions it would step one by one), the pieces joined again."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        whole, rest = torch.tensor_split(x, [x.shape[1]], dim=1)
+        return torch.cat([2 * whole, rest], dim=1)
+
+
+def build_gpt_split_at_the_end() -> GPT:
+    model = build_gpt_with("cumsum")
+    model.layers[0].mixer = SplitAtTheEnd()
+    return model

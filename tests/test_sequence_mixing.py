@@ -28,6 +28,7 @@ from sequence_models import (
     build_gpt_causal_conv_dense,
     build_gpt_causal_conv_dilated,
     build_gpt_cumsum,
+    build_gpt_split_at_the_end,
     build_gpt_token_shift,
     build_gpt_with,
     build_jamba,
@@ -96,24 +97,9 @@ def test_jamba_mamba_layer_is_refused_under_sp_by_name():
     assert "aten.select" in problems[0] and "a recurrence or a scan" in problems[0] and "sp=1" in problems[0]
 
 
-class _SplitAtTheEnd(nn.Module):
-    """A sequence split where its second piece is empty (``tensor_split`` at the length, as transformers
-    5.25's Mamba scan splits off the positions it would step one by one), the pieces joined again."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        whole, rest = torch.tensor_split(x, [x.shape[1]], dim=1)
-        return torch.cat([2 * whole, rest], dim=1)
-
-
-def _build_gpt_split_at_the_end():
-    model = build_gpt_with("cumsum")
-    model.layers[0].mixer = _SplitAtTheEnd()
-    return model
-
-
 def test_an_empty_piece_of_the_sequence_mixes_no_positions():
     """An empty cut holds no position and a join with empty pieces is the whole piece: accepted."""
-    assert _problems(SP2, _build_gpt_split_at_the_end) == []
+    assert _problems(SP2, build_gpt_split_at_the_end) == []
 
 
 def test_jamba_is_accepted_without_sp():
@@ -293,7 +279,8 @@ def test_causal_convolutions_under_context_parallel_equal_one_process_at_every_p
     (build_lfm2, Plan(mesh=Mesh(sp=2, fsdp=2)), hf_loss),
     (build_gpt_causal_conv, Plan(mesh=Mesh(dp=2, sp=2)), gpt_loss),
     (build_lfm2, Plan(mesh=Mesh(sp=2), recompute="full"), hf_loss),  # the halo exchanged again when recomputed
-], ids=["lfm2-sp2", "lfm2-sp2-fsdp2", "gpt-causal-conv-dp2-sp2", "lfm2-sp2-recompute"])
+    (build_gpt_split_at_the_end, SP2, gpt_loss),  # an empty piece of the sequence, accepted: it runs and equals one
+], ids=["lfm2-sp2", "lfm2-sp2-fsdp2", "gpt-causal-conv-dp2-sp2", "lfm2-sp2-recompute", "gpt-split-at-the-end-sp2"])
 def test_verify_causal_convolutions_under_context_parallel(world, build, plan, loss_fn):
     result = verify(build, plan, _tokens(32, batch=4), loss_fn=loss_fn, steps=2, world=world(plan.mesh.size))
     assert result.ok, str(result)
