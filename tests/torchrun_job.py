@@ -42,6 +42,14 @@ def hang_on_rank_0(ctx):
     dist.barrier()  # rank 1 waits here for rank 0
 
 
+def say(line: str) -> None:
+    """One marker line for the test, whole on a line of its own: both ranks share torchrun's stdout, and
+    rank 0's tables reach it in pieces (CI once found rank 0's table glued to rank 1's line), so the
+    line goes out in one write (atomic on a pipe up to 4096 bytes) between newlines."""
+    sys.stdout.flush()
+    os.write(sys.stdout.fileno(), f"\n{line}\n".encode())
+
+
 def plan_auto_twice() -> None:
     """``shardkit train --plan auto`` (a short calibration: 0.02 s a point), then its plan again."""
     import shardkit.cli.train as train_cli
@@ -53,17 +61,17 @@ def plan_auto_twice() -> None:
     measure, write, auto_plan = calibrate.measure, calibrate.write_atomically, train_cli.auto_plan
 
     def counted_measure(*args, **kwargs):
-        print(f"MEASURE rank {rank}", flush=True)
+        say(f"MEASURE rank {rank}")
         kwargs.update(seconds_per_size=0.02, matmul_sizes=(32, 64), message_sizes=(4096, 2**16, 2**20))
         return measure(*args, **kwargs)
 
     def counted_write(hardware, file):
-        print(f"WROTE rank {rank} {file.name} {hardware.name}", flush=True)
+        say(f"WROTE rank {rank} {file.name} {hardware.name}")
         write(hardware, file)
 
     def counted_plan(config):
         config = auto_plan(config)
-        print(f"PLAN rank {rank} {config.plan.mesh!r} accum {config.grad_accum}", flush=True)
+        say(f"PLAN rank {rank} {config.plan.mesh!r} accum {config.grad_accum}")
         return config
 
     probes.MAX_MESSAGE_BYTES = 2**24  # the sweep's growth bounded: a loaded machine's flat times stop at 16 MiB
@@ -71,7 +79,7 @@ def plan_auto_twice() -> None:
     train_cli.auto_plan = counted_plan
     argv = ["train", "--plan", "auto", "--model", "gpt-tiny", "--steps", "2", "--batch-size", "4",
             "--data-mb", "0.05"]
-    print(f"TRAINED rank {rank} {main(argv)}", flush=True)
+    say(f"TRAINED rank {rank} {main(argv)}")
     train_cli.build_config(build_parser().parse_args(argv))  # the hardware kept: read by rank 0, broadcast
 
 
@@ -82,6 +90,6 @@ if __name__ == "__main__":
         sk.launch(hang_on_rank_0, sk.Plan(mesh=sk.Mesh(dp=-1)), timeout=3)
     results = sk.launch(work, sk.Plan(mesh=sk.Mesh(tp=-1), rules=GPT_RULES))
     if dist.get_rank() == 0:
-        print("RESULTS", results, flush=True)
+        say(f"RESULTS {results}")
     if sys.argv[1:] == ["auto"]:
         plan_auto_twice()
