@@ -16,6 +16,14 @@ the setting of Korthikanti et al., where selective recompute pays off).
   against ``none``.
 
     python benchmarks/recompute.py [--steps 20] [--batch 8] [--seq 128]
+
+``--tensor-parallel``: instead, the activations a rank holds under tensor parallel, where
+selective recompute must not keep the output projection's partial sums and their all-reduce:
+``sk.dry_run`` (the runtime on fake tensors, rank 0 of 8) of a Llama (hidden 512, 8 heads, 2
+layers, a sequence of 1024 per data rank) for each mode; baseline ``none``, and the estimate's
+ratio to the dry run.
+
+    python benchmarks/recompute.py --tensor-parallel
 """
 
 from __future__ import annotations
@@ -72,12 +80,40 @@ def step_seconds(models: dict[str, torch.nn.Module], inputs: torch.Tensor, targe
     return {mode: statistics.median(t) for mode, t in times.items()}
 
 
+def tensor_parallel_table() -> None:
+    """Rank 0's activations in a dry run of 8 ranks per plan and mode, against ``none``'s; the estimate's ratio."""
+    from functools import partial
+
+    from shardkit.models.hf import ATTN_IMPLEMENTATION, LLAMA_RULES, build_llama, tiny_llama_config
+
+    config = tiny_llama_config(hidden_size=512, num_attention_heads=8, num_key_value_heads=8, intermediate_size=1024,
+                               num_hidden_layers=2, vocab_size=2048, max_position_embeddings=1024)
+    config._attn_implementation = ATTN_IMPLEMENTATION
+    meshes = {"fsdp=4,tp=2": (sk.Mesh(fsdp=4, tp=2), False), "tp=8": (sk.Mesh(tp=8), False),
+              "tp=8, SP": (sk.Mesh(tp=8), True)}
+    print("Llama (hidden 512, 8 heads, 2 layers), 1 x 1024 tokens per data rank, sk.dry_run rank 0 of 8")
+    print(f"{'plan':<13} {'recompute':<10} {'activations MiB':>16} {'/ none':>7} {'estimate / dry run':>19}")
+    for name, (mesh, sequence_parallel) in meshes.items():
+        held = {}
+        for mode in MODES:
+            plan = sk.Plan(mesh, rules=LLAMA_RULES, recompute=mode, sequence_parallel=sequence_parallel)
+            dry = sk.dry_run(partial(build_llama, config), plan, world_size=8, batch=mesh.resolved(8).data_size,
+                             seq_len=1024, ranks=(0,))
+            held[mode] = dry.ranks[0].memory["activations"]
+            print(f"{name:<13} {mode:<10} {held[mode] / 2**20:>16.2f} {held[mode] / held['none']:>7.3f} "
+                  f"{dry.ratios(0)['activations']:>19.3f}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--tensor-parallel", action="store_true", help="dry runs of 8 ranks under tensor parallel")
     args = parser.parse_args()
+    if args.tensor_parallel:
+        tensor_parallel_table()
+        return
     torch.set_num_threads(1)
     tokens = torch.randint(0, 256, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(0))
     print(f"small GPT (4 layers, dim 128, 4 heads), batch {args.batch} x {args.seq} tokens, 1 thread, "

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import math
 import re
+from collections import Counter
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import shardkit as sk
 from shardkit.cli import main
@@ -184,7 +186,9 @@ def _one_step(build, mode: str, loss_fn) -> tuple[int, float, dict[str, torch.Te
 def test_recompute_holds_fewer_activations_and_computes_the_same(build, loss_fn, core_bytes):
     none, full, selective = (_one_step(build, mode, loss_fn) for mode in MODES)
     assert full[0] < selective[0] < none[0]
-    assert none[0] - selective[0] >= core_bytes
+    # selective frees the core's saved tensors and its output ([B, T, 64] fp32 in each of 2 layers, which the
+    # output projection reads), and keeps nothing of what that projection makes after the core
+    assert none[0] - selective[0] >= core_bytes + 2 * 4 * 32 * 64 * 4
     assert full[0] < none[0] / 2
     for other in (full, selective):
         assert other[1] == none[1]
@@ -206,15 +210,17 @@ def test_full_reruns_each_block_and_selective_each_attention_in_the_backward():
     (build_tiny_gpt, ["scaled_dot_product"]), (build_math_gpt, ["_softmax", "bmm"]),
     (build_tiny_llama, ["scaled_dot_product"]),
 ], ids=["gpt", "gpt-math", "llama"])
-def test_selective_policy_saves_the_projections_and_recomputes_the_core(build, core_ops):
+def test_selective_policy_saves_the_projections_before_the_core_and_recomputes_the_core(build, core_ops):
     model = recompute(build(), "selective")
     model(_tokens()[0])  # the policy decides in the forward
     decisions = model._sk_recompute.policy.decisions
     recomputed = {op for (choice, op) in decisions if choice == "recompute"}
-    saved = {op for (choice, op) in decisions if choice == "save"}
     assert all(any(core in op for op in recomputed) for core in core_ops)
-    assert not any(op.startswith(("aten.mm.", "aten.addmm.")) for op in recomputed)  # the projections' matmuls
-    assert any(op.startswith(("aten.mm", "aten.addmm")) for op in saved)
+    products = {choice: sum(n for (c, op), n in decisions.items() if c == choice and op.startswith(("aten.mm.",
+                                                                                                  "aten.addmm.")))
+                for choice in ("save", "recompute")}
+    # each of 2 layers: q, k and v's products saved, the output projection's (after the core) not kept
+    assert products == {"save": 2 * 3, "recompute": 2 * 1}, products
 
 
 def test_recompute_refuses_a_model_twice_and_a_bad_mode():
@@ -253,17 +259,40 @@ def _plan(case: str, mode: str, rules) -> Plan:
     return Plan(mesh=Mesh.parse(mesh), rules=rules if tp else None, recompute=mode, **fields)
 
 
-def _backward_reruns(ctx, build, plans: list[Plan], loss_fn) -> list[dict[str, tuple[int, int]]]:
-    """Per plan: {checkpointed module held here: (forwards, forwards during the backward)} over the second
-    step (a pipeline's first step also runs each stage once to infer its shapes)."""
+#: what a backward must not run again under selective recompute: the projections' matrix products (DTensor's
+#: at the level of the DTensor) and the collectives tensor parallel and FSDP2 run
+_MATMULS_AND_COLLECTIVES = {"aten.mm", "aten.addmm", "_c10d_functional.all_reduce",
+                            "_c10d_functional.reduce_scatter_tensor", "_c10d_functional.all_gather_into_tensor"}
+
+
+class _BackwardOps(TorchDispatchMode):
+    """Counts the operators of :data:`_MATMULS_AND_COLLECTIVES` run inside a backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func.overloadpacket)
+        if name in _MATMULS_AND_COLLECTIVES and torch._C._current_graph_task_id() != -1:
+            self.counts[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _backward_reruns(ctx, build, plans: list[Plan], loss_fn) -> list[tuple[dict[str, tuple[int, int]], Counter]]:
+    """Per plan: ({checkpointed module held here: (forwards, forwards during the backward)}, the matrix products
+    and collectives its backward ran) over the second step (a pipeline's first step also runs each stage once to
+    infer its shapes)."""
     out = []
     for plan in plans:
         model = sk.shard(build(), plan, ctx)
         batch = ctx.shard_batch(*_tokens(batch=8))
         model.step(*batch, loss_fn)
-        calls = _count_forwards(model, model._sk_recompute.checkpointed)
-        model.step(*batch, loss_fn)
-        out.append({n: tuple(c) for n, c in calls.items()})
+        recomputing = getattr(model, "_sk_recompute", None)
+        calls = _count_forwards(model, recomputing.checkpointed if recomputing else ())
+        with _BackwardOps() as ops:
+            model.step(*batch, loss_fn)
+        out.append(({n: tuple(c) for n, c in calls.items()}, ops.counts))
     return out
 
 
@@ -275,13 +304,17 @@ def test_gpt_recompute_equals_one_process(world, case):
         result = sk.verify(build_tiny_gpt, plan, _tokens(batch=8), loss_fn=gpt_loss, steps=3,
                            world=world(plan.mesh.size))
         assert result.ok, f"{mode}: {result}"
-    plans = [_plan(case, mode, GPT_RULES) for mode in ("full", "selective")]
+    plans = [_plan(case, mode, GPT_RULES) for mode in ("full", "selective", "none")]
     per_rank = world(plans[0].mesh.size).run(_backward_reruns, build_tiny_gpt, plans, gpt_loss, plan=plans[0])
-    for full, selective in per_rank:
+    for (full, full_ops), (selective, selective_ops), (_, none_ops) in per_rank:
         assert set(full) <= {f"layers.{i}" for i in range(2)} and set(selective) <= {f"layers.{i}.attn" for i in range(2)}
         assert full and selective and set(selective) == {f"{b}.attn" for b in full}
         for name, (forwards, in_backward) in (*full.items(), *selective.items()):
             assert forwards >= 1 and in_backward == forwards, name  # every forward re-run once in the backward
+        # selective re-runs the core alone: no projection's product and no collective again (the output
+        # projection's neither: torch stops recomputing at its input), where full re-runs them all
+        assert selective_ops == none_ops and none_ops["aten.mm"] + none_ops["aten.addmm"] > 0, (selective_ops, none_ops)
+        assert full_ops["aten.mm"] + full_ops["aten.addmm"] > none_ops["aten.mm"] + none_ops["aten.addmm"]
 
 
 @pytest.mark.world

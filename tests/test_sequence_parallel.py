@@ -206,3 +206,32 @@ def test_sequence_parallel_without_data_axis_reduces_partial_grads_once(world):
             assert abs(got["norm"] - ref_norm) < 1e-4 * ref_norm
             for name, p in reference.named_parameters():
                 assert torch.allclose(got["grads"][name], p.grad, atol=TOL), (accumulate, name)
+
+
+# -- tensor parallel's column-parallel layers reading one tensor convert it once (Megatron's count) -----
+def _collectives_job(ctx, batch):
+    from shardkit.observe.comm import CommCounter
+    from shardkit.runtime.apply import shard
+
+    model = shard(build_tiny_llama(), ctx.plan)
+    inputs, targets = ctx.shard_batch(*batch)
+    with CommCounter() as forward:
+        loss = hf_loss(model(inputs), targets)
+    with CommCounter() as backward:
+        loss.backward()
+    return forward.summary(), backward.summary()
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+megatron_sp"])
+def test_the_layers_reading_one_tensor_share_its_gather_and_its_gradients_reduction(world, sequence_parallel):
+    # q, k, v read one norm's output and gate, up another: 2 inputs a block (torch's styles converted per
+    # layer: 5, so SP gathered and kept 5 whole-sequence inputs and the backward reduced 5 gradients)
+    plan = Plan(mesh=Mesh(tp=2), rules=LLAMA_RULES, sequence_parallel=sequence_parallel)
+    layers = build_tiny_llama().config.num_hidden_layers
+    for forward, backward in world(2).run(_collectives_job, _tokens(32, batch=4), plan=plan):
+        inputs = 2 * layers + 1  # and the head's
+        if sequence_parallel:
+            assert forward["all_gather_into_tensor"][0] == inputs + 1, forward  # and the logits'
+            assert backward["reduce_scatter_tensor"][0] == inputs, backward
+        else:
+            assert backward["all_reduce"][0] == inputs, backward

@@ -128,7 +128,7 @@ class Numbers:
     block_saved: float  # bytes one block saves for backward
     block_split_by_sp: float  # of which norms and residual terms (split over tp by Megatron SP)
     block_core: float  # of which the attention core
-    block_core_recomputed: float  # what selective recompute frees (the attention's saved less its projections' outputs)
+    block_core_recomputed: float  # what selective recompute frees (the attention's saved less its projections' before the core)
     embedding_act: float
     head_act: float
     block_rebuilt: float  # what full recompute holds running a block again (saved and alive beside, its input aside)

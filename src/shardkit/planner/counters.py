@@ -13,6 +13,7 @@ from collections import defaultdict
 from collections.abc import Callable, Container, Iterator
 from contextlib import contextmanager
 from math import prod
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -48,6 +49,11 @@ EXTRA_FLOPS = {_aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash_flo
 #: Attention kernels that keep only their output and log-sum-exp for backward.
 FUSED_ATTENTION = (_aten._scaled_dot_product_flash_attention_for_cpu, _aten._scaled_dot_product_flash_attention,
                     _aten._scaled_dot_product_efficient_attention, _aten._scaled_dot_product_cudnn_attention)
+#: Operators that mix positions by attention weights (a fused kernel, or the softmax of a math one): where an
+#: attention module's core runs. What its projections compute after one (the output projection) selective
+#: recompute need not keep: no operator of the backward reads it.
+ATTENTION_CORE = (*FUSED_ATTENTION, _aten._scaled_dot_product_fused_attention_overrideable, _aten._softmax,
+                  _aten._safe_softmax)
 #: Operators that launch no kernel, besides views (``OpOverload.is_view``: view, t, transpose,
 #: expand, permute, slice, select, split, (un)squeeze, detach, alias, as_strided, lift_fresh):
 #: views whose schema declares no alias, allocations without a fill, metadata queries.
@@ -244,7 +250,7 @@ class Births(TorchDispatchMode):
     view, no in-place result), each dropped when its storage dies; ``other[place]``: of which
     those of tensors in another dtype than ``dtype``; ``unsaved[place]``: ``[bytes, of which in
     another dtype]`` of those autograd has not saved (:meth:`saved`); ``made[place, zone]``: ``[bytes, of
-    which in another dtype]`` of all made while ``zone()`` named ``zone`` too, dead or alive. ``after()``
+    which in another dtype]`` of all made while ``zone()`` named ``zone`` too, dead or alive. ``after(operator)``
     is called after each operator.
 
     >>> births = Births(lambda: "here", torch.float32)
@@ -254,7 +260,7 @@ class Births(TorchDispatchMode):
     ({'here': 32}, {'here': 32}, [32, 32])
     """
 
-    def __init__(self, where: Callable[[], str], dtype: torch.dtype, after: Callable[[], None] = lambda: None,
+    def __init__(self, where: Callable[[], str], dtype: torch.dtype, after: Callable[[Any], None] = lambda _op: None,
                  zone: Callable[[], str] = lambda: ""):
         super().__init__()
         self.where, self.dtype, self.after, self.zone = where, dtype, after, zone
@@ -279,7 +285,7 @@ class Births(TorchDispatchMode):
             made[1] += record[1] * record[2]
             self._add(record, 1)
             weakref.finalize(storage, self._dead, storage._cdata, record)
-        self.after()
+        self.after(func)
         return out
 
     def saved(self, key: int) -> tuple[str, str] | None:
@@ -307,4 +313,4 @@ class Births(TorchDispatchMode):
             self.unsaved[place][1] += sign * nbytes * other
 
 
-__all__ = ["EXTRA_FLOPS", "FUSED_ATTENTION", "Births", "DTensorPaths", "OpCounter", "saved_storages"]
+__all__ = ["ATTENTION_CORE", "EXTRA_FLOPS", "FUSED_ATTENTION", "Births", "DTensorPaths", "OpCounter", "saved_storages"]

@@ -13,7 +13,7 @@ from torch import nn
 
 from ..families.modules import is_norm
 from .counters import DTensorPaths, OpCounter
-from .tensor_parallel import COLWISE, DTENSOR, ROWWISE, AxisPlan
+from .tensor_parallel import COLWISE, DTENSOR, ROWWISE, AxisPlan, shared_input_scopes
 
 #: The tensor-parallel runs whose DTensor operators are counted: torch's styles handing local
 #: tensors between modules (``tp``), and Megatron SP, whose residual stream, norms and their
@@ -43,15 +43,29 @@ def dtensor_styles(model: nn.Module, plan: AxisPlan, paths: DTensorPaths, ops: O
     output goes back local, but under Megatron SP a row-parallel or embedding output stays one
     (``use_local_output=False``: the residual stream is sequence-sharded), as does a replicated
     embedding's output; a module with parameters that is neither split, a norm nor an embedding
-    (a replicated head) takes its input local. ``boundary(kind)`` is called for each split
-    module's input (``colwise``: replicated, or all-gathered under SP, its gradient reduced) and
-    output (``rowwise``: partial sums reduced)."""
+    (a replicated head) takes its input local. ``boundary(kind)`` is called for each input of the
+    column-parallel modules (``colwise``: replicated, or all-gathered under SP, its gradient reduced;
+    once for the modules of one parent call reading the same tensor, which share its conversion as the
+    runtime's do: :func:`~shardkit.planner.tensor_parallel.shared_input_scopes`)
+    and each row-parallel output (``rowwise``: partial sums reduced)."""
     handles = []
+    modules = dict(model.named_modules())
+    scopes: dict[str, dict] = {}  # per column-parallel module, its scope: the input its parent's call converted last
+    for parent, names in shared_input_scopes(plan).items():
+        scope: dict = {}
+        scopes.update(dict.fromkeys(names, scope))
+        if parent in modules:
+            handles.append(modules[parent].register_forward_hook(lambda *_args, scope=scope: scope.clear(),
+                                                                 always_call=True))
 
-    def set_input(variants: tuple[str, ...], kind: str | None = None):
+    def set_input(variants: tuple[str, ...], kind: str | None = None, scope: dict | None = None):
         def hook(_module, args):
-            if kind is not None:
+            shared = scope is not None and args and scope.get("source") is args[0] \
+                and scope["version"] == args[0]._version
+            if kind is not None and not shared:
                 boundary(kind)
+                if scope is not None and args:
+                    scope.update(source=args[0], version=args[0]._version)
             if not args:
                 return None
             with ops.pause():
@@ -66,12 +80,12 @@ def dtensor_styles(model: nn.Module, plan: AxisPlan, paths: DTensorPaths, ops: O
                 return paths.alias(out, variants)
         return hook
 
-    for name, module in model.named_modules():
+    for name, module in modules.items():
         split = plan.splits.get(name)
         embedding = isinstance(module, nn.Embedding)
         if split is not None:
             handles.append(module.register_forward_pre_hook(set_input(
-                DTENSOR_VARIANTS, COLWISE if split.kind == COLWISE else None)))
+                DTENSOR_VARIANTS, COLWISE if split.kind == COLWISE else None, scopes.get(name))))
             local = split.kind in (COLWISE, DTENSOR) or (split.kind != ROWWISE and not embedding)
             handles.append(module.register_forward_hook(set_output(
                 () if local else ("sp",), ROWWISE if split.kind == ROWWISE else None)))

@@ -50,7 +50,15 @@ from torch.utils.flop_counter import FlopCounterMode
 from ..families import Family
 from ..families.modules import is_linear, is_norm
 from ..families.on_meta import swapped
-from .counters import EXTRA_FLOPS, FUSED_ATTENTION, Births, DTensorPaths, OpCounter, saved_storages
+from .counters import (
+    ATTENTION_CORE,
+    EXTRA_FLOPS,
+    FUSED_ATTENTION,
+    Births,
+    DTensorPaths,
+    OpCounter,
+    saved_storages,
+)
 from .dtensor_styles import DTENSOR_VARIANTS, distributed_parameters, dtensor_styles
 from .one_rank import one_rank, sliced_parameters
 from .tensor_parallel import COLWISE, ROWWISE, AxisPlan, aliases
@@ -81,7 +89,7 @@ class Tally:
     unsaved, of what earlier blocks made unsaved (its input), of what the embedding part made unsaved
     (its output); ``so_far``: the bytes it saved so far, each storage where first saved; ``freed``: what
     selective recompute frees of it: the bytes made and saved inside its attention modules less those their
-    projections made (the policy keeps them)."""
+    projections made before the core (the policy keeps them)."""
 
     params: int = 0
     param_bytes: int = 0
@@ -233,7 +241,8 @@ class _Recorder:
         self.passed_block = False
         self.counted = 0.0
         self.owner: dict[str, str] = {}
-        self.births = Births(self.part, dtype, self.alive, self.zone)
+        self.births = Births(self.part, dtype, self.after, self.zone)
+        self.past_core = False  # in an attention module, its core has run
         self.first_saved: set[int] = set()
 
     def part(self) -> str:
@@ -266,6 +275,8 @@ class _Recorder:
     def enter(self, name: str, module: nn.Module) -> None:
         self.book_flops()
         self.stack.append(name)
+        if name in self.scopes.attentions:
+            self.past_core = False
         part = self.part()
         prefix = f"{name}." if name else ""
         for pname, _ in module.named_parameters(recurse=False):
@@ -304,11 +315,18 @@ class _Recorder:
                 tally.freed[1] += other
 
     def zone(self) -> str:
-        """``projection`` inside a Linear layer of an attention module (what selective recompute's policy saves),
-        ``attention`` elsewhere in one, else ``""``."""
+        """``projection`` inside a Linear layer of an attention module before its core (what selective recompute's
+        policy saves), ``attention`` elsewhere in one (its core, its output projection), else ``""``."""
         if not any(name in self.scopes.attentions for name in self.stack):
             return ""
-        return "projection" if any(is_linear(self.scopes.modules[name]) for name in self.stack) else "attention"
+        inside = any(is_linear(self.scopes.modules[name]) for name in self.stack)
+        return "projection" if inside and not self.past_core else "attention"
+
+    def after(self, op: Any) -> None:
+        """After each operator: an attention's core seen (:data:`ATTENTION_CORE`), the bytes alive (:meth:`alive`)."""
+        if op.overloadpacket in ATTENTION_CORE:
+            self.past_core = True
+        self.alive()
 
     def alive(self) -> None:
         """After each operator in a block: its :attr:`Tally.ahead` if more bytes are alive than before."""
@@ -427,7 +445,7 @@ def _forward(model: nn.Module, family: Family, blocks: list[str], seq_len: int, 
 @contextmanager
 def _reduced_out_of_place(model: nn.Module, plan: AxisPlan, bridge: Callable[[], Any]) -> Iterator[None]:
     """A row-parallel output reduced as torch's styles reduce it: out of place (a functional all-reduce's
-    output, alive beside its input until that is dropped; selective recompute's policy keeps both)."""
+    output, alive beside its input until that is dropped)."""
     def reduced(_module: nn.Module, _args: Any, out: Any) -> Any:
         with bridge():
             return out.clone() if isinstance(out, torch.Tensor) else out

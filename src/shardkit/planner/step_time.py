@@ -32,8 +32,9 @@ are consecutive and fit in one, else across nodes:
   stages compute than there are cores (:func:`_shared_bubble`);
 - ``tp``: per block, as counted by the analysis, an all-reduce of the block's hidden states
   backward for each column-parallel layer's input (the gradient of a replicated input) and
-  forward for each row-parallel layer's output (Megatron's fused QKV: 2 and 2; separate q, k, v
-  projections: 4 and 2); under Megatron SP an all-gather forward and a reduce-scatter backward
+  forward for each row-parallel layer's output (an input counted once for the layers reading it,
+  which share its conversion in the runtime: 2 and 2 with Megatron's fused QKV and with separate
+  q, k, v projections alike); under Megatron SP an all-gather forward and a reduce-scatter backward
   for each input, the reverse for each output; full recompute runs the forward's again; plus the
   head's gathered logits, not overlapped;
 - ``dp`` / ``fsdp``: gradient all-reduce over every data rank (``dp``, ``sp`` and ``ep``: context

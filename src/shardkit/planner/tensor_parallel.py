@@ -355,5 +355,23 @@ def _sequence_parallel(model: nn.Module, splits: dict[str, ModuleSplit], attenti
     return {"norms": tuple(norms), "embeddings": tuple(embeddings), "gathers": tuple(gathers), **extras}, problems
 
 
+def shared_input_scopes(plan: AxisPlan) -> dict[str, tuple[str, ...]]:
+    """The column-parallel modules that share the conversion of a tensor they read, by the module they run
+    in (their parent: q, k and v in their attention, gate and up in their MLP). In one call of the parent,
+    a tensor its column-parallel modules read is converted once, by the first (under Megatron SP one
+    all-gather, without SP one DTensor whose summed gradient is reduced once): torch's ``ColwiseParallel``
+    converts per module. Modules under different parents convert their input each.
+
+    >>> splits = {n: ModuleSplit(n, COLWISE, {"weight": 0}) for n in ("attn.q_proj", "attn.k_proj", "head")}
+    >>> shared_input_scopes(AxisPlan("tp", 2, splits))
+    {'attn': ('attn.q_proj', 'attn.k_proj'), '': ('head',)}
+    """
+    scopes: dict[str, list[str]] = {}
+    for name, split in plan.splits.items():
+        if split.kind == COLWISE:
+            scopes.setdefault(name.rpartition(".")[0], []).append(name)
+    return {parent: tuple(names) for parent, names in scopes.items()}
+
+
 __all__ = ["AxisPlan", "ModuleSplit", "aliases", "axis_problems", "head_count_problems", "plan_axis",
-           "tensor_parallel_problems"]
+           "shared_input_scopes", "tensor_parallel_problems"]

@@ -5,7 +5,7 @@
   what its gradients need.
 - ``"selective"`` (Korthikanti et al. 2022): torch's selective checkpointing
   (``create_selective_checkpoint_contexts``) on each block's attention module, with a policy
-  that saves what its Linear projections compute and recomputes the rest: the attention
+  that saves what its Linear projections compute before the core and recomputes the rest: the attention
   core (QK^T, softmax, dropout, attention x V: SDPA, transformers' eager or sdpa functions,
   ring attention under context parallel, and the reshapes and rotary embedding around it).
   The rest of the block keeps its activations as without recompute. Only the attention
@@ -50,26 +50,41 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from ..families.modules import is_linear
 from ..plan import PlanError, UsageError
 from ..plan.plan import RECOMPUTE
+from ..planner.counters import ATTENTION_CORE
 from ..planner.model_checks import recompute_problems, recompute_targets
 
 
 class _Projections:
-    """The selective policy: an op inside an attention module's projections is saved, any other
-    op of the attention module (its core) is recomputed. ``decisions`` counts what the policy
-    chose in forwards, per op (``("recompute" | "save", op name)``): what a backward recomputes."""
+    """The selective policy: an op inside an attention module's projections before its core is
+    saved, any other op of the attention module (the core, and the output projection after it)
+    is recomputed. The core is where an :data:`~shardkit.planner.counters.ATTENTION_CORE` operator
+    runs; what the output projection computes (under tensor parallel its partial sums and their
+    all-reduce) no backward operator reads, so keeping it would hold more than no recompute does.
+    It is not run again either: torch's checkpoint stops recomputing once the last tensor the
+    backward reads is rebuilt (the output projection's input). ``decisions`` counts what the
+    policy chose, per op (``("recompute" | "save", op name)``)."""
 
     def __init__(self) -> None:
         self.depth = 0
+        self.past_core = False
         self.decisions: Counter = Counter()
 
     def policy(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        save = self.depth > 0 and not op.is_view  # a saved view would keep its base (the core's output) alive
+        if op.overloadpacket in ATTENTION_CORE:
+            self.past_core = True
+        # a saved view would keep its base (the core's output) alive
+        save = self.depth > 0 and not self.past_core and not op.is_view
         self.decisions["save" if save else "recompute", str(op)] += 1
         return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
 
-    def watch(self, projection: nn.Module) -> None:
-        """Count ``projection``'s forwards: entered first (before torch's tensor-parallel input
-        hooks) and left last, so a projection's communication is saved with it, never redone."""
+    def watch(self, attention: nn.Module) -> None:
+        """Count the forwards of ``attention``'s projections (its Linear layers): entered first
+        (before torch's tensor-parallel input hooks) and left last, so a projection's communication
+        is saved with it, never redone; and start each forward of ``attention`` before its core
+        (in the forward and in the backward's recompute alike: their decisions must agree)."""
+
+        def start(_m: nn.Module, _args: Any) -> None:
+            self.past_core = False
 
         def enter(_m: nn.Module, _args: Any) -> None:
             self.depth += 1
@@ -77,8 +92,11 @@ class _Projections:
         def leave(_m: nn.Module, _args: Any, _out: Any) -> None:
             self.depth -= 1
 
-        projection.register_forward_pre_hook(enter, prepend=True)
-        projection.register_forward_hook(leave, always_call=True)
+        attention.register_forward_pre_hook(start, prepend=True)
+        for projection in attention.modules():
+            if is_linear(projection):
+                projection.register_forward_pre_hook(enter, prepend=True)
+                projection.register_forward_hook(leave, always_call=True)
 
 
 @dataclass(frozen=True)
@@ -111,9 +129,7 @@ def apply_recompute(module: nn.Module, mode: str, blocks: tuple[str, ...],
         policy = _Projections()
         context_fn = functools.partial(create_selective_checkpoint_contexts, policy.policy)
         for name in targets:
-            for sub in held[name].modules():
-                if is_linear(sub):
-                    policy.watch(sub)
+            policy.watch(held[name])
             checkpoint(held[name], context_fn=context_fn)
     if "use_cache" in inspect.signature(module.forward).parameters:
         module.register_forward_pre_hook(_no_kv_cache, with_kwargs=True)

@@ -55,12 +55,66 @@ from torch.distributed.tensor.parallel import (
 
 from ..families.modules import is_conv1d, linear_dims
 from ..plan import UsageError
-from ..planner.tensor_parallel import COLWISE, DTENSOR, ROWWISE, VOCAB, AxisPlan, ModuleSplit
+from ..planner.tensor_parallel import (
+    COLWISE,
+    DTENSOR,
+    ROWWISE,
+    VOCAB,
+    AxisPlan,
+    ModuleSplit,
+    shared_input_scopes,
+)
 from .split_params import apply_split_params
 
 SEQUENCE_DIM = 1
 #: ``{parameter name: (dim, permutation)}``: ``permuted.index_select(dim, argsort(permutation))`` is the original.
 Permutations = dict[str, tuple[int, torch.Tensor]]
+
+
+class _SharedInput:
+    """Mixin for ``ColwiseParallel``: the column-parallel modules reading one tensor in a call of their
+    parent (q, k and v of one norm's output; gate and up) share one conversion of it, as Megatron's do
+    (:func:`~shardkit.planner.tensor_parallel.shared_input_scopes`).
+
+    torch converts per module: each makes its own DTensor of the input, so without SP the backward
+    all-reduces the input's gradient once per module (three times for q, k, v) instead of once for
+    their sum, and under SP each all-gathers the same sequence shards and keeps its own gathered copy
+    for its backward (three whole-sequence inputs held where one is read). Here the first module's
+    conversion is kept in its scope (``_sk_input_scope``, emptied when the parent's forward ends: the
+    conversion of a replicated input is a view of it, so keeping it on the tensor itself would make a
+    cycle only the garbage collector frees) and a later module given the same tensor, unchanged (its
+    version), takes it: one all-gather forward, one reduction of the summed gradient backward. A
+    scope keeps one tensor, the last converted. A recompute in the backward runs the parent again and
+    converts anew, as the forward did: torch's selective checkpointing hands its saved outputs back
+    by each operator's count, so the recompute must run the forward's operators."""
+
+    @staticmethod
+    def _prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh):
+        source, scope = inputs[0], getattr(mod, "_sk_input_scope", None)
+        if scope is not None and scope.get("source") is source and scope["version"] == source._version \
+                and scope["mesh"] is device_mesh and scope["layouts"] == input_layouts:
+            return scope["converted"]
+        converted = ColwiseParallel._prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh)
+        if scope is not None:
+            scope.update(source=source, version=source._version, mesh=device_mesh, layouts=input_layouts,
+                         converted=converted)
+        return converted
+
+
+def _share_inputs(model: nn.Module, plan: AxisPlan) -> None:
+    """One scope per parent of column-parallel modules (:class:`_SharedInput`), emptied when its forward ends."""
+    modules = dict(model.named_modules())
+    for parent, names in shared_input_scopes(plan).items():
+        if parent not in modules or not all(name in modules for name in names):
+            continue  # a pipeline stage without them: each module converts its own input
+        scope: dict[str, Any] = {}
+        for name in names:
+            modules[name]._sk_input_scope = scope
+        modules[parent].register_forward_hook(lambda *_args, scope=scope: scope.clear(), always_call=True)
+
+
+class _SharedInputColwise(_SharedInput, ColwiseParallel):
+    """``ColwiseParallel`` whose layers share the conversion of an input they all read (:class:`_SharedInput`)."""
 
 
 class _Conv1DStyle:
@@ -86,7 +140,7 @@ class _Conv1DStyle:
         )
 
 
-class _Conv1DColwise(_Conv1DStyle, ColwiseParallel):
+class _Conv1DColwise(_Conv1DStyle, _SharedInput, ColwiseParallel):
     """Column-parallel Conv1D: weight split on dim 1 (its output), bias on dim 0."""
 
     placements = {"weight": Shard(1), "bias": Shard(0)}
@@ -155,7 +209,7 @@ def _style(split: ModuleSplit, module: nn.Module, sequence_parallel: bool) -> Pa
         kwargs: dict[str, Any] = {"output_layouts": Replicate() if split.gather_output else Shard(-1)}
         if sequence_parallel:
             kwargs["input_layouts"] = seq
-        return (_Conv1DColwise if is_conv1d(module) else ColwiseParallel)(**kwargs)
+        return (_Conv1DColwise if is_conv1d(module) else _SharedInputColwise)(**kwargs)
     if split.kind == ROWWISE:
         kwargs = {"input_layouts": Replicate() if split.replicated_input else Shard(-1)}
         if sequence_parallel:
@@ -254,6 +308,7 @@ def apply_tensor_parallel(model: nn.Module, plan: AxisPlan, mesh: DeviceMesh) ->
     styles = tensor_parallel_styles(model, plan)
     if styles:
         parallelize_module(model, mesh, styles)
+        _share_inputs(model, plan)
     modules = dict(model.named_modules())
     for name, split in plan.splits.items():
         if split.copy_output and name in modules:
