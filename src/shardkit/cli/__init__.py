@@ -20,10 +20,8 @@ from .options import OneLineParser
 #: Sub-command modules; each defines ``register(subparsers)`` which sets ``func`` on its parser.
 COMMANDS = ("train", "explain", "plan", "replicas", "data", "checkpoint", "calibrate", "generate", "serve")
 #: Sub-commands that leave no process running and no file open when they return: as the program,
-#: they end without the interpreter's teardown (:func:`exit_now`). ``serve`` among them: its world is
-#: stopped before it returns, and Ctrl-C must end it at once (a suite under load once saw a served
-#: process outlive Ctrl-C by 30 s, not reproduced since; the teardown is the one wait left after its world stops).
-EXIT_AT_ONCE = ("explain", "plan", "serve")
+#: they end without the interpreter's teardown (:func:`exit_now`).
+EXIT_AT_ONCE = ("explain", "plan")
 
 
 def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
