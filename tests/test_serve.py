@@ -93,6 +93,13 @@ def _sockets(pid: int) -> set[str]:
     return found
 
 
+def _as_in_a_terminal() -> None:
+    """The server starts with SIGINT's default action, as a command typed in a terminal does: a suite
+    started in the background (bash ignores SIGINT in asynchronous commands) would hand it on ignored, and
+    the Ctrl-C test then waited out its 30 s."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Served:
     """A ``shardkit serve`` process, started and waited for until it listens."""
 
@@ -102,7 +109,7 @@ class Served:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "shardkit", "serve", "--model", model, weights, str(folder), "--mesh", mesh,
              "--port", "0", *flags], stdout=subprocess.PIPE, stderr=self.stderr_path.open("w"), text=True,
-            start_new_session=True)
+            start_new_session=True, preexec_fn=_as_in_a_terminal)
         deadline = time.monotonic() + STARTUP_S
         self.url = None
         while self.url is None:

@@ -1,14 +1,17 @@
 """Where a tensor-parallel rank's tensors are DTensors, marked on the planner's stand-ins
 (:mod:`shardkit.planner.measure`): the parameters torch's styles distribute and the inputs and
 outputs its hooks turn into DTensors and back, with and without Megatron SP, so that
-:class:`~shardkit.planner.counters.DTensorPaths` follows the operators a rank runs on DTensors.
+:class:`~shardkit.planner.counters.DTensorPaths` follows the operators a rank runs on DTensors; and a
+row-parallel output reduced out of place, as torch's styles reduce it (:func:`reduced_out_of_place`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from typing import Any
 
+import torch
 from torch import nn
 
 from ..families.modules import is_norm
@@ -100,4 +103,21 @@ def dtensor_styles(model: nn.Module, plan: AxisPlan, paths: DTensorPaths, ops: O
             handle.remove()
 
 
-__all__ = ["DTENSOR_VARIANTS", "distributed_parameters", "dtensor_styles"]
+@contextmanager
+def reduced_out_of_place(model: nn.Module, plan: AxisPlan, bridge: Callable[[], Any]) -> Iterator[None]:
+    """A row-parallel output reduced as torch's styles reduce it: out of place (a functional all-reduce's
+    output, alive beside its input until that is dropped)."""
+    def reduced(_module: nn.Module, _args: Any, out: Any) -> Any:
+        with bridge():
+            return out.clone() if isinstance(out, torch.Tensor) else out
+
+    handles = [model.get_submodule(split.name).register_forward_hook(reduced) for split in plan.splits.values()
+               if split.kind == ROWWISE]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+__all__ = ["DTENSOR_VARIANTS", "distributed_parameters", "dtensor_styles", "reduced_out_of_place"]

@@ -37,7 +37,7 @@ saved tensors and their dtypes. Each pass also keeps what full recompute holds r
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,7 +59,12 @@ from .counters import (
     OpCounter,
     saved_storages,
 )
-from .dtensor_styles import DTENSOR_VARIANTS, distributed_parameters, dtensor_styles
+from .dtensor_styles import (
+    DTENSOR_VARIANTS,
+    distributed_parameters,
+    dtensor_styles,
+    reduced_out_of_place,
+)
 from .one_rank import one_rank, sliced_parameters
 from .tensor_parallel import COLWISE, ROWWISE, AxisPlan, aliases
 
@@ -415,7 +420,7 @@ def _forward(model: nn.Module, family: Family, blocks: list[str], seq_len: int, 
         stack.enter_context(one_rank(model, [plan] if plan is not None else [], local_weights=True,
                                      bridge=ops.pause))
         if plan is not None:
-            stack.enter_context(_reduced_out_of_place(model, plan, ops.pause))
+            stack.enter_context(reduced_out_of_place(model, plan, ops.pause))
         if plan is not None and counting:
             stack.enter_context(dtensor_styles(model, plan, paths, ops, recorder.book_boundary))
         stack.enter_context(recorder.hooks())
@@ -440,23 +445,6 @@ def _forward(model: nn.Module, family: Family, blocks: list[str], seq_len: int, 
     fused = any(op in counter.flop_counts["Global"] for op in FUSED_ATTENTION)
     quadratic = not fused and any(t.flops.get("attention_core") for t in recorder.parts.values())
     return Measurement(dict(recorder.parts), len(blocks), dtype, quadratic, fused)
-
-
-@contextmanager
-def _reduced_out_of_place(model: nn.Module, plan: AxisPlan, bridge: Callable[[], Any]) -> Iterator[None]:
-    """A row-parallel output reduced as torch's styles reduce it: out of place (a functional all-reduce's
-    output, alive beside its input until that is dropped)."""
-    def reduced(_module: nn.Module, _args: Any, out: Any) -> Any:
-        with bridge():
-            return out.clone() if isinstance(out, torch.Tensor) else out
-
-    handles = [model.get_submodule(split.name).register_forward_hook(reduced) for split in plan.splits.values()
-               if split.kind == ROWWISE]
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 __all__ = ["COMPONENTS", "HALF", "Measurement", "Piece", "Tally", "block_names", "first_blocks", "measure"]
