@@ -54,6 +54,15 @@ FUSED_ATTENTION = (_aten._scaled_dot_product_flash_attention_for_cpu, _aten._sca
 #: recompute need not keep: no operator of the backward reads it.
 ATTENTION_CORE = (*FUSED_ATTENTION, _aten._scaled_dot_product_fused_attention_overrideable, _aten._softmax,
                   _aten._safe_softmax)
+
+
+def costly(op: Any) -> bool:
+    """A matrix product (an operator whose FLOPs are counted) or a collective: what selective recompute keeps of
+    what an attention's projections compute rather than run it again. The rest they run (a Megatron SP gather's
+    concatenation of the pieces, a view) is recomputed from it: keeping both a collective's output and its copy
+    held one more whole-sequence input than no recompute does."""
+    packet = op.overloadpacket
+    return packet in flop_registry or packet in EXTRA_FLOPS or op.namespace == "_c10d_functional"
 #: Operators that launch no kernel, besides views (``OpOverload.is_view``: view, t, transpose,
 #: expand, permute, slice, select, split, (un)squeeze, detach, alias, as_strided, lift_fresh):
 #: views whose schema declares no alias, allocations without a fill, metadata queries.
@@ -250,7 +259,7 @@ class Births(TorchDispatchMode):
     view, no in-place result), each dropped when its storage dies; ``other[place]``: of which
     those of tensors in another dtype than ``dtype``; ``unsaved[place]``: ``[bytes, of which in
     another dtype]`` of those autograd has not saved (:meth:`saved`); ``made[place, zone]``: ``[bytes, of
-    which in another dtype]`` of all made while ``zone()`` named ``zone`` too, dead or alive. ``after(operator)``
+    which in another dtype]`` of all made while ``zone(operator)`` named ``zone`` too, dead or alive. ``after(operator)``
     is called after each operator.
 
     >>> births = Births(lambda: "here", torch.float32)
@@ -261,7 +270,7 @@ class Births(TorchDispatchMode):
     """
 
     def __init__(self, where: Callable[[], str], dtype: torch.dtype, after: Callable[[Any], None] = lambda _op: None,
-                 zone: Callable[[], str] = lambda: ""):
+                 zone: Callable[[Any], str] = lambda _op: ""):
         super().__init__()
         self.where, self.dtype, self.after, self.zone = where, dtype, after, zone
         self.made: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
@@ -278,7 +287,7 @@ class Births(TorchDispatchMode):
                 continue
             known.add(_storage(tensor))
             storage = tensor.untyped_storage()
-            record = [self.where(), storage.nbytes(), tensor.dtype != self.dtype, False, self.zone()]
+            record = [self.where(), storage.nbytes(), tensor.dtype != self.dtype, False, self.zone(func)]
             self._made[storage._cdata] = record
             made = self.made[record[0], record[4]]
             made[0] += record[1]
@@ -313,4 +322,4 @@ class Births(TorchDispatchMode):
             self.unsaved[place][1] += sign * nbytes * other
 
 
-__all__ = ["ATTENTION_CORE", "EXTRA_FLOPS", "FUSED_ATTENTION", "Births", "DTensorPaths", "OpCounter", "saved_storages"]
+__all__ = ["ATTENTION_CORE", "EXTRA_FLOPS", "FUSED_ATTENTION", "Births", "DTensorPaths", "OpCounter", "costly", "saved_storages"]

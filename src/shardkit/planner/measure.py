@@ -3,20 +3,17 @@ operator calls and the memory traffic of the non-matmul operators, per part (bef
 each block, after them), with no memory used.
 
 torch does the counting: :class:`~torch.utils.flop_counter.FlopCounterMode` counts FLOPs (matrix
-products, convolutions, attention kernels; elementwise ops count 0),
-:func:`torch.autograd.graph.saved_tensors_hooks` sees every tensor autograd saves for backward,
-and a :class:`~torch.utils._python_dispatch.TorchDispatchMode` sees every ATen operator called
-(after autograd's decompositions: what a device would launch). What shardkit adds is the
-attribution: forward hooks on every module keep the stack of modules running, which says the part
-and the component of each FLOP, saved tensor and operator call; and the rule of what an operator
-costs (:class:`~shardkit.planner.counters.OpCounter`), since torch has no counter of kernel launches or bytes moved.
+products, convolutions, attention kernels; elementwise ops count 0), saved-tensor hooks see every
+tensor autograd saves, a :class:`~torch.utils._python_dispatch.TorchDispatchMode` every ATen operator
+called (what a device would launch). What shardkit adds is the attribution: forward hooks on every
+module keep the stack of modules running, which says the part and the component of each FLOP, saved
+tensor and operator call; and what an operator costs (:class:`~shardkit.planner.counters.OpCounter`).
 
-The forward runs on :class:`~torch._subclasses.fake_tensor.FakeTensorMode` tensors on the CPU
-device, not on meta tensors: torch picks attention kernels by device, and on meta
-``scaled_dot_product_attention`` runs its math path, which saves the ``[heads, seq, seq]``
-probabilities, while CPU and GPU run a flash kernel that saves only the output and its log-sum-exp.
-Fake CPU tensors dispatch as CPU tensors do, with shapes only. torch's counter has no formula for
-the CPU flash kernel, so it is given the one torch uses for the GPU flash kernel.
+The forward runs on :class:`~torch._subclasses.fake_tensor.FakeTensorMode` CPU tensors (shapes only),
+not on meta ones: torch picks attention kernels by device, and on meta ``scaled_dot_product_attention``
+runs its math path, which saves the ``[heads, seq, seq]`` probabilities, where CPU and GPU run a flash
+kernel saving its output and log-sum-exp (given the GPU flash kernel's FLOP formula, which torch lacks
+for the CPU one).
 
 A tensor-parallel rank is measured at its local shapes (:mod:`shardkit.planner.one_rank`, the one
 simulation of what a rank sees): split parameters get local stand-ins, the family's attribute
@@ -57,6 +54,7 @@ from .counters import (
     Births,
     DTensorPaths,
     OpCounter,
+    costly,
     saved_storages,
 )
 from .dtensor_styles import (
@@ -315,22 +313,24 @@ class _Recorder:
             made, other = self.births.saved(key), nbytes * (dtype != self.births.dtype)
             tally.so_far[0] += nbytes
             tally.so_far[1] += other
-            if made is not None and made[1] and self.zone():  # made and saved in an attention: selective recomputes it
+            if made is not None and made[1] and self.in_attention():  # made and saved in one: selective recomputes it
                 tally.freed[0] += nbytes
                 tally.freed[1] += other
 
-    def zone(self) -> str:
-        """``projection`` inside a Linear layer of an attention module before its core (what selective recompute's
-        policy saves), ``attention`` elsewhere in one (its core, its output projection), else ``""``."""
-        if not any(name in self.scopes.attentions for name in self.stack):
+    def zone(self, op: Any) -> str:
+        """``projection``: ``op`` is what selective recompute keeps (:func:`~.counters.costly`, in an attention's Linear
+        layer before its core); ``attention`` elsewhere in an attention, else ``""``."""
+        if not self.in_attention():
             return ""
-        inside = any(is_linear(self.scopes.modules[name]) for name in self.stack)
-        return "projection" if inside and not self.past_core else "attention"
+        inside = any(is_linear(self.scopes.modules[name]) for name in self.stack) and not self.past_core
+        return "projection" if inside and costly(op) else "attention"
+
+    def in_attention(self) -> bool:
+        return any(name in self.scopes.attentions for name in self.stack)
 
     def after(self, op: Any) -> None:
         """After each operator: an attention's core seen (:data:`ATTENTION_CORE`), the bytes alive (:meth:`alive`)."""
-        if op.overloadpacket in ATTENTION_CORE:
-            self.past_core = True
+        self.past_core = self.past_core or op.overloadpacket in ATTENTION_CORE
         self.alive()
 
     def alive(self) -> None:

@@ -36,7 +36,7 @@ from ..plan import LayoutMap, PlanError
 #: The version of what the planner measures and stores: bump it with any change to the analysis
 #: (``analysis.py``, ``measure.py``, ``counters.py``, ``one_rank.py``), to what ``sk.validate``
 #: refuses of a searched plan or to the experts found, then run ``make shipped``.
-MEASUREMENT = 5
+MEASUREMENT = 6
 #: Where the files live: one per catalogue model.
 FOLDER = Path(__file__).with_name("shipped")
 #: Returned by :func:`shipped_value` when the files hold no valid entry (``None`` is a value).

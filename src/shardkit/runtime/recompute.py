@@ -50,14 +50,14 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from ..families.modules import is_linear
 from ..plan import PlanError, UsageError
 from ..plan.plan import RECOMPUTE
-from ..planner.counters import ATTENTION_CORE
+from ..planner.counters import ATTENTION_CORE, costly
 from ..planner.model_checks import recompute_problems, recompute_targets
 
 
 class _Projections:
-    """The selective policy: an op inside an attention module's projections before its core is
-    saved, any other op of the attention module (the core, and the output projection after it)
-    is recomputed. The core is where an :data:`~shardkit.planner.counters.ATTENTION_CORE` operator
+    """The selective policy: a matrix product or collective (:func:`~shardkit.planner.counters.costly`)
+    inside an attention module's projections before its core is saved, any other op of the attention
+    module (the core, the output projection after it, a projection's copies) is recomputed. The core is where an :data:`~shardkit.planner.counters.ATTENTION_CORE` operator
     runs; what the output projection computes (under tensor parallel its partial sums and their
     all-reduce) no backward operator reads, so keeping it would hold more than no recompute does.
     It is not run again either: torch's checkpoint stops recomputing once the last tensor the
@@ -72,8 +72,8 @@ class _Projections:
     def policy(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         if op.overloadpacket in ATTENTION_CORE:
             self.past_core = True
-        # a saved view would keep its base (the core's output) alive
-        save = self.depth > 0 and not self.past_core and not op.is_view
+        # a saved view would keep its base alive; a copy is made again from what is kept
+        save = self.depth > 0 and not self.past_core and not op.is_view and costly(op)
         self.decisions["save" if save else "recompute", str(op)] += 1
         return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
 
