@@ -63,6 +63,8 @@ def costly(op: Any) -> bool:
     held one more whole-sequence input than no recompute does."""
     packet = op.overloadpacket
     return packet in flop_registry or packet in EXTRA_FLOPS or op.namespace == "_c10d_functional"
+
+
 #: Operators that launch no kernel, besides views (``OpOverload.is_view``: view, t, transpose,
 #: expand, permute, slice, select, split, (un)squeeze, detach, alias, as_strided, lift_fresh):
 #: views whose schema declares no alias, allocations without a fill, metadata queries.
@@ -322,4 +324,5 @@ class Births(TorchDispatchMode):
             self.unsaved[place][1] += sign * nbytes * other
 
 
-__all__ = ["ATTENTION_CORE", "EXTRA_FLOPS", "FUSED_ATTENTION", "Births", "DTensorPaths", "OpCounter", "costly", "saved_storages"]
+__all__ = ["ATTENTION_CORE", "EXTRA_FLOPS", "FUSED_ATTENTION", "Births", "DTensorPaths", "OpCounter", "costly",
+           "saved_storages"]

@@ -5,9 +5,10 @@
   what its gradients need.
 - ``"selective"`` (Korthikanti et al. 2022): torch's selective checkpointing
   (``create_selective_checkpoint_contexts``) on each block's attention module, with a policy
-  that saves what its Linear projections compute before the core and recomputes the rest: the attention
-  core (QK^T, softmax, dropout, attention x V: SDPA, transformers' eager or sdpa functions,
-  ring attention under context parallel, and the reshapes and rotary embedding around it).
+  that saves the matrix products and collectives its Linear projections run before the core and
+  recomputes the rest: the attention core (QK^T, softmax, dropout, attention x V: SDPA,
+  transformers' eager or sdpa functions, ring attention under context parallel, and the reshapes
+  and rotary embedding around it) and the output projection after it.
   The rest of the block keeps its activations as without recompute. Only the attention
   module is checkpointed because a policy that saves an op's output keeps it whether or not
   the backward needs it (torch's ``CheckpointPolicy`` notes it): saving every op of a block
@@ -57,12 +58,13 @@ from ..planner.model_checks import recompute_problems, recompute_targets
 class _Projections:
     """The selective policy: a matrix product or collective (:func:`~shardkit.planner.counters.costly`)
     inside an attention module's projections before its core is saved, any other op of the attention
-    module (the core, the output projection after it, a projection's copies) is recomputed. The core is where an :data:`~shardkit.planner.counters.ATTENTION_CORE` operator
-    runs; what the output projection computes (under tensor parallel its partial sums and their
-    all-reduce) no backward operator reads, so keeping it would hold more than no recompute does.
-    It is not run again either: torch's checkpoint stops recomputing once the last tensor the
-    backward reads is rebuilt (the output projection's input). ``decisions`` counts what the
-    policy chose, per op (``("recompute" | "save", op name)``)."""
+    module (the core, the output projection after it, a projection's copies) is recomputed. The core
+    is where an :data:`~shardkit.planner.counters.ATTENTION_CORE` operator runs; what the output
+    projection computes (under tensor parallel its partial sums and their all-reduce) no backward
+    operator reads, so keeping it would hold more than no recompute does. It is not run again
+    either: torch's checkpoint stops recomputing once the last tensor the backward reads is rebuilt
+    (the output projection's input). ``decisions`` counts what the policy chose in forwards, per op
+    (``("recompute" | "save", op name)``)."""
 
     def __init__(self) -> None:
         self.depth = 0
@@ -80,8 +82,7 @@ class _Projections:
     def watch(self, attention: nn.Module) -> None:
         """Count the forwards of ``attention``'s projections (its Linear layers): entered first
         (before torch's tensor-parallel input hooks) and left last, so a projection's communication
-        is saved with it, never redone; and start each forward of ``attention`` before its core
-        (in the forward and in the backward's recompute alike: their decisions must agree)."""
+        is saved with it, never redone; and start each forward of ``attention`` before its core."""
 
         def start(_m: nn.Module, _args: Any) -> None:
             self.past_core = False
