@@ -205,6 +205,17 @@ def build_falcon():
         vocab_size=256, attention_dropout=0.0, hidden_dropout=0.0)))
 
 
+def build_falcon_one_norm():
+    """Falcon with ``parallel_attn`` and one norm: its output is read by the attention's and the MLP's
+    column-parallel layers, under two parents (each converts it: no scope spans them)."""
+    from transformers import FalconConfig, FalconForCausalLM
+
+    return _seeded(lambda: FalconForCausalLM(FalconConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=256, parallel_attn=True,
+        new_decoder_architecture=False, multi_query=False, attention_dropout=0.0, hidden_dropout=0.0,
+        attn_implementation=ATTN)))
+
+
 def build_neox():
     """GPT-NeoX: fused query_key_value packed head by head ([q k v] per head): a plain split is right."""
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM

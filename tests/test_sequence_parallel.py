@@ -7,11 +7,14 @@ import torch
 import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from model_zoo import build_falcon_one_norm
 
+from shardkit.families import family_of
 from shardkit.models.gpt import GPT_RULES, build_tiny_gpt, gpt_loss
 from shardkit.models.hf import LLAMA_RULES, build_tiny_llama, hf_loss
 from shardkit.plan import Mesh, Plan, PlanError, UsageError
 from shardkit.plan.sequence import check_sequence_length, required_multiple, sequence_problems
+from shardkit.planner.model_rules import default_rules
 from shardkit.runtime.context_parallel import enable_context_parallel
 from shardkit.runtime.ring_attention import shard_sequence
 from shardkit.runtime.verify import verify
@@ -235,3 +238,13 @@ def test_the_layers_reading_one_tensor_share_its_gather_and_its_gradients_reduct
             assert backward["reduce_scatter_tensor"][0] == inputs, backward
         else:
             assert backward["all_reduce"][0] == inputs, backward
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective"])
+def test_falcon_whose_attention_and_mlp_read_one_norm_equals_one_process_under_megatron_sp(world, recompute):
+    # the norm's output is read by column-parallel layers under two parents (the attention, the MLP)
+    model = build_falcon_one_norm()
+    plan = Plan(mesh=Mesh(tp=2), rules=default_rules(model, family_of(model)), sequence_parallel=True,
+                recompute=recompute)
+    result = verify(build_falcon_one_norm, plan, _tokens(32, batch=4), loss_fn=hf_loss, steps=2, world=world(2))
+    assert result.ok, str(result)
