@@ -16,7 +16,7 @@ from torch import nn
 
 from ..families.modules import is_norm
 from .counters import DTensorPaths, OpCounter
-from .tensor_parallel import COLWISE, DTENSOR, ROWWISE, AxisPlan, shared_input_scopes
+from .tensor_parallel import COLWISE, DTENSOR, ROWWISE, AxisPlan, InputScope, input_scopes
 
 #: The tensor-parallel runs whose DTensor operators are counted: torch's styles handing local
 #: tensors between modules (``tp``), and Megatron SP, whose residual stream, norms and their
@@ -51,24 +51,15 @@ def dtensor_styles(model: nn.Module, plan: AxisPlan, paths: DTensorPaths, ops: O
     once for the modules of one parent call reading the same tensor, which share its conversion as the
     runtime's do: :func:`~shardkit.planner.tensor_parallel.shared_input_scopes`)
     and each row-parallel output (``rowwise``: partial sums reduced)."""
-    handles = []
     modules = dict(model.named_modules())
-    scopes: dict[str, dict] = {}  # per column-parallel module, its scope: the input its parent's call converted last
-    for parent, names in shared_input_scopes(plan).items():
-        scope: dict = {}
-        scopes.update(dict.fromkeys(names, scope))
-        if parent in modules:
-            handles.append(modules[parent].register_forward_hook(lambda *_args, scope=scope: scope.clear(),
-                                                                 always_call=True))
+    scopes, handles = input_scopes(modules, plan)
 
-    def set_input(variants: tuple[str, ...], kind: str | None = None, scope: dict | None = None):
+    def set_input(variants: tuple[str, ...], kind: str | None = None, scope: InputScope | None = None):
         def hook(_module, args):
-            shared = scope is not None and args and scope.get("source") is args[0] \
-                and scope["version"] == args[0]._version
-            if kind is not None and not shared:
+            if kind is not None and not (scope is not None and args and scope.get(args[0])):
                 boundary(kind)
                 if scope is not None and args:
-                    scope.update(source=args[0], version=args[0]._version)
+                    scope.keep(args[0], True)
             if not args:
                 return None
             with ops.pause():

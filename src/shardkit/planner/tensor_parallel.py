@@ -29,8 +29,9 @@ one layout and stay tied.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from torch import nn
 
@@ -373,5 +374,50 @@ def shared_input_scopes(plan: AxisPlan) -> dict[str, tuple[str, ...]]:
     return {parent: tuple(names) for parent, names in scopes.items()}
 
 
-__all__ = ["AxisPlan", "ModuleSplit", "aliases", "axis_problems", "head_count_problems", "plan_axis",
-           "shared_input_scopes", "tensor_parallel_problems"]
+class InputScope:
+    """The last tensor the column-parallel modules of one parent call converted, and what it became
+    (:func:`shared_input_scopes`): :meth:`get` hands it to a later module given the same tensor,
+    unchanged (its version), else ``None``. Emptied when the parent's forward ends: the conversion of a
+    replicated input is a view of it, so keeping it on the tensor itself would make a cycle only the
+    garbage collector frees.
+
+    >>> import torch
+    >>> scope, x = InputScope(), torch.zeros(2)
+    >>> scope.keep(x, "converted"); scope.get(x), scope.get(torch.zeros(2))
+    ('converted', None)
+    >>> _ = x.add_(1)  # changed in place: its version moves on
+    >>> scope.get(x) is None
+    True
+    """
+
+    def __init__(self) -> None:
+        self.clear()
+
+    def clear(self, *_hook_args: object) -> None:
+        self._source: object = None
+        self._version = -1
+        self._value: object = None
+
+    def get(self, tensor: Any) -> Any:
+        return self._value if tensor is self._source and tensor._version == self._version else None
+
+    def keep(self, tensor: Any, value: Any) -> None:
+        self._source, self._version, self._value = tensor, tensor._version, value
+
+
+def input_scopes(modules: Mapping[str, nn.Module], plan: AxisPlan) -> tuple[dict[str, InputScope], list[Any]]:
+    """Per column-parallel module of ``plan`` among ``modules``, its parent's :class:`InputScope`, emptied by
+    a forward hook on the parent (returned, with ``always_call``); a parent missing from ``modules`` (a
+    pipeline stage without it) gives its modules none: each converts its own input."""
+    scopes: dict[str, InputScope] = {}
+    handles = []
+    for parent, names in shared_input_scopes(plan).items():
+        if parent in modules and all(name in modules for name in names):
+            scope = InputScope()
+            scopes.update(dict.fromkeys(names, scope))
+            handles.append(modules[parent].register_forward_hook(scope.clear, always_call=True))
+    return scopes, handles
+
+
+__all__ = ["AxisPlan", "InputScope", "ModuleSplit", "aliases", "axis_problems", "head_count_problems",
+           "input_scopes", "plan_axis", "shared_input_scopes", "tensor_parallel_problems"]

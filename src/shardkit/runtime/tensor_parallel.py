@@ -62,7 +62,7 @@ from ..planner.tensor_parallel import (
     VOCAB,
     AxisPlan,
     ModuleSplit,
-    shared_input_scopes,
+    input_scopes,
 )
 from .split_params import apply_split_params
 
@@ -80,37 +80,22 @@ class _SharedInput:
     all-reduces the input's gradient once per module (three times for q, k, v) instead of once for
     their sum, and under SP each all-gathers the same sequence shards and keeps its own gathered copy
     for its backward (three whole-sequence inputs held where one is read). Here the first module's
-    conversion is kept in its scope (``_sk_input_scope``, emptied when the parent's forward ends: the
-    conversion of a replicated input is a view of it, so keeping it on the tensor itself would make a
-    cycle only the garbage collector frees) and a later module given the same tensor, unchanged (its
-    version), takes it: one all-gather forward, one reduction of the summed gradient backward. A
-    scope keeps one tensor, the last converted. A recompute in the backward runs the parent again and
-    converts anew, as the forward did: torch's selective checkpointing hands its saved outputs back
-    by each operator's count, so the recompute must run the forward's operators."""
+    conversion is kept in its parent's :class:`~shardkit.planner.tensor_parallel.InputScope`
+    (``_sk_input_scope``) and a later module given the same tensor takes it: one all-gather forward,
+    one reduction of the summed gradient backward. A recompute in the backward runs the parent again
+    and converts anew, as the forward did: torch's selective checkpointing hands its saved outputs
+    back by each operator's count, so the recompute must run the forward's operators."""
 
     @staticmethod
     def _prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh):
-        source, scope = inputs[0], getattr(mod, "_sk_input_scope", None)
-        if scope is not None and scope.get("source") is source and scope["version"] == source._version \
-                and scope["mesh"] is device_mesh and scope["layouts"] == input_layouts:
-            return scope["converted"]
+        scope = getattr(mod, "_sk_input_scope", None)
+        kept = scope.get(inputs[0]) if scope is not None else None
+        if kept is not None and kept.device_mesh is device_mesh:
+            return kept
         converted = ColwiseParallel._prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh)
         if scope is not None:
-            scope.update(source=source, version=source._version, mesh=device_mesh, layouts=input_layouts,
-                         converted=converted)
+            scope.keep(inputs[0], converted)
         return converted
-
-
-def _share_inputs(model: nn.Module, plan: AxisPlan) -> None:
-    """One scope per parent of column-parallel modules (:class:`_SharedInput`), emptied when its forward ends."""
-    modules = dict(model.named_modules())
-    for parent, names in shared_input_scopes(plan).items():
-        if parent not in modules or not all(name in modules for name in names):
-            continue  # a pipeline stage without them: each module converts its own input
-        scope: dict[str, Any] = {}
-        for name in names:
-            modules[name]._sk_input_scope = scope
-        modules[parent].register_forward_hook(lambda *_args, scope=scope: scope.clear(), always_call=True)
 
 
 class _SharedInputColwise(_SharedInput, ColwiseParallel):
@@ -308,8 +293,9 @@ def apply_tensor_parallel(model: nn.Module, plan: AxisPlan, mesh: DeviceMesh) ->
     styles = tensor_parallel_styles(model, plan)
     if styles:
         parallelize_module(model, mesh, styles)
-        _share_inputs(model, plan)
     modules = dict(model.named_modules())
+    for name, scope in input_scopes(modules, plan)[0].items():
+        modules[name]._sk_input_scope = scope
     for name, split in plan.splits.items():
         if split.copy_output and name in modules:
             modules[name].register_forward_hook(_own_output)  # after the style's hook: a copy of its view
